@@ -1,0 +1,10 @@
+"""Collective backends, DP topology and the communication ledger."""
+from .backend import (BackendOptions, GradReduce, ParamGather, Work, available_grad_reduce,
+                      available_param_gather, build_grad_reduce, build_param_gather, register_grad_reduce,
+                      register_param_gather)
+from .ledger import CommLedger
+from .topology import Topology
+
+__all__ = ["BackendOptions", "CommLedger", "GradReduce", "ParamGather", "Topology", "Work",
+           "available_grad_reduce", "available_param_gather", "build_grad_reduce", "build_param_gather",
+           "register_grad_reduce", "register_param_gather"]

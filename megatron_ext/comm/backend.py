@@ -1,0 +1,193 @@
+"""The ODO's two collectives behind one small interface, and the registry that maps setting names to backends.
+
+[Note: contract]
+``GradReduce.reduce_scatter(bucket, out_shard)`` takes a 1-D bucket of ``P * n`` elements laid out identically on
+every rank of the DP group and writes this rank's ``n``-element shard of the *average* over the group into
+``out_shard`` (overwriting it). Averaging happens exactly once, inside the backend.
+
+``ParamGather.all_gather(shard, out_bucket)`` writes every rank's ``n``-element shard into
+``out_bucket[r*n:(r+1)*n]``; ``shard`` may alias this rank's own slice of ``out_bucket``. After ``wait()`` every
+rank holds bit-identical ``out_bucket`` contents (a lossy backend overwrites the owner's slice with the decoded
+value too).
+
+Both return a :class:`Work` whose ``wait()`` completes the operation; until then neither tensor may be touched.
+Backends choose the alignment a shard must have (``shard_alignment``, in elements); the optimizer pads buckets
+to it. Backends record every byte they send in the ledger.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from typing import Callable, ClassVar, Dict, List, Optional, Type
+
+import torch
+
+from .ledger import CommLedger
+from .topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Knobs of the quantizing backends (ignored by ``plain``)."""
+
+    quant_group_size: int = 2048     # elements per fp32 scale (qwZ, qgZ)
+    qgz_bits: int = 4                # 4 or 8
+    qgz_pipeline_stages: int = 2     # chunks of a bucket whose intra/inter-node phases are pipelined
+    bytegrad_chunk_size: int = 0     # 0: one (min, max) per all-to-all chunk
+
+    def __post_init__(self) -> None:
+        if self.quant_group_size <= 0:
+            raise ValueError(f"quant_group_size (--quant-group-size) must be > 0, got {self.quant_group_size}")
+        if self.qgz_bits not in (4, 8):
+            raise ValueError(f"qgz_bits (--qgz-bits) must be 4 or 8, got {self.qgz_bits}")
+        if self.qgz_pipeline_stages < 1:
+            raise ValueError(f"qgz_pipeline_stages must be >= 1, got {self.qgz_pipeline_stages}")
+
+
+class Work(abc.ABC):
+    """Handle of an asynchronous backend operation."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class CompletedWork(Work):
+    def wait(self) -> None:
+        return None
+
+
+class TorchWork(Work):
+    """A torch.distributed handle, optionally followed by a local epilogue run once on ``wait()``."""
+
+    def __init__(self, handle, epilogue: Optional[Callable[[], None]] = None) -> None:
+        self._handle = handle
+        self._epilogue = epilogue
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._handle is not None:
+            self._handle.wait()
+        if self._epilogue is not None:
+            self._epilogue()
+        self._done = True
+
+
+class StagedWork(Work):
+    """Several dependent phases; each phase is a callable returning the handles the next phase must wait for.
+
+    The first phase is launched at construction; ``wait()`` drives the remaining ones. Hierarchical backends use
+    this so that the first hop overlaps computation and the rest run when the result is needed.
+    """
+
+    def __init__(self, phases: List[Callable[[], List]]) -> None:
+        self._phases = list(phases)
+        self._pending: List = []
+        self._done = False
+        if self._phases:
+            self._pending = self._phases.pop(0)() or []
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        while True:
+            for h in self._pending:
+                h.wait()
+            if not self._phases:
+                break
+            self._pending = self._phases.pop(0)() or []
+        self._done = True
+
+
+class _Backend(abc.ABC):
+    name: ClassVar[str] = "?"
+
+    def __init__(self, topology: Topology, ledger: CommLedger, options: BackendOptions) -> None:
+        self.topology = topology
+        self.ledger = ledger
+        self.options = options
+
+    @property
+    def shard_alignment(self) -> int:
+        """Elements a shard length must be a multiple of."""
+        return 1
+
+    def _warn_once(self, msg: str) -> None:
+        key = (type(self).__name__, msg)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            logger.warning(msg)
+
+
+_WARNED: set = set()
+
+
+class GradReduce(_Backend):
+    @abc.abstractmethod
+    def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work: ...
+
+
+class ParamGather(_Backend):
+    @abc.abstractmethod
+    def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work: ...
+
+
+GRAD_REDUCE_BACKENDS: Dict[str, Type[GradReduce]] = {}
+PARAM_GATHER_BACKENDS: Dict[str, Type[ParamGather]] = {}
+
+
+def register_grad_reduce(name: str):
+    def deco(cls: Type[GradReduce]) -> Type[GradReduce]:
+        cls.name = name
+        GRAD_REDUCE_BACKENDS[name] = cls
+        return cls
+    return deco
+
+
+def register_param_gather(name: str):
+    def deco(cls: Type[ParamGather]) -> Type[ParamGather]:
+        cls.name = name
+        PARAM_GATHER_BACKENDS[name] = cls
+        return cls
+    return deco
+
+
+def build_grad_reduce(name: str, topology: Topology, ledger: CommLedger, options: BackendOptions) -> GradReduce:
+    _import_builtin_backends()
+    if name not in GRAD_REDUCE_BACKENDS:
+        raise ValueError(f"grad_reduce (--grad-reduce) must be one of {sorted(GRAD_REDUCE_BACKENDS)}, got {name!r}")
+    return GRAD_REDUCE_BACKENDS[name](topology, ledger, options)
+
+
+def build_param_gather(name: str, topology: Topology, ledger: CommLedger, options: BackendOptions) -> ParamGather:
+    _import_builtin_backends()
+    if name not in PARAM_GATHER_BACKENDS:
+        raise ValueError(
+            f"param_gather (--param-gather) must be one of {sorted(PARAM_GATHER_BACKENDS)}, got {name!r}")
+    return PARAM_GATHER_BACKENDS[name](topology, ledger, options)
+
+
+def available_grad_reduce() -> List[str]:
+    _import_builtin_backends()
+    return sorted(GRAD_REDUCE_BACKENDS)
+
+
+def available_param_gather() -> List[str]:
+    _import_builtin_backends()
+    return sorted(PARAM_GATHER_BACKENDS)
+
+
+def _import_builtin_backends() -> None:
+    # Importing a backend module registers it; quantized backends are optional modules added later.
+    import importlib
+
+    for mod in ("plain", "qwz", "qgz", "bytegrad"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{mod}":
+                raise

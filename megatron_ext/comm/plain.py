@@ -1,0 +1,53 @@
+"""The ``plain`` backend: torch.distributed reduce-scatter and all-gather over the whole DP group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backend import CompletedWork, GradReduce, ParamGather, TorchWork, Work, register_grad_reduce, \
+    register_param_gather
+
+
+@register_grad_reduce("plain")
+class PlainGradReduce(GradReduce):
+    def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
+        topo = self.topology
+        n = out_shard.numel()
+        if bucket.numel() != n * topo.size:
+            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {topo.size} shards of {n}")
+        if topo.size == 1:
+            out_shard.copy_(bucket)
+            return CompletedWork()
+        intra, inter = topo.peers()
+        self.ledger.record_pairwise("reduce_scatter", n * bucket.element_size(), intra, inter)
+        if out_shard.dtype == bucket.dtype:
+            target = out_shard
+        else:
+            target = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
+        handle = dist.reduce_scatter_tensor(target, bucket, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+        inv = 1.0 / topo.size
+
+        def epilogue() -> None:
+            if target is out_shard:
+                out_shard.mul_(inv)
+            else:
+                out_shard.copy_(target).mul_(inv)
+
+        return TorchWork(handle, epilogue)
+
+
+@register_param_gather("plain")
+class PlainParamGather(ParamGather):
+    def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
+        topo = self.topology
+        n = shard.numel()
+        if out_bucket.numel() != n * topo.size:
+            raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
+        if topo.size == 1:
+            if shard.data_ptr() != out_bucket.data_ptr():
+                out_bucket.copy_(shard)
+            return CompletedWork()
+        intra, inter = topo.peers()
+        self.ledger.record_pairwise("all_gather", n * shard.element_size(), intra, inter)
+        handle = dist.all_gather_into_tensor(out_bucket, shard, group=topo.group, async_op=True)
+        return TorchWork(handle)

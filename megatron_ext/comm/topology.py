@@ -1,0 +1,101 @@
+"""Topology of the data-parallel group: which ranks share a node, and the subgroups hierarchical backends use.
+
+Nodes are contiguous blocks of ``ranks_per_node`` ranks of the DP group (the layout torchrun and Slurm give).
+On one machine, a ``ranks_per_node`` smaller than the group size simulates several nodes, so every hierarchical
+path runs in tests. Subgroups are created eagerly and collectively at construction, on every rank, in the same
+order (``torch.distributed.new_group`` is itself a collective over the default group).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch.distributed as dist
+
+
+class Topology:
+    """DP group plus its node-local (``intra_group``) and cross-node (``inter_group``) subgroups."""
+
+    def __init__(self, dp_group: Optional[dist.ProcessGroup] = None, ranks_per_node: Optional[int] = None,
+                 create_subgroups: bool = True) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("megatron_ext needs torch.distributed to be initialised (init_process_group)")
+        self.group = dp_group if dp_group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.global_ranks: List[int] = dist.get_process_group_ranks(self.group)
+        if ranks_per_node is None:
+            ranks_per_node = default_ranks_per_node(self.global_ranks)
+        if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
+            raise ValueError(f"ranks_per_node (--ranks-per-node) must be a positive integer, got {ranks_per_node!r}")
+        ranks_per_node = min(ranks_per_node, self.size)
+        if self.size % ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node (--ranks-per-node)={ranks_per_node} does not divide the data-parallel size "
+                f"{self.size}: nodes must hold the same number of DP ranks")
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = self.size // ranks_per_node
+        self.node = self.rank // ranks_per_node
+        self.local_rank = self.rank % ranks_per_node
+        self._intra_group: Optional[dist.ProcessGroup] = None
+        self._inter_group: Optional[dist.ProcessGroup] = None
+        if create_subgroups:
+            self._create_subgroups()
+
+    # -- subgroups -------------------------------------------------------------------------------------
+    def _create_subgroups(self) -> None:
+        rpn, n = self.ranks_per_node, self.num_nodes
+        if n == 1:
+            self._intra_group, self._inter_group = self.group, None
+        elif rpn == 1:
+            self._intra_group, self._inter_group = None, self.group
+        else:
+            for node in range(n):
+                ranks = [self.global_ranks[node * rpn + i] for i in range(rpn)]
+                g = dist.new_group(ranks)
+                if node == self.node:
+                    self._intra_group = g
+            for local in range(rpn):
+                ranks = [self.global_ranks[node * rpn + local] for node in range(n)]
+                g = dist.new_group(ranks)
+                if local == self.local_rank:
+                    self._inter_group = g
+
+    @property
+    def intra_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks of this rank's node (None when a node holds a single rank)."""
+        return self._intra_group
+
+    @property
+    def inter_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks with this rank's local index on every node (None on a single node)."""
+        return self._inter_group
+
+    # -- link classes ----------------------------------------------------------------------------------
+    def same_node(self, group_rank: int) -> bool:
+        return group_rank // self.ranks_per_node == self.node
+
+    def peers(self) -> tuple[int, int]:
+        """(intra-node peers, inter-node peers) of this rank in the DP group."""
+        return self.ranks_per_node - 1, self.size - self.ranks_per_node
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.global_ranks[group_rank]
+
+    def __repr__(self) -> str:
+        return (f"Topology(size={self.size}, rank={self.rank}, nodes={self.num_nodes}, "
+                f"ranks_per_node={self.ranks_per_node})")
+
+
+def default_ranks_per_node(global_ranks: List[int]) -> int:
+    """DP ranks per physical node, from torchrun's LOCAL_WORLD_SIZE (one node when unset or irregular)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local_world <= 0:
+        return len(global_ranks)
+    nodes = [g // local_world for g in global_ranks]
+    counts = {n: nodes.count(n) for n in nodes}
+    per_node = set(counts.values())
+    contiguous = all(nodes[i] <= nodes[i + 1] for i in range(len(nodes) - 1))
+    if len(per_node) == 1 and contiguous:
+        return per_node.pop()
+    return len(global_ranks)

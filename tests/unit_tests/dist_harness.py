@@ -1,0 +1,117 @@
+"""Run a test body in a fresh gloo world of N CPU processes.
+
+[Note: failure and hang handling]
+Each rank runs in a spawned process with a FileStore rendezvous (no port races between concurrent tests) and a
+collective timeout, so a rank waiting on a peer that died raises instead of hanging. The parent polls the ranks;
+the first rank that fails has its traceback re-raised as the test failure and the other ranks are killed. A world
+that has not finished within ``timeout`` seconds is killed and reported with the ranks still running.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MX_TEST_COLLECTIVE_TIMEOUT", "60"))
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, kwargs: dict,
+            results: "mp.Queue", env: dict) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        out = fn(*args, **kwargs)
+        try:
+            pickle.dumps(out)
+        except Exception:
+            out = None
+        results.put(("ok", rank, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put(("err", rank, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
+                    env: dict | None = None, **kwargs: Any) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results (rank order).
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="mx_world_")
+    store_path = os.path.join(tmpdir, "store")
+    child_env = {"LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", "MX_IN_TEST_WORLD": "1"}
+    child_env.update(env or {})
+    procs = []
+    for rank in range(world_size):
+        p = ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, kwargs, results, child_env),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    outputs: dict = {}
+    deadline = time.monotonic() + timeout
+    failure = None
+    try:
+        while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                failure = f"world of {world_size} timed out after {timeout:.0f}s; ranks still running: {missing}"
+                break
+            try:
+                status, rank, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs]
+                if dead:
+                    # Give a dying rank a moment to flush its traceback to the queue.
+                    try:
+                        status, rank, payload = results.get(timeout=5.0)
+                    except queue.Empty:
+                        failure = f"rank(s) {dead} exited (code {[procs[r].exitcode for r in dead]}) without a result"
+                        break
+                else:
+                    continue
+            if status == "err":
+                failure = f"rank {rank} failed:\n{payload}"
+                break
+            outputs[rank] = payload
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        try:
+            for f in os.listdir(tmpdir):
+                os.unlink(os.path.join(tmpdir, f))
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+    if failure is not None:
+        raise DistributedTestError(failure)
+    return [outputs[r] for r in range(world_size)]
