@@ -1,0 +1,95 @@
+"""Quantization kernels for the quantized communication backends (qwZ, qgZ, ByteGrad).
+
+Every op has a torch reference (:mod:`.reference`, the specification and the CPU path) and a Triton kernel
+(:mod:`.triton_symmetric`, :mod:`.triton_minmax`), chosen per call by :mod:`.backend`. Layouts and padded sizes are
+documented in :mod:`.layout` ([Note: qgZ swizzle layout]).
+
+Codes: INT8 codes are ``torch.int8``; INT4 codes are ``torch.uint8`` bytes with two signed nibbles, the even element
+in bits 4-7. Scales are fp32, one per ``group_size`` elements: ``scale = absmax / (2^(b-1) - 1)`` (so +absmax is
+exact), 0 for an all-zero group. Codes are padded to whole groups; the last group is zero-padded.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as _ref
+from .backend import BACKENDS, select_backend, triton_available, use_backend
+from .layout import SwizzleLayout, codes_dtype, num_groups, swizzle_layout, swizzle_permutation
+
+__all__ = [
+    "quantize_symmetric", "dequantize_symmetric", "quantize_minmax_uint8", "dequantize_minmax_uint8",
+    "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce",
+    "SwizzleLayout", "swizzle_layout", "swizzle_permutation", "num_groups", "codes_dtype",
+    "use_backend", "select_backend", "triton_available", "BACKENDS",
+]
+
+
+def _impl(device_type: str):
+    if select_backend(device_type) == "triton":
+        from . import triton_ops
+        return triton_ops
+    return _ref
+
+
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise symmetric INT8/INT4 quantization of the flattened ``x`` (fp32/fp16/bf16, contiguous).
+
+    Returns ``(codes, scales)``: ``codes`` 1-D, ``ceil(numel/group_size) * group_size * bits/8`` bytes (int8 for 8 bit,
+    packed uint8 for 4 bit); ``scales`` 1-D fp32, one per group. Small groups keep outliers from flattening every
+    other value to zero (seed 000 Fig. 2).
+    """
+    return _impl(x.device.type).quantize_symmetric(x, bits=bits, group_size=group_size)
+
+
+def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_symmetric`: 1-D ``numel`` elements of ``dtype``, ``fl32(code * scale)`` rounded."""
+    return _impl(codes.device.type).dequantize_symmetric(codes, scales, bits=bits, group_size=group_size,
+                                                          numel=numel, dtype=dtype)
+
+
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ByteGrad min-max UINT8 quantization, one (min, max) per ``chunk_size`` elements.
+
+    Returns ``(q, mins, maxs)``: ``q`` uint8 with ``numel`` codes (no padding), ``mins``/``maxs`` fp32, one per chunk
+    (over the real elements only). ``scale = 255/(max-min+1e-7)``, ``ub = rint(max*scale)``, ``lb = ub-255``,
+    ``q = min(rint(x*scale), ub) - lb`` (clamped to [0, 255] against fp32 rounding), all in fp32.
+    """
+    return _impl(x.device.type).quantize_minmax_uint8(x, chunk_size)
+
+
+def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_minmax_uint8`: ``(q + lb) / scale`` in fp32, cast to ``dtype``."""
+    return _impl(q.device.type).dequantize_minmax_uint8(q, mins, maxs, chunk_size, numel, dtype)
+
+
+def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
+                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """qgZ tensor-slice reordering fused with symmetric quantization (seed 000 eq. 1-2, Algorithm 2).
+
+    Returns ``codes [S, W, chunk_bytes]`` and ``scales [S, W, chunk_groups]`` (fp32) where ``codes[s, b*N + a]`` is
+    stage chunk ``s`` of partition ``a*D + b``; sizes from :func:`swizzle_layout`. See [Note: qgZ swizzle layout] in
+    :mod:`.layout` for how the qgZ backend splits and sends it.
+    """
+    return _impl(x.device.type).swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages)
+
+
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused intra-node qgZ step: dequantize ``k`` received chunks, sum in fp32, requantize.
+
+    ``chunks`` is ``[k, nbytes]`` (codes of equal-length chunks, whole groups), ``scales`` ``[k, groups]`` fp32.
+    Returns ``(codes [nbytes], scales [groups])`` of the sum; one pass over memory instead of three (seed 000 4.2).
+    """
+    return _impl(chunks.device.type).dequantize_reduce_quantize(chunks, scales, bits, group_size)
+
+
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Final qgZ step: dequantize ``k`` chunks (``[k, nbytes]``, scales ``[k, groups]``) and sum them in fp32.
+
+    Returns the first ``numel`` (default: all ``groups * group_size``) elements of the sum, cast to ``dtype``.
+    """
+    return _impl(chunks.device.type).dequantize_reduce(chunks, scales, bits=bits, group_size=group_size,
+                                                       numel=numel, dtype=dtype)

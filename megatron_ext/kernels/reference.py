@@ -1,0 +1,277 @@
+"""Torch reference implementations: the specification of every kernel, and the path used on CPU.
+
+Numerics are defined here and reproduced bit for bit by the Triton kernels:
+  * all arithmetic in fp32; ``fl(a / b)`` is an IEEE division (never a multiplication by a reciprocal);
+  * rounding is round-half-to-even (``torch.round``);
+  * reductions over ``k`` received chunks accumulate sequentially, ``acc = ((0 + d_0) + d_1) + ...``, where
+    ``d_i = fl(code * scale)`` (no fused multiply-add).
+
+Speed (CPU): every op works on blocks of ``_BLOCK`` elements so that the fp32 temporaries between the passes stay in
+cache; DRAM sees roughly one read of the input and one write of the output, which is what the benchmark compares with
+a memory copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_input, codes_dtype, num_groups,
+                     qmax, swizzle_layout)
+
+_BLOCK = 1 << 16  # elements per cache block (256 KiB of fp32)
+_MINMAX_EPS = 1e-7  # ByteGrad: scale = 255 / (max - min + 1e-7)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# INT4 nibble packing
+# ----------------------------------------------------------------------------------------------------------------
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack int8 codes in [-8, 7] two per byte: element 2i in bits 4-7, element 2i+1 in bits 0-3."""
+    u = q.view(torch.uint8).view(-1, 2)
+    return (u[:, 0] << 4) | (u[:, 1] & 0x0F)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: signed int8 codes, two per input byte."""
+    hi = packed.view(torch.int8) >> 4
+    lo = (packed << 4).view(torch.int8) >> 4
+    return torch.stack((hi, lo), dim=-1).view(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block-wise symmetric quantization
+# ----------------------------------------------------------------------------------------------------------------
+def _quantize_groups(xg: torch.Tensor, bits: int, scales_out: torch.Tensor, codes_out: torch.Tensor) -> None:
+    """Quantize ``xg`` of shape [k, group_size] (any float dtype) into ``scales_out[k]`` and ``codes_out``."""
+    qm = qmax(bits)
+    lo, hi = torch.aminmax(xg, dim=1)
+    absmax = torch.maximum(hi, lo.neg()).float()
+    torch.div(absmax, qm, out=scales_out)
+    safe = torch.where(scales_out > 0, scales_out, torch.ones_like(scales_out))  # all-zero group: codes 0, scale 0
+    y = torch.div(xg, safe.unsqueeze(1))  # fp32 (promoted); exact upcast of fp16/bf16
+    y.round_().clamp_(-qm, qm)
+    if bits == 8:
+        codes_out.copy_(y.view(-1))
+    else:
+        codes_out.copy_(pack_int4(y.to(torch.int8)))
+
+
+def _quantize_padded(flat: torch.Tensor, numel: int, bits: int, group_size: int,
+                     codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Quantize ``flat[:numel]`` zero-padded to ``scales.numel() * group_size`` elements into ``codes``/``scales``."""
+    g = group_size
+    full = numel // g
+    per_block = max(1, _BLOCK // g)
+    bpg = g * bits // 8  # code bytes per group
+    for s in range(0, full, per_block):
+        e = min(full, s + per_block)
+        _quantize_groups(flat[s * g:e * g].view(e - s, g), bits, scales[s:e], codes[s * bpg:e * bpg])
+    total = scales.numel()
+    if total > full:  # partial last group and/or whole padding groups
+        tail = torch.zeros((total - full) * g, dtype=flat.dtype, device=flat.device)
+        tail[:numel - full * g] = flat[full * g:numel]
+        _quantize_groups(tail.view(-1, g), bits, scales[full:], codes[full * bpg:])
+
+
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_input(x)
+    check_bits_group(bits, group_size)
+    numel = x.numel()
+    groups = num_groups(numel, group_size)
+    codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    _quantize_padded(x.view(-1), numel, bits, group_size, codes, scales)
+    return codes, scales
+
+
+def _dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """``out[k, g] = fl(code * scale)`` cast to ``out.dtype``; ``codes`` are the bytes of those k groups."""
+    q = codes if bits == 8 else unpack_int4(codes)
+    torch.mul(q.view(out.shape), scales.unsqueeze(1), out=out)
+
+
+def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    check_bits_group(bits, group_size)
+    check_codes(codes, bits)
+    g = group_size
+    groups = num_groups(numel, g)
+    if scales.numel() < groups or codes.numel() * 8 // bits < groups * g:
+        raise ValueError(f"{numel} elements need {groups} groups of {g}: got {scales.numel()} scales and "
+                         f"{codes.numel()} code bytes")
+    scales = scales.view(-1).float()
+    codes = codes.view(-1)
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    full = numel // g
+    per_block = max(1, _BLOCK // g)
+    bpg = g * bits // 8
+    for s in range(0, full, per_block):
+        e = min(full, s + per_block)
+        _dequantize_groups(codes[s * bpg:e * bpg], scales[s:e], bits, out[s * g:e * g].view(e - s, g))
+    if numel > full * g:
+        tmp = torch.empty(1, g, dtype=dtype, device=codes.device)
+        _dequantize_groups(codes[full * bpg:(full + 1) * bpg], scales[full:full + 1], bits, tmp)
+        out[full * g:] = tmp.view(-1)[:numel - full * g]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# qgZ: swizzle + quantize, dequantize + reduce (+ requantize)
+# ----------------------------------------------------------------------------------------------------------------
+def swizzle_gather(x: torch.Tensor, lay: SwizzleLayout) -> torch.Tensor:
+    """The reordered, zero-padded input as ``[S, W, chunk_numel]`` (a copy in ``x.dtype``)."""
+    n_, d_, s_ = lay.nodes, lay.ranks_per_node, lay.stages
+    n, m = lay.partition_numel, lay.stage_numel
+    out = torch.zeros(s_, d_, n_, lay.chunk_numel, dtype=x.dtype, device=x.device)
+    flat = x.view(-1)
+    if lay.numel == lay.world * n and n == s_ * m:  # no padding between partitions or stages: one strided copy
+        out[..., :m].copy_(flat.view(n_, d_, s_, m).permute(2, 1, 0, 3))
+        return out.view(s_, lay.world, lay.chunk_numel)
+    for p in range(lay.world):
+        a, b = divmod(p, d_)
+        for s in range(s_):
+            start = p * n + s * m
+            stop = min(p * n + min(n, (s + 1) * m), lay.numel)
+            if stop > start:
+                out[s, b, a, :stop - start] = flat[start:stop]
+    return out.view(s_, lay.world, lay.chunk_numel)
+
+
+def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
+                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    check_input(x)
+    lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
+    gathered = swizzle_gather(x, lay).view(-1)
+    codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
+    scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
+    _quantize_padded(gathered, gathered.numel(), bits, group_size, codes.view(-1), scales.view(-1))
+    return codes, scales
+
+
+def _check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> tuple[int, int]:
+    check_bits_group(bits, group_size)
+    check_codes(chunks, bits, "chunks")
+    if chunks.dim() != 2 or scales.dim() != 2 or scales.shape[0] != chunks.shape[0]:
+        raise ValueError(f"chunks must be [k, bytes] and scales [k, groups]; got {tuple(chunks.shape)} and "
+                         f"{tuple(scales.shape)}")
+    k, nbytes = chunks.shape
+    groups = scales.shape[1]
+    if groups * group_size * bits // 8 != nbytes:
+        raise ValueError(f"{groups} groups of {group_size} {bits}-bit codes are {groups * group_size * bits // 8} "
+                         f"bytes per chunk, got {nbytes}")
+    if scales.dtype != torch.float32 or not scales.is_contiguous():
+        raise ValueError("scales must be contiguous float32")
+    return k, groups
+
+
+def _reduce_block(chunks: torch.Tensor, scales: torch.Tensor, bits: int, g0: int, g1: int, group_size: int,
+                  acc: torch.Tensor) -> None:
+    """``acc[g1-g0, group_size]`` = sequential fp32 sum over the k rows of groups [g0, g1)."""
+    bpg = group_size * bits // 8
+    acc.zero_()
+    d = torch.empty_like(acc)
+    for i in range(chunks.shape[0]):
+        _dequantize_groups(chunks[i, g0 * bpg:g1 * bpg], scales[i, g0:g1], bits, d)
+        acc.add_(d)
+
+
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    k, groups = _check_chunks(chunks, scales, bits, group_size)
+    codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
+    out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
+    per_block = max(1, _BLOCK // group_size)
+    bpg = group_size * bits // 8
+    for s in range(0, groups, per_block):
+        e = min(groups, s + per_block)
+        acc = torch.empty(e - s, group_size, dtype=torch.float32, device=chunks.device)
+        _reduce_block(chunks, scales, bits, s, e, group_size, acc)
+        _quantize_groups(acc, bits, out_scales[s:e], codes[s * bpg:e * bpg])
+    return codes, out_scales
+
+
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    k, groups = _check_chunks(chunks, scales, bits, group_size)
+    total = groups * group_size
+    numel = total if numel is None else numel
+    if numel > total:
+        raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
+    out = torch.empty(numel, dtype=dtype, device=chunks.device)
+    per_block = max(1, _BLOCK // group_size)
+    for s in range(0, groups, per_block):
+        e = min(groups, s + per_block)
+        lo, hi = s * group_size, min(numel, e * group_size)
+        if hi <= lo:
+            break
+        acc = torch.empty(e - s, group_size, dtype=torch.float32, device=chunks.device)
+        _reduce_block(chunks, scales, bits, s, e, group_size, acc)
+        out[lo:hi] = acc.view(-1)[:hi - lo]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ByteGrad min-max UINT8
+# ----------------------------------------------------------------------------------------------------------------
+def minmax_params(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ByteGrad's (scale, lb) per chunk, in fp32: scale = 255/(max-min+1e-7), lb = rint(max*scale) - 255."""
+    scale = 255.0 / ((maxs - mins) + _MINMAX_EPS)
+    lb = torch.round(maxs * scale) - 255.0
+    return scale, lb
+
+
+def _chunk_minmax(flat: torch.Tensor, numel: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    nchunks = cdiv(numel, chunk_size)
+    mins = torch.empty(nchunks, dtype=torch.float32, device=flat.device)
+    maxs = torch.empty_like(mins)
+    full = numel // chunk_size
+    if full:
+        lo, hi = torch.aminmax(flat[:full * chunk_size].view(full, chunk_size), dim=1)
+        mins[:full], maxs[:full] = lo, hi
+    if nchunks > full:
+        lo, hi = torch.aminmax(flat[full * chunk_size:numel])
+        mins[full], maxs[full] = lo, hi
+    return mins, maxs
+
+
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_input(x)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    numel = x.numel()
+    flat = x.view(-1)
+    mins, maxs = _chunk_minmax(flat, numel, chunk_size)
+    scale, lb = minmax_params(mins, maxs)
+    ub = lb + 255.0
+    q = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    for c in range(mins.numel()):
+        sc, l_, u_ = scale[c:c + 1], lb[c:c + 1], ub[c:c + 1]
+        c0, c1 = c * chunk_size, min(numel, (c + 1) * chunk_size)
+        for s in range(c0, c1, _BLOCK):
+            e = min(c1, s + _BLOCK)
+            y = torch.mul(flat[s:e], sc)
+            # min(rint(x*scale), ub) - lb; the clamp to [0, 255] only guards fp32 rounding of huge x*scale
+            y.round_()
+            torch.minimum(y, u_, out=y)
+            y.sub_(l_).clamp_(0.0, 255.0)
+            q[s:e].copy_(y)
+    return q, mins, maxs
+
+
+def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if q.dtype != torch.uint8 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous uint8, got {q.dtype}")
+    if q.numel() < numel or mins.numel() < cdiv(numel, chunk_size):
+        raise ValueError(f"{numel} elements need {cdiv(numel, chunk_size)} chunks of {chunk_size}: got "
+                         f"{q.numel()} codes and {mins.numel()} mins")
+    scale, lb = minmax_params(mins.float(), maxs.float())
+    flat = q.view(-1)
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    for c in range(cdiv(numel, chunk_size)):
+        c0, c1 = c * chunk_size, min(numel, (c + 1) * chunk_size)
+        for s in range(c0, c1, _BLOCK):
+            e = min(c1, s + _BLOCK)
+            y = torch.add(flat[s:e], lb[c:c + 1])
+            y.div_(scale[c:c + 1])
+            out[s:e].copy_(y)
+    return out
