@@ -1,0 +1,109 @@
+"""Train/valid/test data for pretrain_gpt through megatron-core's GPTDataset, and a resumable batch order.
+
+[Note: data position]
+Samples are drawn like Megatron-LM's ``MegatronPretrainingSampler``: the global sample order is fixed by the
+dataset (megatron-core's shuffled sample index); iteration ``i`` consumes global samples
+``[consumed, consumed + global_batch)``, cut into micro-batches of ``micro_batch * dp`` consecutive samples of which
+DP rank ``r`` takes slice ``r``. The only state is ``consumed_samples``, which checkpoints store, so a resumed run
+(at any DP size, for the same global batch) sees exactly the samples it would have seen.
+
+[Note: megatron-core's C++ helper]
+GPTDataset builds its sample index with ``megatron.core.datasets.helpers_cpp``. The megatron-core 0.16 wheel ships it
+compiled (checked: ``helpers_cpp.cpython-311-x86_64-linux-gnu.so``), so nothing is compiled on CPU machines.
+Megatron-LM checkouts compile it at run time with ``make`` (``compile_helpers``); we fall back to that only when the
+compiled module is missing, on one rank before the others build their datasets.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_dataset_helpers() -> None:
+    """Make ``megatron.core.datasets.helpers`` importable (see the note above); errors say what to install."""
+    try:
+        from megatron.core.datasets import helpers  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from megatron.core.datasets.utils import compile_helpers
+
+    logger.warning("megatron-core's compiled dataset helpers are missing; compiling them with make (needs g++ and "
+                   "pybind11)")
+    compile_helpers()
+    from megatron.core.datasets import helpers  # noqa: F401,F811
+
+
+def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
+                                 eval_iters: int) -> List[int]:
+    """Megatron-LM's sizing: enough samples for all training, all evaluations, and one final evaluation."""
+    evals = (train_iters // eval_interval + 1) * eval_iters if eval_iters > 0 else 0
+    return [train_iters * global_batch_size, evals * global_batch_size, eval_iters * global_batch_size]
+
+
+def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: int, tokenizer, num_samples: List[int],
+                   mock: bool = False, cache_dir: Optional[str] = None) -> List[Optional[torch.utils.data.Dataset]]:
+    """(train, valid, test) GPTDatasets from a ``--data-path`` blend and ``--split``, via megatron-core's builder."""
+    ensure_dataset_helpers()
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if not mock:
+        for p in _prefixes(data_prefix):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(p + ext):
+                    raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
+                                            "make one with tools/preprocess_data.py)")
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=None if mock else get_blend_from_list(data_prefix),
+        split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mid_level_dataset_surplus=0.005)
+    cls = MockGPTDataset if mock else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+
+
+def _prefixes(data_prefix: List[str]) -> List[str]:
+    """The path entries of a ``--data-path`` list that may interleave weights (``w1 p1 w2 p2``)."""
+    if len(data_prefix) % 2 == 0 and len(data_prefix) > 1:
+        try:
+            float(data_prefix[0])
+            return data_prefix[1::2]
+        except ValueError:
+            pass
+    return data_prefix
+
+
+class MicroBatchIterator:
+    """Yields this DP rank's micro-batches in the global order of the note above, from ``consumed_samples`` on."""
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.dataset = dataset
+        self.consumed = consumed_samples
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        n = len(self.dataset)
+        start = self.consumed + self.dp_rank * self.mbs
+        self.consumed += self.mbs * self.dp_size
+        # Wrap around like megatron-core's datasets do when asked for more samples than built (eval repeats).
+        samples = [self.dataset[(start + j) % n] for j in range(self.mbs)]
+        return _collate(samples)
+
+
+def _collate(samples: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for k in samples[0]:
+        vals = [s[k] for s in samples]
+        if vals[0] is None:
+            continue
+        out[k] = torch.stack([torch.as_tensor(v) for v in vals])
+    return out
