@@ -44,7 +44,7 @@ def _quantize_groups(xg: torch.Tensor, bits: int, scales_out: torch.Tensor, code
     """Quantize ``xg`` of shape [k, group_size] (any float dtype) into ``scales_out[k]`` and ``codes_out``."""
     qm = qmax(bits)
     lo, hi = torch.aminmax(xg, dim=1)
-    absmax = torch.maximum(hi, lo.neg()).float()
+    absmax = torch.maximum(hi, lo.neg()).float().abs_()  # abs_: +0.0, never -0.0, for an all-zero group
     torch.div(absmax, qm, out=scales_out)
     safe = torch.where(scales_out > 0, scales_out, torch.ones_like(scales_out))  # all-zero group: codes 0, scale 0
     y = torch.div(xg, safe.unsqueeze(1))  # fp32 (promoted); exact upcast of fp16/bf16

@@ -1,0 +1,147 @@
+"""Host-side launchers of the Triton kernels, with the same signatures and outputs as :mod:`.reference`."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import reference as _ref
+from . import triton_minmax as _mm
+from . import triton_symmetric as _sym
+from .layout import (cdiv, check_bits_group, check_input, codes_dtype, num_groups, qmax, swizzle_layout)
+
+# FMA contraction would change fp32 rounding (x*scale + 2^23 in rint, acc + code*scale): keep it off so the GPU
+# results equal the torch reference bit for bit. The interpreter ignores the option.
+_OPTS = {"enable_fp_fusion": False}
+_MINMAX_BLOCK = 2048
+
+
+def _tile(bits: int, group_size: int) -> tuple[int, int]:
+    """(COLS, GPP): columns of the per-group tile and groups per program (about 4K elements per program)."""
+    cols = triton.next_power_of_2(group_size if bits == 8 else group_size // 2)
+    gpp = max(1, min(64, 4096 // cols))
+    return cols, triton.next_power_of_2(gpp) if gpp & (gpp - 1) else gpp
+
+
+def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: int, rpn: int, gpc: int,
+                     total_groups: int, bits: int, group_size: int, codes: torch.Tensor, scales: torch.Tensor):
+    cols, gpp = _tile(bits, group_size)
+    grid = (cdiv(total_groups, gpp),)
+    _sym.swizzle_quantize_kernel[grid](x, codes, scales, numel, part, stage, total_groups,
+                                       NODES=nodes, RPN=rpn, GPC=gpc, GROUP=group_size, COLS=cols, GPP=gpp,
+                                       BITS=bits, QMAX=qmax(bits), **_OPTS)
+
+
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_input(x)
+    check_bits_group(bits, group_size)
+    numel = x.numel()
+    groups = num_groups(numel, group_size)
+    codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    if groups:
+        # one "chunk" holding every group: the swizzle kernel degenerates to a plain quantizer
+        _launch_quantize(x, numel, numel, numel, 1, 1, groups, groups, bits, group_size, codes, scales)
+    return codes, scales
+
+
+def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
+                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    check_input(x)
+    lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
+    codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
+    scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
+    total = lay.stages * lay.world * lay.chunk_groups
+    _launch_quantize(x, lay.numel, lay.partition_numel, lay.stage_numel, nodes, ranks_per_node, lay.chunk_groups,
+                     total, bits, group_size, codes, scales)
+    return codes, scales
+
+
+def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                   out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None):
+    k, groups = chunks.shape[0], scales.shape[1]
+    cols, gpp = _tile(bits, group_size)
+    requant = out is None
+    dummy = out if out is not None else out_scales
+    grid = (cdiv(groups, gpp),)
+    _sym.reduce_kernel[grid](chunks, scales, dummy, out_codes if requant else dummy,
+                             out_scales if requant else dummy, k, groups, numel,
+                             GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=requant,
+                             **_OPTS)
+
+
+def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    groups = num_groups(numel, group_size)
+    check_bits_group(bits, group_size)
+    _ref.check_codes(codes, bits)
+    nbytes = groups * group_size * bits // 8
+    if scales.numel() < groups or codes.numel() < nbytes:
+        raise ValueError(f"{numel} elements need {groups} groups of {group_size}: got {scales.numel()} scales and "
+                         f"{codes.numel()} code bytes")
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if groups:
+        sc = scales.reshape(-1)[:groups].float().contiguous().view(1, groups)
+        _launch_reduce(codes.view(-1)[:nbytes].view(1, nbytes), sc, bits, group_size, numel, out, None, None)
+    return out
+
+
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    _, groups = _ref._check_chunks(chunks, scales, bits, group_size)
+    codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
+    out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
+    if groups:
+        _launch_reduce(chunks, scales, bits, group_size, groups * group_size, None, codes, out_scales)
+    return codes, out_scales
+
+
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    _, groups = _ref._check_chunks(chunks, scales, bits, group_size)
+    total = groups * group_size
+    numel = total if numel is None else numel
+    if numel > total:
+        raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
+    out = torch.empty(numel, dtype=dtype, device=chunks.device)
+    if numel:
+        _launch_reduce(chunks, scales, bits, group_size, numel, out, None, None)
+    return out
+
+
+def _minmax_grid(numel: int, chunk_size: int) -> tuple[int, int]:
+    return cdiv(numel, chunk_size), cdiv(min(chunk_size, max(numel, 1)), _MINMAX_BLOCK)
+
+
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_input(x)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    numel = x.numel()
+    q = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    nchunks, nblk = _minmax_grid(numel, chunk_size)
+    if nchunks == 0:
+        empty = torch.empty(0, dtype=torch.float32, device=x.device)
+        return q, empty, empty.clone()
+    pmin = torch.empty(nchunks, nblk, dtype=torch.float32, device=x.device)
+    pmax = torch.empty_like(pmin)
+    _mm.partial_minmax_kernel[(nchunks, nblk)](x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
+    mins, maxs = pmin.amin(dim=1), pmax.amax(dim=1)
+    scale, lb = _ref.minmax_params(mins, maxs)
+    _mm.minmax_quantize_kernel[(nchunks, nblk)](x, q, scale, lb, numel, chunk_size, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    return q, mins, maxs
+
+
+def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if q.dtype != torch.uint8 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous uint8, got {q.dtype}")
+    nchunks, nblk = _minmax_grid(numel, chunk_size)
+    if q.numel() < numel or mins.numel() < nchunks:
+        raise ValueError(f"{numel} elements need {nchunks} chunks of {chunk_size}: got {q.numel()} codes and "
+                         f"{mins.numel()} mins")
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    if nchunks:
+        scale, lb = _ref.minmax_params(mins.float(), maxs.float())
+        _mm.minmax_dequantize_kernel[(nchunks, nblk)](q, out, scale.contiguous(), lb.contiguous(), numel,
+                                                      chunk_size, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    return out

@@ -1,0 +1,161 @@
+"""Triton kernels for block-wise symmetric quantization, the qgZ swizzle and the fused dequantize-reduce(-quantize).
+
+One program handles ``GPP`` scale groups as a ``[GPP, group]`` tile kept in registers: the absmax, the scale and the
+codes come from a single read of the input (seed 000 4.2). INT4 tiles are split into even / odd columns so the pair
+that shares a byte is packed in registers. Numerics follow :mod:`.reference` exactly: IEEE division (``div_rn``),
+round half to even, sequential fp32 accumulation; launches disable FMA contraction so GPU results stay bit-identical.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_TWO23 = 8388608.0  # 2^23: adding and subtracting it rounds |y| < 2^23 to an integer, half to even
+
+
+@triton.jit
+def rint(y):
+    """Round half to even, as ``torch.round`` (pure fp32 arithmetic: works compiled and in the interpreter)."""
+    a = tl.abs(y)
+    r = (a + 8388608.0) - 8388608.0
+    r = tl.where(a < 8388608.0, r, a)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def to_out_dtype(y, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE with round-to-nearest-even; bf16 by hand (the interpreter's bf16 cast truncates)."""
+    if DTYPE == tl.bfloat16:
+        u = y.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return y.to(DTYPE)
+
+
+@triton.jit
+def _group_scale(absmax, QMAX: tl.constexpr):
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    safe = tl.where(scale > 0, scale, 1.0)
+    return scale, safe
+
+
+@triton.jit
+def _codes(v, safe, QMAX: tl.constexpr):
+    y = rint(tl.math.div_rn(v, safe[:, None]))
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    return y.to(tl.int32)
+
+
+@triton.jit
+def _source(rows, e, numel, part_numel, stage_numel,
+            NODES: tl.constexpr, RPN: tl.constexpr, GPC: tl.constexpr):
+    """Source offsets and validity of element ``e`` (within its chunk) of output groups ``rows`` (qgZ layout)."""
+    chunk = rows // GPC
+    s = chunk // (NODES * RPN)
+    j = chunk % (NODES * RPN)
+    p = (j % NODES) * RPN + j // NODES
+    in_part = s[:, None] * stage_numel + e
+    src = p[:, None] * part_numel + in_part
+    ok = (e < stage_numel) & (in_part < part_numel) & (src < numel)
+    return src, ok
+
+
+@triton.jit
+def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, stage_numel, total_groups,
+                            NODES: tl.constexpr, RPN: tl.constexpr, GPC: tl.constexpr, GROUP: tl.constexpr,
+                            COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr):
+    """Quantize output groups ``[pid*GPP, pid*GPP+GPP)`` gathered from ``x`` in qgZ slot order.
+
+    Plain ``quantize_symmetric`` is the special case NODES = RPN = 1, part_numel = stage_numel = numel.
+    COLS = next power of two of GROUP (8 bit) or GROUP // 2 (4 bit).
+    """
+    pid = tl.program_id(0)
+    rows = pid * GPP + tl.arange(0, GPP)
+    row_ok = rows < total_groups
+    cols = tl.arange(0, COLS)
+    base = (rows % GPC) * GROUP
+    if BITS == 8:
+        col_ok = cols < GROUP
+        e = base[:, None] + cols[None, :]
+        src, ok = _source(rows, e, numel, part_numel, stage_numel, NODES, RPN, GPC)
+        ok = ok & row_ok[:, None] & col_ok[None, :]
+        v = tl.load(x_ptr + src, mask=ok, other=0.0).to(tl.float32)
+        absmax = tl.max(tl.abs(v), axis=1)
+        scale, safe = _group_scale(absmax, QMAX)
+        q = _codes(v, safe, QMAX)
+        dst = rows[:, None] * GROUP + cols[None, :]
+        tl.store(codes_ptr + dst, q.to(tl.int8), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        col_ok = cols < GROUP // 2
+        e0 = base[:, None] + 2 * cols[None, :]
+        src0, ok0 = _source(rows, e0, numel, part_numel, stage_numel, NODES, RPN, GPC)
+        src1, ok1 = _source(rows, e0 + 1, numel, part_numel, stage_numel, NODES, RPN, GPC)
+        m2 = row_ok[:, None] & col_ok[None, :]
+        v0 = tl.load(x_ptr + src0, mask=ok0 & m2, other=0.0).to(tl.float32)
+        v1 = tl.load(x_ptr + src1, mask=ok1 & m2, other=0.0).to(tl.float32)
+        absmax = tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1))
+        scale, safe = _group_scale(absmax, QMAX)
+        q0 = _codes(v0, safe, QMAX)
+        q1 = _codes(v1, safe, QMAX)
+        byte = ((q0 & 15) << 4) | (q1 & 15)
+        dst = rows[:, None] * (GROUP // 2) + cols[None, :]
+        tl.store(codes_ptr + dst, byte.to(tl.uint8), mask=m2)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, k, groups, numel,
+                  GROUP: tl.constexpr, COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr,
+                  QMAX: tl.constexpr, REQUANT: tl.constexpr):
+    """Sum over the ``k`` rows of ``chunks`` ([k, groups * GROUP * BITS / 8]) of ``fl(code * scale)``, in order.
+
+    REQUANT: quantize the sum into ``out_codes``/``out_scales``; else store its first ``numel`` elements to ``out``.
+    Dequantization alone is the case k = 1.
+    """
+    pid = tl.program_id(0)
+    rows = pid * GPP + tl.arange(0, GPP)
+    row_ok = rows < groups
+    cols = tl.arange(0, COLS)
+    if BITS == 8:
+        col_ok = cols < GROUP
+        m2 = row_ok[:, None] & col_ok[None, :]
+        off = rows[:, None] * GROUP + cols[None, :]
+        acc = tl.zeros((GPP, COLS), dtype=tl.float32)
+        for i in range(k):
+            sc = tl.load(scales_ptr + i * groups + rows, mask=row_ok, other=0.0)
+            c = tl.load(chunks_ptr + i * groups * GROUP + off, mask=m2, other=0).to(tl.float32)
+            acc += c * sc[:, None]
+        if REQUANT:
+            absmax = tl.max(tl.abs(acc), axis=1)
+            scale, safe = _group_scale(absmax, QMAX)
+            q = _codes(acc, safe, QMAX)
+            tl.store(out_codes_ptr + off, q.to(tl.int8), mask=m2)
+            tl.store(out_scales_ptr + rows, scale, mask=row_ok)
+        else:
+            tl.store(out_ptr + off, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=m2 & (off < numel))
+    else:
+        col_ok = cols < GROUP // 2
+        m2 = row_ok[:, None] & col_ok[None, :]
+        off = rows[:, None] * (GROUP // 2) + cols[None, :]
+        acc0 = tl.zeros((GPP, COLS), dtype=tl.float32)
+        acc1 = tl.zeros((GPP, COLS), dtype=tl.float32)
+        for i in range(k):
+            sc = tl.load(scales_ptr + i * groups + rows, mask=row_ok, other=0.0)
+            b = tl.load(chunks_ptr + i * groups * (GROUP // 2) + off, mask=m2, other=0).to(tl.int32)
+            hi = (((b >> 4) & 15) ^ 8) - 8
+            lo = ((b & 15) ^ 8) - 8
+            acc0 += hi.to(tl.float32) * sc[:, None]
+            acc1 += lo.to(tl.float32) * sc[:, None]
+        if REQUANT:
+            absmax = tl.maximum(tl.max(tl.abs(acc0), axis=1), tl.max(tl.abs(acc1), axis=1))
+            scale, safe = _group_scale(absmax, QMAX)
+            q0 = _codes(acc0, safe, QMAX)
+            q1 = _codes(acc1, safe, QMAX)
+            byte = ((q0 & 15) << 4) | (q1 & 15)
+            tl.store(out_codes_ptr + off, byte.to(tl.uint8), mask=m2)
+            tl.store(out_scales_ptr + rows, scale, mask=row_ok)
+        else:
+            e0 = rows[:, None] * GROUP + 2 * cols[None, :]
+            tl.store(out_ptr + e0, to_out_dtype(acc0, out_ptr.dtype.element_ty), mask=m2 & (e0 < numel))
+            tl.store(out_ptr + e0 + 1, to_out_dtype(acc1, out_ptr.dtype.element_ty), mask=m2 & (e0 + 1 < numel))
