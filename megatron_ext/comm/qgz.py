@@ -1,0 +1,188 @@
+"""The ``qgz`` gradient reduce-scatter: hierarchical 2-hop quantized all-to-all (ZeRO++ qgZ, seed 000 section 3.3).
+
+[Note: qgZ data flow]
+Let the DP group hold ``N`` nodes of ``D`` ranks (rank ``p = a*D + b``: node ``a``, local index ``b``), the bucket
+``P*n`` elements (shard ``p`` is ``bucket[p*n:(p+1)*n]``) and ``S`` pipeline stages. Each shard is cut into ``S``
+sub-slices of ``sub = ceil(n/S)`` elements; stage ``s`` carries sub-slice ``s`` of every shard (Algorithm 2's
+generalised reordering). Per stage:
+
+1. *swizzle + quantize*: the ``P`` sub-slices are reordered so that slot ``b*N + a`` holds partition ``a*D + b``
+   (``x.view(N, D, -1).transpose(0, 1)``, eq. 1-2: 2 nodes x 4 ranks -> ``[0,4,1,5,2,6,3,7]``), each padded to
+   ``sub_pad`` and quantized to ``bits`` with one fp32 scale per group;
+2. *intra-node all-to-all* (``intra_group``): local peer ``b`` receives the ``N`` sub-slices destined to the ranks
+   with local index ``b`` on every node;
+3. *dequantize-reduce-requantize*: sum of the ``D`` received chunks in fp32 (the node's partial sum), requantized;
+4. *inter-node all-to-all* (``inter_group``, same local index on every node): node ``a`` receives sub-slice ``a``;
+5. *dequantize-reduce*: sum of the ``N`` node partial sums in fp32, times ``1/P`` -- the only averaging step --
+   written to ``out_shard``.
+
+Stages are pipelined: the intra-node all-to-alls of all stages are launched at once (they overlap the caller's
+backward), and in ``wait()`` the inter-node all-to-all of stage ``s`` is in flight while stage ``s+1``'s intra-node
+exchange completes and is requantized, so both link classes are busy at the same time (seed 000, 4.1.2).
+
+Awkward sizes are padded, never sent to a fallback: ``sub`` is split into ``G = ceil(sub/group)`` balanced groups of
+``g = round_up(ceil(sub/G), 2)`` elements (at most ``quant_group_size``, even so INT4 codes pack whole bytes) and
+``sub_pad = G*g``. Each all-to-all chunk is one byte row ``[codes | pad to 4 | fp32 scales]``:
+``row_intra = round_up(N*sub_pad*bits/8, 4) + 4*N*G`` sent to each of the ``D-1`` local peers and
+``row_inter = round_up(sub_pad*bits/8, 4) + 4*G`` sent to each of the ``N-1`` remote peers, per stage. So per
+bucket a rank sends ``S*(D-1)*row_intra`` intra-node and ``S*(N-1)*row_inter`` inter-node bytes; summed over the
+``P`` ranks the cross-node volume is ``(N-1)*P*S*row_inter ~= (N-1) * P*n*bits/8`` (M/4 for INT4 and M/2 for INT8
+with M the bf16 bucket bytes and N = 2), plus scales and padding.
+
+One node (``N == 1``): the inter-node hop vanishes and the intra-node all-to-all is followed directly by the
+final dequantize-reduce (one-hop form, logged once). One rank per node (``D == 1``): the intra-node hop vanishes.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .backend import CompletedWork, GradReduce, Work, register_grad_reduce
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def qgz_geometry(n: int, stages: int, group_size: int) -> Tuple[int, int, int, int, int]:
+    """``(stages, sub, groups_per_sub, group, sub_pad)`` for an ``n``-element shard (see the module note)."""
+    stages = max(1, min(stages, n))
+    sub = -(-n // stages)
+    groups = -(-sub // group_size)
+    g = _round_up(-(-sub // groups), 2)
+    return stages, sub, groups, g, groups * g
+
+
+def qgz_bytes(n: int, nodes: int, ranks_per_node: int, bits: int, stages: int, group_size: int) -> Tuple[int, int]:
+    """Closed form: (intra, inter) bytes one rank sends for one bucket of ``nodes*ranks_per_node*n`` elements."""
+    S, _, G, _, sub_pad = qgz_geometry(n, stages, group_size)
+    N, D = nodes, ranks_per_node
+    intra = S * (D - 1) * _row_bytes(N * sub_pad, N * G, bits) if D > 1 else 0
+    inter = S * (N - 1) * _row_bytes(sub_pad, G, bits) if N > 1 else 0
+    return intra, inter
+
+
+# -- byte rows: [codes | pad to 4 bytes | fp32 scales], one per all-to-all destination -------------------------
+def _row_bytes(numel: int, groups: int, bits: int) -> int:
+    return _round_up(numel * bits // 8, 4) + 4 * groups
+
+
+def _pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
+    c = codes.reshape(rows, -1).view(torch.uint8)
+    s = scales.reshape(rows, -1).to(torch.float32).view(torch.uint8)
+    cb = c.shape[1]
+    cb_pad = _round_up(cb, 4)
+    out = torch.empty(rows, cb_pad + s.shape[1], dtype=torch.uint8, device=codes.device)
+    out[:, :cb].copy_(c)
+    if cb_pad > cb:
+        out[:, cb:cb_pad].zero_()
+    out[:, cb_pad:].copy_(s)
+    return out
+
+
+def _unpack_rows(buf: torch.Tensor, rows: int, codes_bytes: int, codes_dtype: torch.dtype):
+    """Contiguous ``(codes [rows, codes_bytes], scales [rows, k] fp32)`` from a received ``[rows, row]`` buffer."""
+    b = buf.view(rows, -1)
+    cb_pad = _round_up(codes_bytes, 4)
+    codes = b[:, :codes_bytes].contiguous().view(codes_dtype)
+    scales = b[:, cb_pad:].contiguous().view(torch.float32)
+    return codes, scales
+
+
+@register_grad_reduce("qgz")
+class QgzGradReduce(GradReduce):
+    """Hierarchical quantized reduce-scatter; see the module note."""
+
+    @property
+    def shard_alignment(self) -> int:
+        # Equal, even sub-slices per stage; the rest of the padding is done (and counted) by the backend itself.
+        return 2 * self.options.qgz_pipeline_stages
+
+    def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
+        topo = self.topology
+        n = out_shard.numel()
+        if bucket.numel() != n * topo.size:
+            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {topo.size} shards of {n}")
+        if topo.size == 1:
+            out_shard.copy_(bucket)
+            return CompletedWork()
+        if topo.num_nodes == 1:
+            self._warn_once(f"qgz on a single node ({topo.size} ranks): using the one-hop intra-node all-to-all form")
+        return _QgzWork(self, bucket, out_shard)
+
+
+class _QgzWork(Work):
+    """Drives the stages of one bucket: intra-node hops launched at construction, the rest pipelined in wait()."""
+
+    def __init__(self, backend: QgzGradReduce, bucket: torch.Tensor, out_shard: torch.Tensor) -> None:
+        from megatron_ext.kernels import swizzle_quantize
+
+        topo = backend.topology
+        opts = backend.options
+        self.topo, self.ledger, self.out = topo, backend.ledger, out_shard
+        self.bits = bits = opts.qgz_bits
+        N, D, P = topo.num_nodes, topo.ranks_per_node, topo.size
+        n = out_shard.numel()
+        S, sub, G, g, sub_pad = qgz_geometry(n, opts.qgz_pipeline_stages, opts.quant_group_size)
+        self.N, self.D, self.P, self.n = N, D, P, n
+        self.S, self.sub, self.G, self.g, self.sub_pad = S, sub, G, g, sub_pad
+        self._done = False
+
+        # 1. swizzle + quantize: codes[s, b*N + a] = sub-slice s of partition a*D + b, padded to sub_pad elements.
+        codes, scales = swizzle_quantize(bucket.contiguous(), bits, g, N, D, S)
+        assert codes.shape[-1] == sub_pad * bits // 8 and scales.shape[-1] == G, (codes.shape, scales.shape)
+        self.code_dtype = codes.dtype
+
+        self._intra: List[Optional[Tuple[object, torch.Tensor]]] = [None] * S
+        self._inter_send: List[Optional[torch.Tensor]] = [None] * S
+        for s in range(S):
+            if D > 1:   # 2. intra-node all-to-all: row b' (N sub-slices) to local peer b'
+                send = _pack_rows(codes[s], scales[s], D)
+                recv = torch.empty_like(send)
+                self.ledger.record("qgz_intra_all_to_all", intra=(D - 1) * send.shape[1])
+                h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=topo.intra_group, async_op=True)
+                self._intra[s] = (h, recv)
+            else:       # one rank per node: straight to the inter-node hop
+                self._inter_send[s] = _pack_rows(codes[s], scales[s], N)
+
+    def _finish_stage(self, s: int, total: torch.Tensor) -> None:
+        lo = s * self.sub
+        hi = min(lo + self.sub, self.n)
+        if hi > lo:
+            self.out[lo:hi].copy_(total[:hi - lo].mul_(1.0 / self.P))   # the one and only averaging
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        from megatron_ext.kernels import dequantize_reduce, dequantize_reduce_quantize
+
+        N, D, S, g, sub_pad, bits = self.N, self.D, self.S, self.g, self.sub_pad, self.bits
+        inter: List[Tuple[int, object, torch.Tensor]] = []
+        for s in range(S):
+            if D > 1:
+                h, recv = self._intra[s]
+                self._intra[s] = None
+                h.wait()
+                c, sc = _unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
+                if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
+                    self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
+                    continue
+                # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums)
+                c2, sc2 = dequantize_reduce_quantize(c, sc, bits, g)
+                send = _pack_rows(c2, sc2, N)
+            else:
+                send = self._inter_send[s]
+                self._inter_send[s] = None
+            # 4. inter-node all-to-all (same local index on every node): sub-slice a' to node a'
+            recv = torch.empty_like(send)
+            self.ledger.record("qgz_inter_all_to_all", inter=(N - 1) * send.shape[1])
+            h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.topo.inter_group, async_op=True)
+            inter.append((s, h, recv))
+        for s, h, recv in inter:
+            h.wait()
+            # 5. dequantize + reduce over the N node partial sums
+            c, sc = _unpack_rows(recv, N, sub_pad * bits // 8, self.code_dtype)
+            self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
+        self._done = True

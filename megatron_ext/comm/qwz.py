@@ -1,0 +1,81 @@
+"""The ``qwz`` parameter all-gather: block-quantized INT8 weights (ZeRO++ qwZ, seed 000 section 3.1).
+
+[Note: qwZ data flow]
+Each rank block-quantizes its ``n``-element shard to INT8 codes with one fp32 scale per ``quant_group_size``
+elements (``megatron_ext.kernels.quantize_symmetric``), packs codes and scales into one byte row, and all-gathers
+the rows over the DP group in a single collective. Every rank, the owner of the shard included, then decodes all
+``P`` rows with the same deterministic ``dequantize_symmetric`` into ``out_bucket``: the weights are bit-identical
+on all ranks, while the fp32 master shards held by the optimizer stay exact (the owner's exact shard is
+overwritten in the *model* buffer only).
+
+Row layout (bytes): ``[codes (padded to a multiple of 4) | scales (fp32)]``. Bytes sent per rank (pairwise
+model of the ledger): ``row * (P - 1)``, split ``row * (r - 1)`` intra-node and ``row * (P - r)`` inter-node, with
+``row = round_up(codes_bytes, 4) + 4 * ceil(n / group)`` and ``codes_bytes`` what the kernel returns
+(``ceil(n / group) * group`` for INT8, the last group zero-padded).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .backend import CompletedWork, ParamGather, TorchWork, Work, register_param_gather
+
+QWZ_BITS = 8
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def pack_codes_scales(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One uint8 row ``[codes | pad to 4 bytes | fp32 scales]`` (what qwZ puts on the wire per rank)."""
+    cb = codes.numel() * codes.element_size()
+    cb_pad = _round_up(cb, 4)
+    sb = scales.numel() * 4
+    row = torch.zeros(cb_pad + sb, dtype=torch.uint8, device=codes.device)
+    row[:cb].copy_(codes.reshape(-1).view(torch.uint8))
+    row[cb_pad:].copy_(scales.reshape(-1).to(torch.float32).view(torch.uint8))
+    return row
+
+
+def unpack_codes_scales(row: torch.Tensor, codes_like: torch.Tensor, num_scales: int):
+    cb = codes_like.numel() * codes_like.element_size()
+    cb_pad = _round_up(cb, 4)
+    codes = row[:cb].view(codes_like.dtype).view(codes_like.shape)
+    scales = row[cb_pad:cb_pad + 4 * num_scales].view(torch.float32)
+    return codes, scales
+
+
+@register_param_gather("qwz")
+class QwzParamGather(ParamGather):
+    """INT8 block-quantized all-gather; see the module note."""
+
+    def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
+        from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
+
+        topo = self.topology
+        n = shard.numel()
+        if out_bucket.numel() != n * topo.size:
+            raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
+        if topo.size == 1:
+            if shard.data_ptr() != out_bucket.data_ptr():
+                out_bucket.copy_(shard)
+            return CompletedWork()
+        group = self.options.quant_group_size
+        codes, scales = quantize_symmetric(shard.contiguous(), bits=QWZ_BITS, group_size=group)
+        row = pack_codes_scales(codes, scales)
+        num_scales = scales.numel()
+        recv = torch.empty(topo.size * row.numel(), dtype=torch.uint8, device=row.device)
+        intra, inter = topo.peers()
+        self.ledger.record_pairwise("qwz_all_gather", row.numel(), intra, inter)
+        handle = dist.all_gather_into_tensor(recv, row, group=topo.group, async_op=True)
+        rows = recv.view(topo.size, row.numel())
+        dtype = out_bucket.dtype
+
+        def epilogue() -> None:
+            for r in range(topo.size):
+                c, s = unpack_codes_scales(rows[r], codes, num_scales)
+                out_bucket[r * n:(r + 1) * n].copy_(
+                    dequantize_symmetric(c, s, bits=QWZ_BITS, group_size=group, numel=n, dtype=dtype))
+
+        return TorchWork(handle, epilogue)
