@@ -19,7 +19,6 @@ class OverlapConfig:
     param_gather: str = "plain"            # --param-gather: plain | qwz
     ranks_per_node: Optional[int] = None   # --ranks-per-node; default: LOCAL_WORLD_SIZE (one node if unset)
     buffer_pool_size: int = 2              # live bucket buffers in the grad path (buffer alternation)
-    num_micro_batches: Optional[int] = None  # hint for accumulate="auto"; else learnt from no_sync() use
     grad_reduce_in_fp32: bool = True       # bucket buffers in fp32 for bf16/fp16 params (megatron-core default)
     quant_group_size: int = 2048           # --quant-group-size
     qgz_bits: int = 4                      # --qgz-bits
@@ -36,8 +35,6 @@ class OverlapConfig:
             raise ValueError(f"buffer_pool_size must be >= 1, got {self.buffer_pool_size}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node (--ranks-per-node) must be a positive integer, got {self.ranks_per_node!r}")
-        if self.num_micro_batches is not None and self.num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
         if self.shard_alignment < 1:
             raise ValueError(f"shard_alignment must be >= 1, got {self.shard_alignment}")
         self.backend_options()  # validates the quantizer knobs

@@ -39,11 +39,13 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         out = fn(*args, **kwargs)
+        # Plain pickle bytes: torch's multiprocessing reducers would share tensors through file descriptors
+        # that die with this process.
         try:
-            pickle.dumps(out)
+            payload = pickle.dumps(out)
         except Exception:
-            out = None
-        results.put(("ok", rank, out))
+            payload = pickle.dumps(None)
+        results.put(("ok", rank, payload))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("err", rank, traceback.format_exc()))
     finally:
@@ -54,13 +56,33 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             pass
 
 
+_CTX = None
+
+
+def _context():
+    """A forkserver that has already imported torch and megatron-core: each world is a set of fresh processes
+    forked from it, so a test pays the (multi-second) imports once per session instead of once per rank."""
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        preload = ["torch", "torch.distributed", "megatron_ext"]
+        try:
+            import megatron.core  # noqa: F401
+            preload += ["megatron.core", "megatron.core.optimizer", "megatron.core.parallel_state"]
+        except Exception:
+            pass
+        ctx.set_forkserver_preload(preload)
+        _CTX = ctx
+    return _CTX
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
                     env: dict | None = None, **kwargs: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results (rank order).
 
     ``fn`` must be a module-level function (it is pickled into spawned processes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="mx_world_")
     store_path = os.path.join(tmpdir, "store")
@@ -98,7 +120,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if status == "err":
                 failure = f"rank {rank} failed:\n{payload}"
                 break
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if failure is not None and p.is_alive():

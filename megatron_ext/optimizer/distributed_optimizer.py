@@ -1,0 +1,282 @@
+"""OverlappedDistributedOptimizer: fp32 master shards, inner optimizer, loss scaling, clipping, param publish.
+
+Implements megatron-core's ``MegatronOptimizer`` surface (see ANCHORS.md) on top of one or more
+:class:`OverlappedDDP` chunks. Each rank updates only the slices of parameters inside its shards
+(PartitionedParameter); the updated values are cast into the ParameterBuffer and all-gathered per bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
+from .grad_scaler import ConstantLossScaler, DynamicLossScaler
+from .inner_optimizer import build_inner_optimizer
+from .model_parallel import counts_towards_norm, model_parallel_group
+from .overlapped_ddp import OverlappedDDP
+
+
+@dataclasses.dataclass
+class _Piece:
+    """The slice ``[start, end)`` of a flattened parameter that this rank owns."""
+
+    chunk: int
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+    master: torch.nn.Parameter    # fp32 view into the chunk's master partition
+    grad: torch.Tensor            # fp32 view into the chunk's PartitionedGradient
+    counted: bool                 # contributes to the global grad norm
+
+
+class OverlappedDistributedOptimizer:
+    def __init__(self, config, model: Union[OverlappedDDP, Sequence[OverlappedDDP]]) -> None:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        for c in chunks:
+            if not isinstance(c, OverlappedDDP):
+                raise TypeError("OverlappedDistributedOptimizer needs model chunks wrapped in mx.OverlappedDDP, "
+                                f"got {type(c).__name__}")
+        if config.fp16 and config.bf16:
+            raise ValueError("--fp16 and --bf16 are mutually exclusive")
+        if getattr(config, "clip_grad", 0.0) is not None and config.clip_grad < 0:
+            raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {config.clip_grad}")
+        self.config = config
+        self.chunks = chunks
+        self.dp_group = chunks[0].topology.group
+        self.mp_group = model_parallel_group()
+        # PartitionedParameter: fp32 masters, same layout as each chunk's PartitionedGradient.
+        self.masters: List[torch.Tensor] = []
+        for c in chunks:
+            m = torch.zeros(c.partition_numel, dtype=torch.float32, device=c.main_grad_partition.device)
+            for b in c.buckets:
+                m[b.partition_offset:b.partition_offset + b.shard_numel].copy_(
+                    c.param_buffer.shard_view(b, c.topology.rank))
+            self.masters.append(m)
+        self.pieces: List[_Piece] = []
+        for ci, c in enumerate(chunks):
+            for b in c.buckets:
+                for pi, a, e, s in b.owned_pieces(c.topology.rank):
+                    p = b.params[pi]
+                    lo = b.partition_offset + s
+                    master = torch.nn.Parameter(self.masters[ci][lo:lo + (e - a)], requires_grad=True)
+                    grad = c.main_grad_partition[lo:lo + (e - a)]
+                    master.grad = grad
+                    name = c.param_name(p) if len(chunks) == 1 else f"{ci}.{c.param_name(p)}"
+                    self.pieces.append(_Piece(ci, name, p, a, e, master, grad, counts_towards_norm(p)))
+        self.inner = build_inner_optimizer(config, self._param_groups())
+        if config.fp16:
+            if config.loss_scale:
+                self.grad_scaler = ConstantLossScaler(config.loss_scale)
+            else:
+                self.grad_scaler = DynamicLossScaler(
+                    initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                    growth_interval=int(config.loss_scale_window), hysteresis=config.hysteresis)
+        else:
+            self.grad_scaler = None
+        self._last_norm: Optional[float] = None
+
+    # -- construction helpers -----------------------------------------------------------------------
+    def _param_groups(self) -> List[dict]:
+        """megatron-core's default grouping: no weight decay for biases and 1-D params; same groups on all ranks."""
+        def key(name: str, p: torch.nn.Parameter) -> Tuple[float, float]:
+            no_wd = name.endswith(".bias") or p.dim() == 1
+            return (0.0 if no_wd else 1.0, 1.0)
+
+        all_keys = sorted({key(c.param_name(p), p) for c in self.chunks for b in c.buckets for p in b.params})
+        groups = {k: [] for k in all_keys}
+        for pc in self.pieces:
+            groups[key(pc.name.split(".", 1)[1] if len(self.chunks) > 1 else pc.name, pc.param)].append(pc.master)
+        out = []
+        for (wd_mult, lr_mult), params in groups.items():
+            out.append({"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult,
+                        "weight_decay": self.config.weight_decay * wd_mult, "max_lr": self.config.lr,
+                        "min_lr": self.config.min_lr, "is_decoupled_lr": False, "is_expert_parallel": False,
+                        "default_config": True})
+        if not any(g["params"] for g in out):
+            # A rank may own only padding (tiny model, many ranks); torch refuses an empty optimizer.
+            out[0]["params"] = [torch.nn.Parameter(torch.zeros(0, device=self.masters[0].device))]
+            out[0]["params"][0].grad = torch.zeros(0, device=self.masters[0].device)
+        return out
+
+    # -- MegatronOptimizer surface ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.grad_scaler.scale if self.grad_scaler is not None else torch.tensor([1.0])
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return loss
+        return loss * self.grad_scaler.scale.to(loss.device, loss.dtype if loss.is_floating_point() else None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+
+    def prepare_grads(self) -> bool:
+        """Finish grad sync, unscale (fp16) and return whether any rank found inf/nan."""
+        for c in self.chunks:
+            c.finish_grad_sync()
+        if self.grad_scaler is None:
+            return False
+        inv = 1.0 / self.grad_scaler.scale.item()
+        local_inf = torch.zeros(1)
+        for c in self.chunks:
+            c.main_grad_partition.mul_(inv)
+            if not bool(torch.isfinite(c.main_grad_partition).all()):
+                local_inf.fill_(1.0)
+        found_inf = self._all_reduce(local_inf, dist.ReduceOp.MAX).item() > 0
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    def get_grad_norm(self) -> float:
+        grads = [pc.grad for pc in self.pieces if pc.counted and pc.grad.numel() > 0]
+        sq = torch.zeros(1, dtype=torch.float32)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            sq += torch.stack(norms).double().pow(2).sum().float().cpu()
+        total = self._all_reduce(sq, dist.ReduceOp.SUM).item()
+        return math.sqrt(total)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = self.get_grad_norm()
+        if clip_grad and clip_grad > 0:
+            coeff = clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                for c in self.chunks:
+                    c.main_grad_partition.mul_(coeff)
+        return norm
+
+    def count_zeros(self) -> int:
+        local = torch.tensor([float(sum(int((pc.grad == 0).sum()) for pc in self.pieces))])
+        return int(self._all_reduce(local, dist.ReduceOp.SUM).item())
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.inner.step()
+        self._publish_masters()
+        return True
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """``(success, grad_norm, num_zeros)``; ``(False, None, None)`` when the step is skipped on overflow."""
+        if self.prepare_grads():
+            return False, None, None
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
+        ok = self.step_with_ready_grads()
+        self._last_norm = grad_norm
+        return ok, grad_norm, num_zeros
+
+    def force_param_sync(self) -> None:
+        for c in self.chunks:
+            c.force_param_sync()
+
+    @torch.no_grad()
+    def reload_model_params(self, state_dict=None) -> None:
+        """Copy the model's current weights into the fp32 masters (after loading model weights only)."""
+        for ci, c in enumerate(self.chunks):
+            c.force_param_sync()
+            for b in c.buckets:
+                self.masters[ci][b.partition_offset:b.partition_offset + b.shard_numel].copy_(
+                    c.param_buffer.shard_view(b, c.topology.rank))
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's pieces, keyed by parameter name, in the parameter's flattened coordinates."""
+        self.force_param_sync()
+        params: Dict[str, dict] = {}
+        step = 0
+        for pc in self.pieces:
+            entry = {"shape": tuple(pc.param.shape), "numel": pc.param.numel(), "start": pc.start, "end": pc.end,
+                     "master": pc.master.detach().clone()}
+            for k, v in self.inner.state.get(pc.master, {}).items():
+                if torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0:
+                    entry[k] = v.detach().clone()
+                elif k == "step":
+                    step = int(v.item() if torch.is_tensor(v) else v)
+            params[pc.name] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+        all_names = {c.param_name(p) if len(self.chunks) == 1 else f"{ci}.{c.param_name(p)}": (
+            tuple(p.shape), p.numel()) for ci, c in enumerate(self.chunks) for b in c.buckets for p in b.params}
+        step = int(self._all_reduce(torch.tensor([float(step)]), dist.ReduceOp.MAX).item())
+        return {"format": LOCAL_FORMAT, "dp_size": self.chunks[0].topology.size,
+                "dp_rank": self.chunks[0].topology.rank, "optimizer": type(self.inner).__name__, "step": step,
+                "param_groups": groups, "all_params": all_names,
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a canonical (any DP size, bucket size or backend) or this rank's own local state dict."""
+        fmt = state_dict.get("format")
+        if fmt not in (CANONICAL_FORMAT, LOCAL_FORMAT):
+            raise ValueError(f"not an overlapped-distributed-optimizer state dict (format={fmt!r})")
+        if fmt == LOCAL_FORMAT and (state_dict["dp_size"] != self.chunks[0].topology.size
+                                    or state_dict["dp_rank"] != self.chunks[0].topology.rank):
+            raise ValueError("a rank-local optimizer state saved at DP size "
+                             f"{state_dict['dp_size']} cannot be loaded at DP size {self.chunks[0].topology.size}: "
+                             "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)")
+        self.force_param_sync()
+        step = state_dict.get("step", 0)
+        for pc in self.pieces:
+            pc.master.copy_(state_slice(state_dict, pc.name, "master", pc.start, pc.end))
+            st = {}
+            for key in _state_keys(self.inner):
+                st[key] = state_slice(state_dict, pc.name, key, pc.start, pc.end).to(pc.master.device).clone()
+            if st:
+                st["step"] = torch.tensor(float(step))
+                self.inner.state[pc.master] = st
+        saved_groups = state_dict.get("param_groups") or []
+        if len(saved_groups) == len(self.inner.param_groups):
+            for g, sg in zip(self.inner.param_groups, saved_groups):
+                for k, v in sg.items():
+                    if k in g and k != "params":
+                        g[k] = v
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._publish_masters()
+        self.force_param_sync()
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
+        raise NotImplementedError(
+            "megatron-core dist-checkpointing of the overlapped distributed optimizer is not supported; use "
+            "state_dict()/load_state_dict() (canonical per-parameter layout, reshardable) or --ckpt-format torch")
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _publish_masters(self) -> None:
+        """Cast masters into the ParameterBuffer shards and all-gather every bucket."""
+        for ci, c in enumerate(self.chunks):
+            c.param_sync.wait_all()
+            for b in c.buckets:
+                c.param_buffer.shard_view(b, c.topology.rank).copy_(
+                    self.masters[ci][b.partition_offset:b.partition_offset + b.shard_numel])
+            c.param_sync.launch()
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        c = self.chunks[0]
+        if c.topology.size > 1:
+            intra, inter = c.topology.peers()
+            per_peer = math.ceil(2 * t.numel() * t.element_size() / c.topology.size)
+            c.ledger.record_pairwise("all_reduce", per_peer, intra, inter)
+            dist.all_reduce(t, op=op, group=self.dp_group)
+        if self.mp_group is not None:
+            dist.all_reduce(t, op=op, group=self.mp_group)
+        return t
+
+
+def _state_keys(inner: torch.optim.Optimizer) -> List[str]:
+    if isinstance(inner, torch.optim.SGD):
+        return ["momentum_buffer"] if inner.defaults.get("momentum", 0) else []
+    return ["exp_avg", "exp_avg_sq"]

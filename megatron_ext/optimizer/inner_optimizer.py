@@ -1,0 +1,37 @@
+"""The per-element optimizer that updates the fp32 master shards (apex FusedAdam when usable, else torch)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+
+def build_inner_optimizer(config, param_groups: List[dict]) -> torch.optim.Optimizer:
+    """Adam/AdamW (``--optimizer adam``; decoupled decay unless ``decoupled_weight_decay=False``) or SGD."""
+    name = getattr(config, "optimizer", "adam")
+    lr = config.lr if config.lr is not None else 0.0
+    if name == "adam":
+        decoupled = getattr(config, "decoupled_weight_decay", True)
+        kwargs = dict(lr=lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                      weight_decay=config.weight_decay)
+        fused = _apex_fused_adam(param_groups)
+        if fused is not None:
+            return fused(param_groups, adam_w_mode=decoupled, **kwargs)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(param_groups, foreach=True, **kwargs)
+    if name == "sgd":
+        return torch.optim.SGD(param_groups, lr=lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay,
+                               foreach=True)
+    raise ValueError(f"optimizer (--optimizer) must be 'adam' or 'sgd' for the overlapped distributed optimizer, "
+                     f"got {name!r}")
+
+
+def _apex_fused_adam(param_groups: List[dict]):
+    on_cuda = any(p.is_cuda for g in param_groups for p in g["params"])
+    if not on_cuda:
+        return None
+    try:
+        from apex.optimizers import FusedAdam  # optional dependency
+    except Exception:
+        return None
+    return FusedAdam

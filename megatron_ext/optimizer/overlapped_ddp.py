@@ -1,0 +1,167 @@
+"""OverlappedDDP: the model wrapper. Owns the ParameterBuffer, the buckets and both collective paths.
+
+Its public methods are the ones megatron-core's training loop, schedules and ``finalize_model_grads`` call on a
+DDP-wrapped model chunk, so the loop needs no special case. It deliberately has no ``config`` attribute:
+megatron-core's ``get_model_config`` looks through ``.module`` for the TransformerConfig.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from typing import Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.backend import (available_grad_reduce, available_param_gather, build_grad_reduce,
+                            build_param_gather)
+from ..comm.ledger import CommLedger
+from ..comm.topology import Topology
+from .bucketing import Bucket, assign_buckets
+from .config import OverlapConfig
+from .grad_sync import GradSync
+from .model_parallel import model_parallel_grad_reductions
+from .param_buffer import ParameterBuffer
+from .param_sync import ParamSync
+
+
+class OverlappedDDP(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, config: Optional[OverlapConfig] = None,
+                 dp_group: Optional[dist.ProcessGroup] = None) -> None:
+        super().__init__()
+        config = config if config is not None else OverlapConfig()
+        if not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be a megatron_ext.OverlapConfig, got {type(config).__name__}")
+        # Everything that can be checked locally is checked before the first collective.
+        if config.grad_reduce not in available_grad_reduce():
+            raise ValueError(f"grad_reduce (--grad-reduce) must be one of {available_grad_reduce()}, "
+                             f"got {config.grad_reduce!r}")
+        if config.param_gather not in available_param_gather():
+            raise ValueError(f"param_gather (--param-gather) must be one of {available_param_gather()}, "
+                             f"got {config.param_gather!r}")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("OverlappedDDP: the module has no trainable parameters")
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"OverlappedDDP: all parameters must be on one device, found {sorted(map(str, devices))}")
+        self.module = module
+        self.overlap_config = config
+        self.topology = Topology(dp_group, config.ranks_per_node)
+        self.ledger = CommLedger()
+        options = config.backend_options()
+        self.grad_backend = build_grad_reduce(config.grad_reduce, self.topology, self.ledger, options)
+        self.param_backend = build_param_gather(config.param_gather, self.topology, self.ledger, options)
+        alignment = _lcm(config.shard_alignment, self.grad_backend.shard_alignment,
+                         self.param_backend.shard_alignment)
+        mp = model_parallel_grad_reductions(module)
+        params = [p for _, p in named]
+        self.param_names = {id(p): n for n, p in named}
+        self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.topology.size, alignment,
+                                                    deferred=[id(p) in mp for p in params])
+        device = next(iter(devices))
+        self.param_buffer = ParameterBuffer(self.buckets, device)
+        self.partition_numel = sum(b.shard_numel for b in self.buckets)
+        # PartitionedGradient: this rank's fp32 shard of every bucket, packed.
+        self.main_grad_partition = torch.zeros(self.partition_numel, dtype=torch.float32, device=device)
+        self.broadcast_params()
+        self.grad_sync = GradSync(self.buckets, self.param_buffer, self.main_grad_partition, self.grad_backend,
+                                  rank=self.topology.rank, policy=config.accumulate,
+                                  pool_size=config.buffer_pool_size,
+                                  grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+                                  overlap=config.overlap_grad_reduce, mp_reductions=mp)
+        self.param_sync = ParamSync(module, self.buckets, self.param_buffer, self.param_backend,
+                                    self.topology.rank, overlap=config.overlap_param_gather)
+        # Read by megatron-core's finalize_model_grads and training loop.
+        self.ddp_config = types.SimpleNamespace(
+            use_megatron_fsdp=False, use_custom_fsdp=False, use_distributed_optimizer=True,
+            overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
+            bucket_size=config.bucket_size, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+            average_in_collective=False, check_for_nan_in_grad=False, num_distributed_optimizer_instances=1)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- megatron-core DDP surface ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches inside accumulate gradients; communication follows the accumulation policy."""
+        prev = self.grad_sync.sync_enabled
+        self.grad_sync.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.grad_sync.sync_enabled = prev
+
+    def start_grad_sync(self, *unused) -> None:
+        self.grad_sync.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Wait until this rank's PartitionedGradient holds the DP-averaged, accumulated gradient."""
+        self.grad_sync.finish_grad_sync()
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        if force_sync:
+            self.param_sync.wait_all()
+        # Gathers are launched by the optimizer right after its step; nothing else is ever stale.
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_sync.zero_grad()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.main_grad_partition.mul_(scaling_factor)
+
+    def enable_forward_pre_hook(self) -> None:
+        if self.overlap_config.overlap_param_gather:
+            self.param_sync.enable_hooks()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        self.param_sync.disable_hooks()
+        if param_sync:
+            self.param_sync.wait_all()
+
+    def broadcast_params(self) -> None:
+        """Make every DP rank start from DP rank 0's weights."""
+        if self.topology.size == 1:
+            return
+        src = self.topology.global_rank(0)
+        intra, inter = self.topology.peers()
+        for flat in self.param_buffer.flat.values():
+            # Counted as a tree broadcast from rank 0: each byte reaches each peer once.
+            if self.topology.rank == 0:
+                self.ledger.record_pairwise("broadcast", flat.numel() * flat.element_size(), intra, inter)
+            dist.broadcast(flat, src=src, group=self.topology.group)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def force_param_sync(self) -> None:
+        self.param_sync.wait_all()
+
+    def state_dict(self, *args, **kwargs):
+        self.param_sync.wait_all()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        self.param_sync.wait_all()
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        self.param_sync.wait_all()
+        return self.module.sharded_state_dict(*args, **kwargs)
+
+    def buffer_stats(self) -> dict:
+        """Live and peak bucket buffers of the gradient pool (buffer alternation)."""
+        return {"live": self.grad_sync.live_buffers(), "peak": self.grad_sync.peak_live_buffers(),
+                "pool_size": self.overlap_config.buffer_pool_size * max(1, len(self.grad_sync.pools)),
+                "overflows": sum(p.overflows for p in self.grad_sync.pools.values())}
+
+    def param_name(self, p: torch.nn.Parameter) -> str:
+        return self.param_names[id(p)]
+
+
+def _lcm(*xs: int) -> int:
+    out = 1
+    for x in xs:
+        out = out * x // math.gcd(out, x)
+    return out

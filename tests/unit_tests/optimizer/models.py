@@ -1,0 +1,74 @@
+"""Small models with awkward parameter sizes, and the single-process reference trainer (the oracle)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Tuple
+
+import torch
+
+
+class AwkwardNet(torch.nn.Module):
+    """Parameters of 1, 7, 93, 1023 elements and a non-contiguous (transposed) weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((1,), 1.3))
+        self.lin = torch.nn.Linear(11, 93)                               # weight: 1023 elements
+        self.wt = torch.nn.Parameter(torch.randn(7, 93).mul_(0.2).t())   # (93, 7), non-contiguous
+        self.b7 = torch.nn.Parameter(torch.randn(7) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return (h @ self.wt + self.b7) * self.scale
+
+
+def make_model(seed: int = 0) -> AwkwardNet:
+    torch.manual_seed(seed)
+    return AwkwardNet()
+
+
+def batch(step: int, rank: int, micro: int, micro_batch_size: int = 4) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    x = torch.randn(micro_batch_size, 11, generator=g)
+    y = torch.randn(micro_batch_size, 7, generator=g)
+    return x, y
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.dim() == 1)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.dim() == 1]
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def reference_training(dp: int, micro_batches: int, steps: int, lr: float, weight_decay: float, clip: float,
+                       optimizer: str = "adam") -> Tuple[Dict[str, torch.Tensor], List[float]]:
+    """Single process, global batch = concatenation of every rank's micro-batches."""
+    model = make_model()
+    groups = param_groups(model, weight_decay)
+    if optimizer == "adam":
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    else:
+        opt = torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        xs, ys = zip(*[batch(step, r, i) for r in range(dp) for i in range(micro_batches)])
+        x, y = torch.cat(xs), torch.cat(ys)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def odo_train_step(model, opt, step: int, rank: int, micro_batches: int):
+    for i in range(micro_batches):
+        x, y = batch(step, rank, i)
+        ctx = model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = torch.nn.functional.mse_loss(model(x), y) / micro_batches
+            opt.scale_loss(loss).backward()
+    model.finish_grad_sync()
+    out = opt.step()
+    opt.zero_grad()
+    return out
