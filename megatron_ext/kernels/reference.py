@@ -249,7 +249,8 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
         for s in range(c0, c1, _BLOCK):
             e = min(c1, s + _BLOCK)
             y = torch.mul(flat[s:e], sc)
-            # min(rint(x*scale), ub) - lb; the clamp to [0, 255] only guards fp32 rounding of huge x*scale
+            # min(rint(x*scale), ub) - lb. The clamp to [0, 255] is ours: with ties (e.g. max - min = 2, scale = 127.5)
+            # rint(min*scale) can be lb - 1, which ByteGrad's uint8 cast wraps to 255; clamping gives the nearest code.
             y.round_()
             torch.minimum(y, u_, out=y)
             y.sub_(l_).clamp_(0.0, 255.0)
