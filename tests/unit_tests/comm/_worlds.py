@@ -1,0 +1,145 @@
+"""Rank bodies and oracles shared by the comm backend tests.
+
+One spawned world runs every backend on the same inputs (spawning is the expensive part on 2 CPU cores), and the
+tests compare the results with the plain backend, with each other and with closed-form byte counts.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Tuple
+
+import torch
+
+# (label, backend kind, backend name, BackendOptions kwargs)
+GRAD_CASES: List[Tuple[str, str, Dict]] = [
+    ("plain", "plain", {}),
+    ("qgz4", "qgz", {"qgz_bits": 4}),
+    ("qgz8", "qgz", {"qgz_bits": 8}),
+    ("bytegrad", "bytegrad", {}),
+]
+
+
+def make_bucket(seed: int, rank: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gradient-like data: normal values with a few large outliers and a slowly varying magnitude."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x *= torch.linspace(0.1, 2.0, numel, dtype=torch.float64)
+    spikes = torch.rand(numel, generator=g, dtype=torch.float64) < 0.01
+    x[spikes] *= 20.0
+    return x.to(dtype)
+
+
+def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtype_name: str = "float32",
+                     grad_cases=None) -> Dict:
+    """Rank body: every grad-reduce case on this rank's bucket, then qwZ on this rank's shard of it."""
+    from megatron_ext.comm import BackendOptions, CommLedger, Topology, build_grad_reduce, build_param_gather
+
+    dtype = getattr(torch, dtype_name)
+    logging.getLogger("megatron_ext").setLevel(logging.ERROR)
+    topo = Topology(ranks_per_node=ranks_per_node)
+    P, r = topo.size, topo.rank
+    bucket = make_bucket(seed, r, P * n, dtype)
+    out: Dict = {"grad": {}, "ledger": {}}
+    for label, name, extra in (grad_cases or GRAD_CASES):
+        ledger = CommLedger()
+        backend = build_grad_reduce(name, topo, ledger, BackendOptions(**{**options, **extra}))
+        shard = torch.full((n,), float("nan"), dtype=dtype)
+        src = bucket.clone()
+        backend.reduce_scatter(src, shard).wait()
+        assert torch.equal(src, bucket), f"{label} modified its input bucket"
+        out["grad"][label] = shard
+        out["ledger"][label] = ledger.summary()
+    # Averaging exactly once: a constant every quantizer represents (nearly) exactly must come back unchanged.
+    out["const"] = {}
+    for label, name, extra in (grad_cases or GRAD_CASES):
+        backend = build_grad_reduce(name, topo, CommLedger(), BackendOptions(**{**options, **extra}))
+        shard = torch.empty(n)
+        backend.reduce_scatter(torch.full((P * n,), 0.75), shard).wait()
+        out["const"][label] = shard
+    try:
+        Topology(ranks_per_node=3 if P % 3 else 5, create_subgroups=False)
+        out["bad_rpn_error"] = None
+    except ValueError as e:
+        out["bad_rpn_error"] = str(e)
+    for label, name in (("plain_ag", "plain"), ("qwz", "qwz")):
+        ledger = CommLedger()
+        backend = build_param_gather(name, topo, ledger, BackendOptions(**options))
+        buf = torch.full((P * n,), float("nan"), dtype=dtype)
+        buf[r * n:(r + 1) * n].copy_(bucket[r * n:(r + 1) * n])
+        backend.all_gather(buf[r * n:(r + 1) * n], buf).wait()    # the shard aliases its slice, as in the ODO
+        out["grad"][label] = buf
+        out["ledger"][label] = ledger.summary()
+    return out
+
+
+# -- analytic error bounds -----------------------------------------------------------------------------------------
+def group_reduce(x: torch.Tensor, groups_of, fn) -> torch.Tensor:
+    """Per-element ``fn`` (amax or range) of the group each element of the 1-D ``x`` falls in.
+
+    ``groups_of`` is a 1-D long tensor of group ids per element (ids need not be contiguous).
+    """
+    ids = groups_of
+    k = int(ids.max()) + 1
+    if fn == "absmax":
+        v = torch.zeros(k, dtype=x.dtype).scatter_reduce(0, ids, x.abs(), reduce="amax", include_self=True)
+        return v[ids]
+    hi = torch.full((k,), -float("inf"), dtype=x.dtype).scatter_reduce(0, ids, x, reduce="amax", include_self=True)
+    lo = torch.full((k,), float("inf"), dtype=x.dtype).scatter_reduce(0, ids, x, reduce="amin", include_self=True)
+    return (hi - lo)[ids]
+
+
+def qgz_group_ids(P: int, n: int, stages: int, group_size: int) -> torch.Tensor:
+    """Quantization group of every bucket element under qgZ's geometry (groups never straddle sub-slices)."""
+    from megatron_ext.comm.qgz import qgz_geometry
+
+    S, sub, G, g, _ = qgz_geometry(n, stages, group_size)
+    j = torch.arange(n)
+    local = (j // sub) * G + (j % sub) // g
+    per_shard = S * G
+    return (torch.arange(P).unsqueeze(1) * per_shard + local.unsqueeze(0)).reshape(-1)
+
+
+def qgz_bound(xs: List[torch.Tensor], nodes: int, rpn: int, n: int, bits: int, stages: int,
+              group_size: int) -> torch.Tensor:
+    """Per-element bound on |qgZ - exact average| over the whole bucket (fp64)."""
+    P = nodes * rpn
+    qm = (1 << (bits - 1)) - 1
+    ids = qgz_group_ids(P, n, stages, group_size)
+    s1 = [group_reduce(x, ids, "absmax") / qm for x in xs]          # first quantization scale, per rank
+    total = torch.zeros_like(xs[0])
+    for a in range(nodes):
+        members = range(a * rpn, (a + 1) * rpn)
+        e1 = sum(s1[q] / 2 for q in members)
+        total += e1
+        if nodes > 1 and rpn > 1:                                     # requantization of the node's partial sum
+            partial = sum(xs[q] for q in members)
+            e1_max = group_reduce(e1, ids, "absmax")
+            total += (group_reduce(partial, ids, "absmax") + e1_max) / qm / 2
+    return total / P
+
+
+def bytegrad_bound(xs: List[torch.Tensor], nodes: int, rpn: int, chunk: int) -> torch.Tensor:
+    """Per-element bound on |ByteGrad - exact average| (two min-max UINT8 rounds, fp64)."""
+    P = nodes * rpn
+    if nodes == 1:   # flat form: every rank its own "node"
+        nodes, rpn = P, 1
+    B = xs[0].numel()
+    L = B // nodes
+    c = chunk or L
+    j = torch.arange(B)
+    ids = (j // L) * (-(-L // c)) + (j % L) // c
+    eps = 1e-7
+    e1 = torch.zeros_like(xs[0])
+    for a in range(nodes):
+        node_sum = sum(xs[q] for q in range(a * rpn, (a + 1) * rpn))
+        e1 += (group_reduce(node_sum, ids, "range") + eps) / 510
+    e1 /= P
+    avg = sum(xs) / P
+    e2 = (group_reduce(avg, ids, "range") + 2 * group_reduce(e1, ids, "absmax") + eps) / 510
+    return e1 + e2
+
+
+def qwz_bound(x: torch.Tensor, P: int, n: int, group_size: int) -> torch.Tensor:
+    j = torch.arange(P * n)
+    ids = (j // n) * (-(-n // group_size)) + (j % n) // group_size
+    return group_reduce(x, ids, "absmax") / 127 / 2

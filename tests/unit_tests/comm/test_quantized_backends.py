@@ -1,0 +1,160 @@
+"""qwZ, qgZ and ByteGrad against the plain backend: error bounds, bit-identical weights, averaging, ledger volumes.
+
+Each configuration spawns one gloo world that runs every backend on the same inputs (see ``_worlds.py``); the
+tests below read its results. Nodes are simulated by ``ranks_per_node``; shard lengths are deliberately awkward.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from unit_tests.comm import _worlds as W
+from unit_tests.dist_harness import run_distributed
+from megatron_ext.comm.bytegrad import bytegrad_bytes, bytegrad_row_bytes
+from megatron_ext.comm.qgz import qgz_bytes, qgz_geometry
+
+# name: (world, ranks_per_node, shard numel n, options, dtype)
+CONFIGS = {
+    "dp4_rpn2": (4, 2, 1001, dict(quant_group_size=64, qgz_pipeline_stages=3), "float32"),
+    "dp4_rpn4_one_node": (4, 4, 777, dict(quant_group_size=50, qgz_pipeline_stages=2, bytegrad_chunk_size=100),
+                          "float32"),
+    "dp4_rpn1_bf16": (4, 1, 333, dict(quant_group_size=32, qgz_pipeline_stages=1), "bfloat16"),
+    "dp8_rpn4": (8, 4, 257, dict(quant_group_size=40, qgz_pipeline_stages=2, bytegrad_chunk_size=300), "float32"),
+}
+SEED = 7
+
+
+@functools.lru_cache(maxsize=None)
+def world(name: str):
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    res = run_distributed(W.run_all_backends, P, rpn, n, SEED, opts, dtype, timeout=300)
+    xs = [W.make_bucket(SEED, r, P * n, getattr(torch, dtype)).double() for r in range(P)]
+    return res, xs
+
+
+def _gathered(res, label):
+    return torch.cat([r["grad"][label].double() for r in res])
+
+
+def _bound(name, label, xs):
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    nodes = P // rpn
+    if label.startswith("qgz"):
+        return W.qgz_bound(xs, nodes, rpn, n, int(label[3:]), opts.get("qgz_pipeline_stages", 2),
+                           opts.get("quant_group_size", 2048))
+    return W.bytegrad_bound(xs, nodes, rpn, opts.get("bytegrad_chunk_size", 0))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_grad_reduce_within_analytic_bound_of_plain(name):
+    res, xs = world(name)
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    exact = sum(xs) / len(xs)
+    plain = _gathered(res, "plain")
+    bf16 = dtype == "bfloat16"
+    scale = max(x.abs().max().item() for x in xs)
+    # plain itself: fp32 sum (tiny error) or bf16 reduce-scatter (one bf16 rounding per partial sum)
+    plain_err = (plain - exact).abs()
+    assert plain_err.max() <= (P * 2 ** -8 * scale if bf16 else 1e-5 * scale)
+    for label in ("qgz4", "qgz8", "bytegrad"):
+        got = _gathered(res, label)
+        assert torch.isfinite(got).all(), label
+        bound = _bound(name, label, xs)
+        slack = 2 ** -8 * (exact.abs() + bound) if bf16 else 1e-5 * scale
+        err = (got - plain).abs()
+        excess = err - (bound + plain_err + slack)
+        assert excess.max() <= 0, (f"{label}: worst element {int(excess.argmax())} err {err.max():.3g} exceeds "
+                                   f"bound {bound[int(excess.argmax())]:.3g}")
+        assert err.max() > 0, f"{label} did not quantize anything?"
+    # sanity on the bounds themselves: INT8 is tighter than INT4, and actually observed errors follow
+    assert (_gathered(res, "qgz8") - exact).abs().mean() < (_gathered(res, "qgz4") - exact).abs().mean()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_qwz_weights_bit_identical_and_within_bound(name):
+    res, xs = world(name)
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    bufs = [r["grad"]["qwz"] for r in res]
+    for b in bufs[1:]:
+        assert torch.equal(b.view(torch.uint8) if b.dtype == torch.bfloat16 else b,
+                           bufs[0].view(torch.uint8) if b.dtype == torch.bfloat16 else bufs[0])
+    ref = xs[0].clone()
+    for r in range(P):   # shard r of the weights is rank r's slice of its own bucket
+        ref[r * n:(r + 1) * n] = xs[r][r * n:(r + 1) * n]
+    got = bufs[0].double()
+    bound = W.qwz_bound(ref, P, n, opts["quant_group_size"])
+    slack = 2 ** -8 * ref.abs() if dtype == "bfloat16" else 1e-6 * ref.abs()
+    assert ((got - ref).abs() - bound - slack).max() <= 0
+    assert not torch.equal(got, ref), "qwZ must overwrite the owner's slice with the decoded value too"
+    assert torch.equal(res[0]["grad"]["plain_ag"].double(), ref)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_averaging_happens_exactly_once(name):
+    res, _ = world(name)
+    for r in res:
+        for label, shard in r["const"].items():
+            torch.testing.assert_close(shard, torch.full_like(shard, 0.75), rtol=1e-6, atol=1e-6, msg=label)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ledger_equals_closed_form(name):
+    res, _ = world(name)
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    N = P // rpn
+    e = torch.finfo(getattr(torch, dtype)).bits // 8
+    g = opts["quant_group_size"]
+    S = opts.get("qgz_pipeline_stages", 2)
+    for r, out in enumerate(res):
+        led = out["ledger"]
+        tot = {k: (v["total"]["intra"], v["total"]["inter"]) for k, v in led.items()}
+        assert tot["plain"] == (n * e * (rpn - 1), n * e * (P - rpn))
+        assert tot["plain_ag"] == (n * e * (rpn - 1), n * e * (P - rpn))
+        for bits in (4, 8):
+            assert tot[f"qgz{bits}"] == qgz_bytes(n, N, rpn, bits, S, g)
+        assert tot["bytegrad"] == bytegrad_bytes(n, N, rpn, e, opts.get("bytegrad_chunk_size", 0),
+                                                 leader=(r % rpn == 0))
+        groups = -(-n // g)
+        row = -(-groups * g // 4) * 4 + 4 * groups        # INT8 codes of whole groups, padded to 4 bytes, + scales
+        assert tot["qwz"] == (row * (rpn - 1), row * (P - rpn))
+
+
+def test_cross_node_volumes_match_seed_closed_forms():
+    """2 simulated nodes, M = bytes of the bf16 gradient (= bf16 weights) of the whole bucket, summed over ranks.
+
+    qgZ INT4 sends exactly M/4 across nodes plus its fp32 scales and padding (INT8: M/2 plus ...); qwZ sends half
+    of the plain all-gather's cross-node bytes plus scales and padding; ByteGrad sends (N-1)*M plus (min, max)
+    pairs. The plain backend's pairwise reduce-scatter sends (P - D)*M = D*(N-1)*M (seed 000 counts a ring: M).
+    """
+    res, _ = world("dp4_rpn2")
+    P, rpn, n, opts, _ = CONFIGS["dp4_rpn2"]
+    N, g, S = P // rpn, opts["quant_group_size"], opts["qgz_pipeline_stages"]
+    M = P * n * 2
+
+    def inter(label):
+        return sum(r["ledger"][label]["total"]["inter"] for r in res)
+
+    S_, sub, G, gg, sub_pad = qgz_geometry(n, S, g)
+    for bits, frac in ((4, 4), (8, 2)):
+        scales = (N - 1) * P * S_ * G * 4
+        pad = (N - 1) * P * S_ * (-(-sub_pad * bits // 8 // 4) * 4) - (N - 1) * M // frac
+        assert inter(f"qgz{bits}") == (N - 1) * M // frac + scales + pad
+        assert pad <= (N - 1) * P * S_ * (2 * gg * bits // 8 + 4)            # at most ~one group per sub-slice
+    plain_rs = inter("plain") // 2                                          # fp32 run -> bf16 bytes
+    assert plain_rs == (P - rpn) * M
+    groups = -(-n // g)
+    qwz_scales = (N - 1) * P * rpn * groups * 4
+    qwz_pad = (N - 1) * P * rpn * (-(-groups * g // 4) * 4 - n)
+    assert inter("qwz") == (inter("plain_ag") // 2) // 2 + qwz_scales + qwz_pad
+    L = P * n // N
+    row = bytegrad_row_bytes(L, 0)
+    pad = -(-L // 4) * 4 - L
+    assert inter("bytegrad") == 2 * N * (N - 1) * row == (N - 1) * M + 2 * N * (N - 1) * (8 + pad)
+
+
+def test_bad_ranks_per_node_is_a_clear_error():
+    res, _ = world("dp4_rpn2")
+    msg = res[0]["bad_rpn_error"]
+    assert msg is not None and "ranks_per_node" in msg and "does not divide" in msg
