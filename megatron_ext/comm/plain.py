@@ -24,7 +24,7 @@ class PlainGradReduce(GradReduce):
             target = out_shard
         else:
             target = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
-        handle = dist.reduce_scatter_tensor(target, bucket, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+        handle = _reduce_scatter(target, bucket, group=topo.group)
         inv = 1.0 / topo.size
 
         def epilogue() -> None:
@@ -49,5 +49,16 @@ class PlainParamGather(ParamGather):
             return CompletedWork()
         intra, inter = topo.peers()
         self.ledger.record_pairwise("all_gather", n * shard.element_size(), intra, inter)
-        handle = dist.all_gather_into_tensor(out_bucket, shard, group=topo.group, async_op=True)
+        handle = _all_gather(out_bucket, shard, group=topo.group)
         return TorchWork(handle)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):
+    """Async sum reduce-scatter; torch >= 2.13 renames reduce_scatter_tensor to reduce_scatter_single."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=True)

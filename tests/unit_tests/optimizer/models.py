@@ -27,6 +27,24 @@ def make_model(seed: int = 0) -> AwkwardNet:
     return AwkwardNet()
 
 
+class DeepMLP(torch.nn.Module):
+    """Registration order == forward order, so gradients arrive in bucket order (reverse registration)."""
+
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        dims = [11] + [17] * (layers - 1) + [7]
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Tanh())
+                                            for a, b in zip(dims[:-1], dims[1:])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def make_mlp(seed: int = 0) -> DeepMLP:
+    torch.manual_seed(seed)
+    return DeepMLP()
+
+
 def batch(step: int, rank: int, micro: int, micro_batch_size: int = 4) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
     x = torch.randn(micro_batch_size, 11, generator=g)
@@ -41,9 +59,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 
 
 def reference_training(dp: int, micro_batches: int, steps: int, lr: float, weight_decay: float, clip: float,
-                       optimizer: str = "adam") -> Tuple[Dict[str, torch.Tensor], List[float]]:
+                       optimizer: str = "adam", factory=make_model) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Single process, global batch = concatenation of every rank's micro-batches."""
-    model = make_model()
+    model = factory()
     groups = param_groups(model, weight_decay)
     if optimizer == "adam":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)

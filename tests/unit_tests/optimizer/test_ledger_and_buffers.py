@@ -1,0 +1,93 @@
+"""Closed-form communication volumes of the plain backend, and buffer alternation bounds."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import OptimizerConfig
+
+import megatron_ext as mx
+
+from .models import make_mlp, make_model, odo_train_step, reference_training
+
+# AwkwardNet parameters in reverse `parameters()` order (own params first, then children's):
+# lin.bias, lin.weight, b7, wt, scale.
+REVERSED_SIZES = [93, 1023, 7, 651, 1]
+
+
+def _closed_form_buckets(bucket_size, dp, alignment=64):
+    """Greedy buckets of whole params, each padded to dp * ceil(ceil(n / dp) / alignment) * alignment elements."""
+    buckets, cur = [], 0
+    for n in REVERSED_SIZES:
+        if cur and cur + n > bucket_size:
+            buckets.append(cur)
+            cur = 0
+        cur += n
+    buckets.append(cur)
+    return [dp * math.ceil(math.ceil(n / dp) / alignment) * alignment for n in buckets]
+
+
+def _one_step_ledger(bucket_size, ranks_per_node):
+    model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=bucket_size, ranks_per_node=ranks_per_node))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), model)
+    model.ledger.reset()
+    odo_train_step(model, opt, 0, dist.get_rank(), micro_batches=1)
+    return model.ledger.summary(), [b.numel for b in model.buckets]
+
+
+@pytest.mark.parametrize("bucket_size", [700, 10**6])
+def test_plain_volumes_equal_closed_form(spawn, bucket_size):
+    dp, rpn = 4, 2
+    per_rank = spawn(_one_step_ledger, dp, bucket_size, rpn)
+    padded = _closed_form_buckets(bucket_size, dp)
+    for summary, numels in per_rank:
+        assert numels == padded
+        total_elems = sum(padded)
+        # reduce-scatter of fp32 grads: each rank sends numel/dp * 4 bytes to every other rank,
+        # (rpn - 1) of them on its node and (dp - rpn) on the other node.
+        rs = summary["reduce_scatter"]
+        assert rs["calls"] == len(padded)
+        assert rs["intra"] == total_elems // dp * 4 * (rpn - 1)
+        assert rs["inter"] == total_elems // dp * 4 * (dp - rpn)
+        ag = summary["all_gather"]  # fp32 params: the same volume
+        assert ag["calls"] == len(padded)
+        assert (ag["intra"], ag["inter"]) == (rs["intra"], rs["inter"])
+
+
+def _pool_run(pool_size, factory):
+    model = mx.OverlappedDDP(factory(), mx.OverlapConfig(bucket_size=100, buffer_pool_size=pool_size,
+                                                         accumulate="shard"))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
+                                                            clip_grad=0.05), model)
+    for step in range(3):
+        odo_train_step(model, opt, step, dist.get_rank(), micro_batches=3)
+    model.force_param_sync()
+    return (model.buffer_stats(), len(model.buckets), model.grad_sync.first_backward_order,
+            {n: p.detach().clone() for n, p in model.module.named_parameters()})
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_buffer_alternation_bounds_live_buffers(spawn, pool_size):
+    per_rank = spawn(_pool_run, 2, pool_size, make_mlp)
+    ref, _ = reference_training(2, 3, 3, 1e-2, 0.1, 0.05, factory=make_mlp)
+    for stats, nbuckets, order, params in per_rank:
+        assert nbuckets >= 6  # far more buckets than buffers
+        assert order == sorted(order)
+        assert stats["peak"] == pool_size and stats["overflows"] == 0, stats
+        assert stats["live"] == 0
+        # Adam's update m / (sqrt(v) + eps) is O(lr) whatever the gradient's size; for an element whose
+        # gradient nearly cancels across samples, fp32 reassociation (reduce-scatter vs one big batch) changes
+        # it by up to ~1e-3 of its size. Bound: 1e-3 * lr per step, i.e. 3e-5 after 3 steps at lr=1e-2.
+        for n, r in ref.items():
+            torch.testing.assert_close(params[n], r, rtol=1e-5, atol=3e-5)
+
+
+def test_out_of_order_backward_costs_buffers_not_correctness(spawn):
+    # AwkwardNet's backward runs opposite to its registration order: buckets complete in reverse index order,
+    # must still be launched in index order (same collective order on every rank), so extra buffers are needed.
+    per_rank = spawn(_pool_run, 2, 1, make_model)
+    ref, _ = reference_training(2, 3, 3, 1e-2, 0.1, 0.05)
+    for stats, nbuckets, order, params in per_rank:
+        assert order != sorted(order) and stats["overflows"] > 0 and stats["live"] == 0
+        for n, r in ref.items():
+            torch.testing.assert_close(params[n], r, rtol=1e-5, atol=1e-6)
