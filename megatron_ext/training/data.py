@@ -60,12 +60,40 @@ def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: in
                 if not os.path.isfile(p + ext):
                     raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
                                             "make one with tools/preprocess_data.py)")
+        split = usable_split(_prefixes(data_prefix), split, num_samples)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=None if mock else get_blend_from_list(data_prefix),
         split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mid_level_dataset_surplus=0.005)
     cls = MockGPTDataset if mock else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
+
+
+def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str:
+    """``split`` with the weight of any split that would get no documents set to 0.
+
+    megatron-core's GPTDataset loops forever computing epochs for a split with zero tokens, which a small corpus
+    hits easily (``969,30,1`` of 300 documents leaves the test split empty). An empty split that the run needs
+    (train, or valid with ``--eval-iters`` > 0) is an error naming ``--split``.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    weights = [float(x) for x in split.replace("/", ",").split(",")]
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    names = ("train", "validation", "test")
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix))
+        for i, (a, b) in enumerate(matrix):
+            if weights[i] == 0:
+                continue
+            if int(round(b * n)) - int(round(a * n)) == 0:
+                if i == 0 or (i == 1 and num_samples[1] > 0):
+                    raise ValueError(f"--split {split} leaves the {names[i]} split of {prefix} ({n} documents) "
+                                     f"empty; choose another --split" + (" or --eval-iters 0" if i == 1 else ""))
+                weights[i] = 0.0
+    return ",".join(f"{w:g}" for w in weights)
 
 
 def _prefixes(data_prefix: List[str]) -> List[str]:

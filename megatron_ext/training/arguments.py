@@ -1,0 +1,390 @@
+"""Command-line flags of pretrain_gpt: Megatron-LM's names for what is supported, plus this project's own.
+
+Parsing is strict on purpose: a Megatron-LM script that passes a flag we silently ignored would train something
+other than what its author asked for. So an unknown flag, a known Megatron-LM flag this entry point does not
+implement, two flags that contradict each other, and a backend that is not built yet are each an error that names
+the flag (``parse_args`` exits with argparse's usage message; ``validate_args`` raises ``ArgumentError``).
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from typing import List, Optional, Sequence
+
+# Megatron-LM flags we know but do not implement: error instead of "unrecognized", with the reason.
+UNSUPPORTED_MEGATRON_FLAGS = {
+    "--context-parallel-size": "context parallelism is not implemented by megatron_ext.training",
+    "--expert-model-parallel-size": "mixture-of-experts is not implemented by megatron_ext.training",
+    "--num-experts": "mixture-of-experts is not implemented by megatron_ext.training",
+    "--virtual-pipeline-model-parallel-size": "the ODO wraps one model chunk; interleaved pipelines are not supported",
+    "--num-layers-per-virtual-pipeline-stage": "the ODO wraps one model chunk; interleaved pipelines are not supported",
+    "--use-torch-fsdp2": "the optimizer here is the OverlappedDistributedOptimizer, not FSDP2",
+    "--use-custom-fsdp": "the optimizer here is the OverlappedDistributedOptimizer, not FSDP",
+    "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
+    "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
+    "--recompute-granularity": "activation recomputation is not wired into pretrain_gpt yet",
+    "--recompute-activations": "activation recomputation is not wired into pretrain_gpt yet",
+    "--finetune": "fine-tuning from a checkpoint is not implemented; use --load with --no-load-optim",
+    "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
+    "--train-samples": "use --train-iters",
+}
+
+
+class ArgumentError(ValueError):
+    """A flag or flag combination that cannot work; the message names the flag(s)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.error(_explain_unknown(extra, self))
+        return ns
+
+
+def _explain_unknown(extra: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    known = [o for a in parser._actions for o in a.option_strings]
+    msgs = []
+    prev_flag = False
+    for tok in extra:
+        if not tok.startswith("-"):
+            if not prev_flag:  # values of an unknown flag are not worth a message of their own
+                msgs.append(f"unexpected value {tok!r}")
+            continue
+        prev_flag = True
+        flag = tok.split("=", 1)[0]
+        if flag in UNSUPPORTED_MEGATRON_FLAGS:
+            msgs.append(f"{flag} is a Megatron-LM flag that pretrain_gpt does not support: "
+                        f"{UNSUPPORTED_MEGATRON_FLAGS[flag]}")
+        else:
+            close = difflib.get_close_matches(flag, known, n=1)
+            msgs.append(f"unrecognized argument {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return "; ".join(msgs)
+
+
+def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This project's flags; shared by pretrain_gpt and the Megatron-LM plug-in's extra_args_provider."""
+    g = parser.add_argument_group("megatron-ext (OverlappedDistributedOptimizer and communication backends)")
+    g.add_argument("--use-overlapped-distributed-optimizer", action="store_true",
+                   help="shard optimizer state and gradients with the ODO (pretrain_gpt always does)")
+    g.add_argument("--odo-accumulate", choices=("auto", "shard", "local"), default="auto",
+                   help="gradient accumulation: reduce-scatter every micro-batch (shard), once per step (local), "
+                   "or pick the cheaper (auto)")
+    g.add_argument("--grad-reduce", choices=("plain", "qgz", "bytegrad"), default="plain",
+                   help="gradient reduce-scatter backend")
+    g.add_argument("--param-gather", choices=("plain", "qwz"), default="plain", help="parameter all-gather backend")
+    g.add_argument("--qgz-bits", type=int, choices=(4, 8), default=None, help="qgZ gradient bits (default 4)")
+    g.add_argument("--quant-group-size", type=int, default=None,
+                   help="elements per quantization scale for qwZ/qgZ (default 2048)")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
+                   "the world size simulates several nodes on one machine")
+    g.add_argument("--hpz-partition-size", type=int, default=None, help="hpZ secondary partition size (ZeRO-3)")
+    g.add_argument("--ladder-residual", action="store_true", help="Ladder Residual transformer layers")
+    g.add_argument("--ladder-residual-layers", type=int, default=None, help="ladder on the last N layers only")
+    g.add_argument("--desync-residual", choices=("2x", "4x"), default=None, help="Desynced Residual pattern")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt", allow_abbrev=False,
+                description="Pretrain a megatron-core GPT model with the OverlappedDistributedOptimizer "
+                "(Megatron-LM flag names). Launch with torchrun; without --data-path it trains on a cached corpus "
+                "built from the Python standard library's sources.")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden size / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted; models are always megatron-core's")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise weights on CPU (always on without CUDA; makes TP>1 init equal TP=1's)")
+
+    g = p.add_argument_group("batch")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch size * DP")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=None, help="default 2**32")
+    g.add_argument("--min-loss-scale", type=float, default=None, help="default 1.0")
+    g.add_argument("--loss-scale-window", type=int, default=None, help="default 1000")
+    g.add_argument("--hysteresis", type=int, default=None, help="default 2")
+
+    g = p.add_argument_group("distributed optimizer (Megatron-LM names)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="accepted: the ODO is a distributed (sharded) optimizer")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per bucket "
+                   "(default max(40M, 1M * DP), like megatron-core)")
+    add_megatron_ext_args(p)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="accepted for compatibility")
+    g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration that is a multiple")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es), optionally weighted: 'w1 p1 w2 p2'; default: the cached "
+                   "standard-library corpus")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--tokenizer-type", choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+                   default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--data-cache-path", default=None)
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse and validate; exits with a message naming the offending flag, like argparse."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args, world_size)
+    except ArgumentError as e:
+        parser.error(str(e))
+    return args
+
+
+def _fail(msg: str) -> None:
+    raise ArgumentError(msg)
+
+
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
+    """Check flag combinations and fill derived values (``data_parallel_size`` ...). Raises ArgumentError."""
+    import torch
+
+    world_size = int(world_size if world_size is not None else _env_world_size())
+    args.world_size = world_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
+                    ("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                    ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
+                    ("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval)):
+        if v <= 0:
+            _fail(f"{flag} must be positive, got {v}")
+    if world_size % (tp * pp) != 0:
+        _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+              f"--pipeline-model-parallel-size ({pp})")
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    if args.num_layers % pp != 0:
+        _fail(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    if args.num_attention_heads % tp != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        _fail(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+              f"({args.num_attention_heads}) unless --kv-channels is given")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        _fail("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention and (args.num_query_groups is None or args.num_query_groups % tp != 0):
+        _fail("--group-query-attention needs --num-query-groups divisible by --tensor-model-parallel-size")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        _fail(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
+              f"({args.seq_length})")
+
+    # Batch.
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
+              f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
+    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    if pp > 1 and args.num_micro_batches < pp:
+        # megatron-core's 1F1B schedule runs with fewer micro-batches than stages, but it is all bubble.
+        print(f"WARNING: {args.num_micro_batches} micro-batches per step with {pp} pipeline stages: the pipeline "
+              "is mostly idle; raise --global-batch-size", file=sys.stderr)
+
+    if args.sequence_parallel and tp == 1:
+        print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled",
+              file=sys.stderr)
+        args.sequence_parallel = False
+
+    # Precision.
+    if args.bf16 and args.fp16:
+        _fail("--bf16 and --fp16 conflict: choose one")
+    for flag in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        if getattr(args, flag) is not None and not args.fp16:
+            _fail(f"--{flag.replace('_', '-')} applies to --fp16 only")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+    # Optimizer and schedule.
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
+              f"({args.lr_decay_iters})")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        _fail("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    if args.ddp_bucket_size is None:
+        args.ddp_bucket_size = max(40_000_000, 1_000_000 * dp)
+    if args.ddp_bucket_size <= 0:
+        _fail(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
+    args.use_overlapped_distributed_optimizer = True  # the only DP optimizer of this entry point
+    _validate_backends(args)
+    _validate_later_features(args)
+
+    # Data and tokenizer.
+    if args.mock_data and args.data_path:
+        _fail("--mock-data conflicts with --data-path")
+    if args.mock_data and args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer"
+        args.vocab_size = args.vocab_size or 1024
+    if args.data_path and args.tokenizer_type is None:
+        _fail("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with)")
+    if not args.data_path and not args.mock_data and args.tokenizer_type is not None:
+        _fail("--tokenizer-type without --data-path: the default corpus brings its own tokenizer")
+
+    # Checkpoints.
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save")
+    if args.save_interval is not None and args.save_interval <= 0:
+        _fail(f"--save-interval must be positive, got {args.save_interval}")
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            _fail("--transformer-impl transformer_engine: transformer_engine is not importable; use local")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    return args
+
+
+def _validate_backends(args: argparse.Namespace) -> None:
+    from megatron_ext.comm import available_grad_reduce, available_param_gather
+
+    if args.grad_reduce not in available_grad_reduce():
+        _fail(f"--grad-reduce {args.grad_reduce} is not implemented in this build "
+              f"(available: {', '.join(available_grad_reduce())})")
+    if args.param_gather not in available_param_gather():
+        _fail(f"--param-gather {args.param_gather} is not implemented in this build "
+              f"(available: {', '.join(available_param_gather())})")
+    if args.qgz_bits is not None and args.grad_reduce != "qgz":
+        _fail(f"--qgz-bits is only meaningful with --grad-reduce qgz (got --grad-reduce {args.grad_reduce})")
+    if args.quant_group_size is not None and args.grad_reduce != "qgz" and args.param_gather != "qwz":
+        _fail("--quant-group-size is only meaningful with --grad-reduce qgz or --param-gather qwz")
+    if args.quant_group_size is not None and args.quant_group_size <= 0:
+        _fail(f"--quant-group-size must be positive, got {args.quant_group_size}")
+    args.qgz_bits = 4 if args.qgz_bits is None else args.qgz_bits
+    args.quant_group_size = 2048 if args.quant_group_size is None else args.quant_group_size
+    args.dp_ranks_per_node = dp_ranks_per_node(args)
+
+
+def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
+    """DP ranks per node from ``--ranks-per-node`` (GPUs/processes per node, like torchrun's nproc-per-node).
+
+    megatron-core orders ranks TP-fastest, then DP, then PP, so a node of R ranks holds R / TP consecutive members
+    of each DP group (all of them when a node spans whole pipeline stages). None keeps the ODO's default
+    (LOCAL_WORLD_SIZE).
+    """
+    import os
+
+    rpn = args.ranks_per_node
+    flag = "--ranks-per-node"
+    if rpn is None:
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            return None
+        rpn, flag = int(os.environ["LOCAL_WORLD_SIZE"]), "LOCAL_WORLD_SIZE"
+    tp, dp = args.tensor_model_parallel_size, args.data_parallel_size
+    if rpn <= 0:
+        _fail(f"{flag} must be positive, got {rpn}")
+    if args.world_size % rpn != 0:
+        _fail(f"{flag} ({rpn}) must divide the world size ({args.world_size})")
+    if rpn % tp != 0:
+        _fail(f"{flag} ({rpn}) must be a multiple of --tensor-model-parallel-size ({tp}): a TP group must not "
+              "span nodes")
+    per_node = min(dp, rpn // tp)
+    if dp % per_node != 0:
+        _fail(f"{flag} ({rpn}) gives {per_node} DP ranks per node, which does not divide the data-parallel size "
+              f"({dp})")
+    return per_node
+
+
+def _validate_later_features(args: argparse.Namespace) -> None:
+    if args.hpz_partition_size is not None:
+        _fail("--hpz-partition-size is not implemented in this build yet (parameter sharding, ZeRO-3/hpZ)")
+    if args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual is not None:
+        _fail("--ladder-residual/--ladder-residual-layers/--desync-residual are not wired into pretrain_gpt in "
+              "this build yet")
+
+
+def _env_world_size() -> int:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

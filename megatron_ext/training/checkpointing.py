@@ -1,0 +1,289 @@
+"""Reshardable, atomic checkpoints for pretrain_gpt: model, ODO state, LR scheduler, RNG and data position.
+
+[Note: layout]
+``<dir>/iter_0000010/`` holds
+
+* ``common.pt`` (global rank 0): iteration, consumed train/valid samples, LR scheduler state, parallel sizes, args;
+* ``mp_rank_TT_PPP/model.pt`` (DP rank 0 of each TP/PP position): the unwrapped megatron-core module's state dict;
+* ``mp_rank_TT_PPP/optim.pt``: the ODO state of that TP/PP position in *canonical* layout, i.e. per parameter name
+  and unsharded (the DP shards are gathered and merged with ``merge_optimizer_shards``), so it loads at any DP
+  size, bucket size or backend;
+* ``rng/rank_NNNNN.pt`` (every rank): CPU/CUDA/NumPy/Python RNG and megatron-core's model-parallel RNG tracker;
+* ``manifest.json`` (written last): every file with its size.
+
+``<dir>/latest_checkpointed_iteration.txt`` (Megatron-LM's tracker name) names the newest complete checkpoint.
+
+[Note: atomicity]
+All ranks write into ``iter_XXXXXXX.tmp``; the ranks then report their files to rank 0 in one collective, so a rank
+that died mid-save makes the collective fail on the others and nothing below happens. Rank 0 writes the manifest,
+renames the directory into place and only then replaces the tracker file (write-to-temp + ``os.replace``). A crash
+at any point leaves the previous checkpoint and tracker untouched; a leftover ``.tmp`` is removed by the next save.
+
+[Note: loading]
+Every rank validates the tracker, the manifest and the file sizes before reading, so a missing or damaged checkpoint
+fails on all ranks with the same message (no rank hangs in a collective). TP/PP sizes must match the saving run;
+the DP size may differ (the RNG streams are then re-seeded instead of restored, since ranks do not map one to one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any, Dict, List, Optional
+
+import numpy
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT = "megatron_ext.pretrain_gpt/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the path and the reason."""
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def mp_dir_name(tp_rank: int, pp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+# ---- RNG -------------------------------------------------------------------------------------------------------
+
+
+def get_rng_state() -> Dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {"random": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    try:
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    except Exception:  # tracker not initialised
+        state["tracker"] = None
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker") is not None:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ---- save -------------------------------------------------------------------------------------------------------
+
+
+def _fsync_save(obj: Any, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _to_cpu(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _crash_hook(stage: str) -> None:
+    """Test hook: ``MEGATRON_EXT_TEST_CRASH_IN_SAVE=<global rank>`` kills that rank mid-save (after its files)."""
+    target = os.environ.get("MEGATRON_EXT_TEST_CRASH_IN_SAVE")
+    if target is not None and stage == "after_files" and int(target) == dist.get_rank():
+        os._exit(17)
+
+
+def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
+                    consumed_valid_samples: int, args_dict: Dict[str, Any], save_optim: bool = True) -> str:
+    """Collective over the world: write ``iter_<iteration>`` atomically and point the tracker at it."""
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dp_rank, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    # Fresh weights everywhere: the ODO's last all-gather may still be in flight.
+    optimizer.force_param_sync()
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+
+    written: List[str] = []
+    mp_dir = os.path.join(tmp, mp_dir_name(tp_rank, pp_rank))
+    if save_optim:
+        from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+
+        local = _to_cpu(optimizer.state_dict())
+        shards: Optional[List[dict]] = [None] * ps.get_data_parallel_world_size() if dp_rank == 0 else None
+        dist.gather_object(local, shards, dst=dist.get_global_rank(dp_group, 0), group=dp_group)
+        if dp_rank == 0:
+            _fsync_save(merge_optimizer_shards(shards), os.path.join(mp_dir, "optim.pt"))
+            written.append(os.path.join(mp_dir, "optim.pt"))
+        del shards, local
+    if dp_rank == 0:
+        _fsync_save(_to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
+        written.append(os.path.join(mp_dir, "model.pt"))
+    rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
+    _fsync_save(get_rng_state(), rng_path)
+    written.append(rng_path)
+    if rank == 0:
+        common = {"format": FORMAT, "iteration": iteration, "consumed_train_samples": consumed_train_samples,
+                  "consumed_valid_samples": consumed_valid_samples,
+                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                  "world_size": dist.get_world_size(), "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                  "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                  "data_parallel_size": ps.get_data_parallel_world_size(), "has_optim": save_optim,
+                  "args": args_dict}
+        _fsync_save(common, os.path.join(tmp, "common.pt"))
+        written.append(os.path.join(tmp, "common.pt"))
+    _crash_hook("after_files")
+
+    # One collective doubles as "every rank finished writing": a dead rank makes it fail, so nothing is published.
+    files = {os.path.relpath(p, tmp): os.path.getsize(p) for p in written}
+    everyone: Optional[List[Dict[str, int]]] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(files, everyone, dst=0)
+    if rank == 0:
+        manifest = {"format": FORMAT, "iteration": iteration, "files": {}}
+        for f in everyone:
+            manifest["files"].update(f)
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace the old one
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(save_dir)
+        tracker_tmp = os.path.join(save_dir, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(save_dir, TRACKER))
+        _fsync_dir(save_dir)
+    dist.barrier()
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+# ---- load -------------------------------------------------------------------------------------------------------
+
+
+def find_checkpoint(load_dir: str) -> Optional[str]:
+    """The complete checkpoint directory the tracker names, validated against its manifest; None if none saved.
+
+    Raises CheckpointError for a missing ``load_dir`` or a damaged checkpoint.
+    """
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
+                              "iteration number)") from None
+    ckpt = os.path.join(load_dir, iter_dir_name(iteration))
+    manifest_path = os.path.join(ckpt, "manifest.json")
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"--load {load_dir}: the tracker names iteration {iteration} but {ckpt} is missing")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {load_dir}: {manifest_path} is missing (incomplete checkpoint)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"--load {load_dir}: corrupt manifest {manifest_path} ({e.msg})") from None
+    for rel, size in manifest.get("files", {}).items():
+        p = os.path.join(ckpt, rel)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"--load {load_dir}: corrupt checkpoint: {p} is missing")
+        if os.path.getsize(p) != size:
+            raise CheckpointError(f"--load {load_dir}: corrupt checkpoint: {p} has {os.path.getsize(p)} bytes, "
+                                  f"the manifest says {size}")
+    return ckpt
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"corrupt checkpoint file {path}: {type(e).__name__}: {e}") from None
+
+
+def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool = True,
+                    load_rng: bool = True) -> Dict[str, Any]:
+    """Load ``ckpt`` (from :func:`find_checkpoint`) into model/ODO/scheduler; returns ``common.pt``'s dict."""
+    from megatron.core import parallel_state as ps
+
+    common = _load(os.path.join(ckpt, "common.pt"))
+    if common.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint (format {common.get('format')!r})")
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if (common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"]) != (tp, pp):
+        raise CheckpointError(
+            f"{ckpt} was saved with --tensor-model-parallel-size {common['tensor_model_parallel_size']} "
+            f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
+            "(only the data-parallel size may change on resume)")
+    mp_dir = os.path.join(ckpt, mp_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
+    state = _load(os.path.join(mp_dir, "model.pt"))
+    try:
+        _unwrap(model).load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{mp_dir}/model.pt does not match this model (different flags?): {e}") from None
+    if load_optim:
+        if not common.get("has_optim", True):
+            raise CheckpointError(f"{ckpt} was saved with --no-save-optim; resume with --no-load-optim")
+        optimizer.load_state_dict(_load(os.path.join(mp_dir, "optim.pt")))
+        if scheduler is not None and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if load_rng:
+        rng_path = os.path.join(ckpt, "rng", f"rank_{dist.get_rank():05d}.pt")
+        if common["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):
+            set_rng_state(_load(rng_path))
+    optimizer.force_param_sync()
+    return common

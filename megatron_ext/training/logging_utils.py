@@ -1,0 +1,106 @@
+"""Megatron-style training log lines, the FLOP count behind TFLOP/s, and optional TensorBoard.
+
+The line layout follows Megatron-LM's ``training_log`` (``iteration N/ M | consumed samples: ... | ...``) so
+existing log parsers keep working; this project adds tokens/s per rank and the bytes each rank sent per step
+inside a node and across nodes, from the ODO's communication ledger.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+from typing import Dict, Optional
+
+
+def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
+    """Model FLOPs of one training iteration on ``batch_size`` sequences (Megatron-LM's dense GPT formula).
+
+    Every GEMM runs three times (forward, input-gradient, weight-gradient backward), a dense transformer stacks its
+    GEMMs in pairs, and an m x n by n x k GEMM costs 2mnk: hence the 3 * 2 * 2 = 12 in front. Per layer the
+    attention term counts the QKV and output projections (with grouped-query K/V) plus the score and context
+    GEMMs (s / h), the MLP term counts the two (three with SwiGLU: x 3/2) projections, and the logit layer is
+    spread over the layers as vocab / (2 * layers * hidden).
+    """
+    h, L, s = args.hidden_size, args.num_layers, args.seq_length
+    heads = args.num_attention_heads
+    kv_channels = args.kv_channels or h // heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    query_proj_ratio = kv_channels * heads / h
+    gated = 1.5 if args.swiglu else 1.0
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
+    return (12 * batch_size * s * L * h * h * (
+        (1 + groups / heads + s / h) * query_proj_ratio
+        + (args.ffn_hidden_size / h) * gated
+        + vocab / (2 * L * h)))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
+                      tflops_per_rank: float, tokens_per_sec_per_rank: float, lr: float, global_batch_size: int,
+                      lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float], skipped: int,
+                      nan_iters: int, intra_bytes: float, inter_bytes: float) -> str:
+    """One Megatron-LM-style log line (values averaged over the log interval)."""
+    ts = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    parts = [
+        f" [{ts}] iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_rank:.3f}",
+        f"tokens per second per GPU: {tokens_per_sec_per_rank:.1f}",
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+    ]
+    if lm_loss is not None:
+        parts.append(f"lm loss: {lm_loss:.6E}")
+    parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan_iters:3d}",
+              f"bytes sent per step intra-node: {_fmt_bytes(intra_bytes)}",
+              f"inter-node: {_fmt_bytes(inter_bytes)}"]
+    return " | ".join(parts) + " |"
+
+
+def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
+    parts = [f" validation loss at {prefix}"]
+    for k, v in losses.items():
+        parts.append(f"{k} value: {v:.6E}")
+        parts.append(f"{k} PPL: {math.exp(min(20.0, v)):.6E}")
+    line = " | ".join(parts) + " |"
+    bar = "-" * len(line)
+    return f"{bar}\n{line}\n{bar}"
+
+
+class TensorBoard:
+    """SummaryWriter when ``--tensorboard-dir`` is given and tensorboard is importable; a no-op otherwise."""
+
+    def __init__(self, log_dir: Optional[str]) -> None:
+        self.writer = None
+        self.reason = None
+        if not log_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception as e:  # tensorboard is optional
+            self.reason = f"--tensorboard-dir given but tensorboard is not importable ({e}); not writing events"
+            return
+        self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def scalars(self, step: int, values: Dict[str, Optional[float]]) -> None:
+        if self.writer is None:
+            return
+        for k, v in values.items():
+            if v is not None and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

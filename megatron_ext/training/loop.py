@@ -1,0 +1,194 @@
+"""The training and evaluation loop: megatron-core schedules driving the OverlappedDDP + ODO.
+
+One iteration is Megatron-LM's ``train_step``: zero the grad buffers, run ``get_forward_backward_func()`` over
+``num_micro_batches`` micro-batches (the schedule calls ``model.no_sync`` for all but the last micro-batch, scales
+the loss through ``optimizer.scale_loss`` and finishes with ``finalize_model_grads``, which waits for the ODO's
+reduce-scatters), then ``optimizer.step()`` and the LR scheduler. Logging happens on the last rank (the last
+pipeline stage, which owns the loss), like Megatron-LM's ``print_rank_last``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .logging_utils import TensorBoard, format_eval_line, format_train_line, num_floating_point_operations
+
+
+def print_rank_last(msg: str) -> None:
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(msg, flush=True)
+
+
+def print_rank_0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Token-mean cross entropy of one micro-batch (the schedule divides by the number of micro-batches)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module
+                 ) -> Tuple[torch.Tensor, Callable]:
+    """``forward_step_func`` for megatron-core's schedules on GPTDataset batches."""
+    batch = next(data_iterator)
+    if torch.cuda.is_available():
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _mean_lm_loss(losses: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+    """This DP group's average lm loss on the last stage; None on other stages (they see no loss)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.is_pipeline_last_stage():
+        return None
+    local = torch.stack([x["lm loss"].float().reshape(()) for x in losses]).mean()
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    return local / ps.get_data_parallel_world_size()
+
+
+def train_step(args: argparse.Namespace, fb: Callable, model, optimizer, scheduler,
+               data_iterator) -> Tuple[Optional[float], bool, Optional[float]]:
+    """One iteration; returns ``(lm loss or None, update applied, grad norm)``."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+                num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=args.global_batch_size)
+    loss = _mean_lm_loss(losses)
+    return (None if loss is None else loss.item()), bool(ok), (None if grad_norm is None else float(grad_norm))
+
+
+@torch.no_grad()
+def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iterator) -> Optional[float]:
+    """Average lm loss over ``--eval-iters`` global batches of the validation set, on fresh weights."""
+    optimizer.force_param_sync()
+    model.eval()
+    total, n = 0.0, 0
+    try:
+        for _ in range(args.eval_iters):
+            losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+                        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                        forward_only=True)
+            loss = _mean_lm_loss(losses)
+            if loss is not None:
+                total += loss.item()
+                n += 1
+    finally:
+        model.train()
+    return total / n if n else None
+
+
+class IntervalStats:
+    """What a log line averages over: losses, time, skipped/nan counts since the last line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.iters = 0
+        self.loss_sum = 0.0
+        self.loss_n = 0
+        self.skipped = 0
+        self.nan = 0
+        self.grad_norm: Optional[float] = None
+        self.t0 = time.perf_counter()
+
+
+def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
+          consumed_train_samples: int, consumed_valid_samples: int,
+          save_fn: Optional[Callable[[int, int, int], None]] = None) -> Dict[str, Any]:
+    """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = model.module.config if hasattr(model.module, "config") else model.config
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    fb = get_forward_backward_func()
+    tb = TensorBoard(args.tensorboard_dir if dist.get_rank() == dist.get_world_size() - 1 else None)
+    if tb.reason:
+        print_rank_last(f"WARNING: {tb.reason}")
+    flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
+    tokens_per_iter = args.global_batch_size * args.seq_length
+
+    history: Dict[int, float] = {}
+    evals: Dict[int, float] = {}
+    stats = IntervalStats()
+    model.ledger.reset()
+    iteration = start_iteration
+    total_skipped = 0
+    model.train()
+    while iteration < args.train_iters:
+        loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
+        iteration += 1
+        consumed_train_samples += args.global_batch_size
+        stats.iters += 1
+        if not ok:
+            stats.skipped += 1
+            total_skipped += 1
+        if loss is not None:
+            if math.isfinite(loss):
+                stats.loss_sum += loss
+                stats.loss_n += 1
+                history[iteration] = loss
+            else:
+                stats.nan += 1
+        if grad_norm is not None:
+            stats.grad_norm = grad_norm
+
+        if iteration % args.log_interval == 0:
+            elapsed = (time.perf_counter() - stats.t0) / stats.iters
+            summary = model.ledger.summary().get("total", {})
+            intra = summary.get("intra", 0) / stats.iters
+            inter = summary.get("inter", 0) / stats.iters
+            lr = optimizer.param_groups[0]["lr"]
+            lm = stats.loss_sum / stats.loss_n if stats.loss_n else None
+            scale = float(optimizer.get_loss_scale())
+            print_rank_last(format_train_line(
+                iteration=iteration, train_iters=args.train_iters, consumed_samples=consumed_train_samples,
+                elapsed_ms=elapsed * 1000, tflops_per_rank=flops_per_iter / (elapsed * args.world_size * 1e12),
+                tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
+                global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
+                skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter))
+            tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
+                                   "loss-scale": scale, "iteration-time": elapsed,
+                                   "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
+            model.ledger.reset()
+            stats.reset()
+
+        if args.eval_iters > 0 and iteration % args.eval_interval == 0 and valid_iter is not None:
+            val = evaluate(args, fb, model, optimizer, valid_iter)
+            consumed_valid_samples += args.eval_iters * args.global_batch_size
+            if val is not None:
+                evals[iteration] = val
+                print_rank_last(format_eval_line(f"iteration {iteration}", {"lm loss": val}))
+                tb.scalars(iteration, {"lm loss validation": val})
+            stats.t0 = time.perf_counter()  # keep eval time out of the next line's ms/iteration
+
+        if save_fn is not None and args.save_interval and iteration % args.save_interval == 0:
+            save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+            stats.t0 = time.perf_counter()
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    tb.close()
+    return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped,
+            "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples}

@@ -1,0 +1,68 @@
+"""Build this rank's megatron-core GPTModel stage from pretrain_gpt's flags, wrapped for mixed precision.
+
+The TransformerConfig base (CPU-friendly fusions off, CPU init without CUDA) comes from
+``megatron_ext.models.gpt.make_gpt_config``; this file maps Megatron-LM flags onto it. With ``--bf16``/``--fp16``
+the model is wrapped in megatron-core's ``Float16Module`` (half params, fp32 logits), as Megatron-LM does, before
+the OverlappedDDP wrapper sees it.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padding: a multiple of ``--make-vocab-size-divisible-by`` x TP, so TP shards are equal."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config_from_args(args: argparse.Namespace):
+    import torch.nn.functional as F
+
+    from megatron_ext.models.gpt import make_gpt_config
+
+    overrides = dict(
+        kv_channels=args.kv_channels, num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=not args.disable_bias_linear, init_method_std=args.init_method_std,
+        sequence_parallel=args.sequence_parallel, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype,
+        use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
+    )
+    if args.swiglu:
+        overrides.update(gated_linear_unit=True, activation_func=F.silu)
+    if args.fp16 or args.bf16:
+        overrides.update(attention_softmax_in_fp32=True)
+    return make_gpt_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
+                           **overrides)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """This pipeline stage of the GPT, on the current device, Float16Module-wrapped for --bf16/--fp16."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    config = transformer_config_from_args(args)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if args.transformer_impl == "transformer_engine"
+            else get_gpt_layer_local_spec(normalization=args.normalization))
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(), parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.fp16 or args.bf16:
+        model = Float16Module(config, model)
+    return model

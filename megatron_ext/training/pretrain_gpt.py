@@ -1,0 +1,198 @@
+"""``python -m megatron_ext.training.pretrain_gpt``: pretrain a megatron-core GPT with the ODO, Megatron-LM flags.
+
+Launch with torchrun, e.g. (CPU, 4 gloo ranks, 2 simulated nodes)::
+
+    torchrun --nproc-per-node 4 --standalone -m megatron_ext.training.pretrain_gpt \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \\
+        --micro-batch-size 4 --global-batch-size 32 --lr 1e-3 --train-iters 200 --ranks-per-node 2 ...
+
+See examples/ for complete scripts. Without ``--data-path`` it trains on the cached standard-library corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _build_data(args: argparse.Namespace):
+    """Tokenizer and (train, valid, test) datasets; the default corpus is built once, on global rank 0."""
+    from .corpus import build_default_corpus
+    from .data import build_datasets, train_valid_test_num_samples
+    from .tokenizer import load_tokenizer
+
+    data_path = args.data_path
+    tok_kwargs = dict(tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                      vocab_size=args.vocab_size)
+    tok_type = args.tokenizer_type
+    if not data_path and not args.mock_data:
+        if dist.get_rank() == 0:
+            build_default_corpus()
+        dist.barrier()
+        prefix, tok_json = build_default_corpus()
+        data_path, tok_type = [prefix], "HuggingFaceTokenizer"
+        tok_kwargs["tokenizer_model"] = tok_json
+        from .loop import print_rank_0
+        print_rank_0(f"> no --data-path: training on the standard-library corpus at {prefix}")
+    tokenizer = load_tokenizer(tok_type, **tok_kwargs)
+    sizes = train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
+                                         args.eval_iters)
+    datasets = build_datasets(data_path or [], args.split, args.seq_length, args.seed, tokenizer, sizes,
+                              mock=args.mock_data, cache_dir=args.data_cache_path)
+    return tokenizer, datasets
+
+
+def _build_optimizer(args: argparse.Namespace, model):
+    import megatron_ext as mx
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    fp16_kw: Dict[str, Any] = {}
+    if args.fp16:
+        fp16_kw = dict(loss_scale=args.loss_scale,
+                       initial_loss_scale=args.initial_loss_scale if args.initial_loss_scale is not None else 2**32,
+                       min_loss_scale=args.min_loss_scale if args.min_loss_scale is not None else 1.0,
+                       loss_scale_window=args.loss_scale_window if args.loss_scale_window is not None else 1000,
+                       hysteresis=args.hysteresis if args.hysteresis is not None else 2)
+    cfg = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                          adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                          sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                          params_dtype=args.params_dtype, use_distributed_optimizer=True, **fp16_kw)
+    opt = mx.OverlappedDistributedOptimizer(cfg, model)
+    sched = OptimizerParamScheduler(
+        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant")
+    return opt, sched
+
+
+def _overlap_config(args: argparse.Namespace):
+    import megatron_ext as mx
+
+    return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, accumulate=args.odo_accumulate,
+                            overlap_grad_reduce=args.overlap_grad_reduce,
+                            overlap_param_gather=args.overlap_param_gather, grad_reduce=args.grad_reduce,
+                            param_gather=args.param_gather, ranks_per_node=args.dp_ranks_per_node,
+                            quant_group_size=args.quant_group_size, qgz_bits=args.qgz_bits)
+
+
+def _print_args(args: argparse.Namespace) -> None:
+    from .loop import print_rank_0
+
+    lines = ["------------------------ arguments ------------------------"]
+    for k in sorted(vars(args)):
+        lines.append(f"  {k} {'.' * max(1, 40 - len(k))} {getattr(args, k)}")
+    lines.append("-------------------- end of arguments ---------------------")
+    print_rank_0("\n".join(lines))
+
+
+def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Parse flags, set up TP x PP x DP, train, evaluate and checkpoint. Returns the loss history (see loop.train).
+
+    Works inside an existing process group (tests) or creates one from torchrun's environment.
+    """
+    from . import checkpointing
+    from .arguments import parse_args
+    from .data import MicroBatchIterator
+    from .initialize import init_distributed, init_model_parallel, teardown
+    from .loop import print_rank_0, train
+    from .model import build_model, padded_vocab_size
+
+    args = parse_args(argv)
+    created = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    try:
+        from megatron.core import parallel_state as ps
+
+        import megatron_ext as mx
+
+        init_model_parallel(args)
+        tokenizer, (train_ds, valid_ds, _test_ds) = _build_data(args)
+        args.vocab_size = tokenizer.vocab_size
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)
+        _print_args(args)
+        module = build_model(args)
+        model = mx.OverlappedDDP(module, _overlap_config(args), dp_group=ps.get_data_parallel_group())
+        optimizer, scheduler = _build_optimizer(args, model)
+        n_params = sum(p.numel() for p in module.parameters())
+        print_rank_0(f"> GPT stage 0: {n_params / 1e6:.2f}M parameters on rank 0 (TP={args.tensor_model_parallel_size}"
+                     f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}), vocab "
+                     f"{args.vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} micro-batches "
+                     f"per step")
+
+        iteration, consumed_train, consumed_valid = 0, 0, 0
+        if args.load:
+            ckpt = _find_checkpoint_or_fail(args)
+            if ckpt is not None:
+                common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler,
+                                                       load_optim=not args.no_load_optim,
+                                                       load_rng=not args.no_load_rng)
+                iteration = common["iteration"]
+                consumed_train = common["consumed_train_samples"]
+                consumed_valid = common["consumed_valid_samples"]
+                print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} (saved at DP="
+                             f"{common['data_parallel_size']}, now DP={args.data_parallel_size})")
+
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        train_iter = MicroBatchIterator(train_ds, consumed_train, args.micro_batch_size, dp_rank, dp_size)
+        valid_iter = (MicroBatchIterator(valid_ds, consumed_valid, args.micro_batch_size, dp_rank, dp_size)
+                      if valid_ds is not None and len(valid_ds) > 0 else None)
+
+        args_dict = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+        def save(it: int, ct: int, cv: int) -> None:
+            path = checkpointing.save_checkpoint(args.save, it, model, optimizer, scheduler,
+                                                 consumed_train_samples=ct, consumed_valid_samples=cv,
+                                                 args_dict=args_dict, save_optim=not args.no_save_optim)
+            print_rank_0(f"> saved checkpoint {path}")
+
+        result = train(args, model, optimizer, scheduler, train_iter, valid_iter, start_iteration=iteration,
+                       consumed_train_samples=consumed_train, consumed_valid_samples=consumed_valid,
+                       save_fn=save if args.save else None)
+        if args.save and result["iteration"] > iteration and not (
+                args.save_interval and result["iteration"] % args.save_interval == 0):
+            save(result["iteration"], result["consumed_train_samples"], result["consumed_valid_samples"])
+        return result
+    finally:
+        teardown(created)
+
+
+def _find_checkpoint_or_fail(args: argparse.Namespace):
+    """The checkpoint to resume from, or None when ``--load`` is also ``--save`` and nothing was saved yet."""
+    from . import checkpointing
+    from .loop import print_rank_0
+
+    same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    if same_as_save and not os.path.isdir(args.load):
+        print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")
+        return None
+    ckpt = checkpointing.find_checkpoint(args.load)
+    if ckpt is None:
+        if same_as_save:
+            print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")
+            return None
+        raise checkpointing.CheckpointError(
+            f"--load {args.load}: no checkpoint there (no {checkpointing.TRACKER}; a save that did not finish "
+            "leaves none)")
+    return ckpt
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .checkpointing import CheckpointError
+
+    try:
+        pretrain(argv)
+    except CheckpointError as e:
+        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
