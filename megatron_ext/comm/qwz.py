@@ -8,10 +8,11 @@ the rows over the DP group in a single collective. Every rank, the owner of the 
 on all ranks, while the fp32 master shards held by the optimizer stay exact (the owner's exact shard is
 overwritten in the *model* buffer only).
 
-Row layout (bytes): ``[codes (padded to a multiple of 4) | scales (fp32)]``. Bytes sent per rank (pairwise
+Groups are balanced: the shard is cut into ``G = ceil(n / quant_group_size)`` groups of ``g = ceil(n / G)``
+elements (at most ``quant_group_size``), so padding is under ``G`` elements instead of up to a whole group.
+Row layout (bytes): ``[codes (G*g, padded to a multiple of 4) | G fp32 scales]``. Bytes sent per rank (pairwise
 model of the ledger): ``row * (P - 1)``, split ``row * (r - 1)`` intra-node and ``row * (P - r)`` inter-node, with
-``row = round_up(codes_bytes, 4) + 4 * ceil(n / group)`` and ``codes_bytes`` what the kernel returns
-(``ceil(n / group) * group`` for INT8, the last group zero-padded).
+``row = round_up(G * g, 4) + 4 * G`` (:func:`qwz_row_bytes`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ QWZ_BITS = 8
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def qwz_group(n: int, group_size: int) -> int:
+    """Balanced group length for an ``n``-element shard (see the module note)."""
+    groups = max(1, -(-n // group_size))
+    return max(1, -(-n // groups))
+
+
+def qwz_row_bytes(n: int, group_size: int) -> int:
+    """Bytes one rank contributes to the qwZ all-gather for an ``n``-element shard."""
+    g = qwz_group(n, group_size)
+    groups = -(-n // g)
+    return _round_up(groups * g, 4) + 4 * groups
 
 
 def pack_codes_scales(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -61,7 +75,7 @@ class QwzParamGather(ParamGather):
             if shard.data_ptr() != out_bucket.data_ptr():
                 out_bucket.copy_(shard)
             return CompletedWork()
-        group = self.options.quant_group_size
+        group = qwz_group(n, self.options.quant_group_size)
         codes, scales = quantize_symmetric(shard.contiguous(), bits=QWZ_BITS, group_size=group)
         row = pack_codes_scales(codes, scales)
         num_scales = scales.numel()

@@ -56,6 +56,7 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         shard = torch.empty(n)
         backend.reduce_scatter(torch.full((P * n,), 0.75), shard).wait()
         out["const"][label] = shard
+    out["qgz_events"] = qgz_event_order(topo, n, options)
     try:
         Topology(ranks_per_node=3 if P % 3 else 5, create_subgroups=False)
         out["bad_rpn_error"] = None
@@ -70,6 +71,44 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         out["grad"][label] = buf
         out["ledger"][label] = ledger.summary()
     return out
+
+
+def qgz_event_order(topo, n: int, options: Dict) -> List[str]:
+    """Launch / wait order of qgZ's all-to-alls for one bucket (to check the pipelining of the two hops)."""
+    import torch.distributed as dist
+
+    from megatron_ext.comm import BackendOptions, CommLedger, build_grad_reduce
+    from megatron_ext.comm import qgz as qgz_mod
+
+    events: List[str] = []
+    real = dist.all_to_all_single
+
+    class _Logged:
+        def __init__(self, h, tag):
+            self.h, self.tag = h, tag
+
+        def wait(self):
+            self.h.wait()
+            events.append("wait " + self.tag)
+
+    counts = {"intra": 0, "inter": 0}
+
+    def logged(out, inp, group=None, async_op=False):
+        hop = "intra" if group is topo.intra_group else "inter"
+        tag = f"{hop}{counts[hop]}"
+        counts[hop] += 1
+        events.append("launch " + tag)
+        return _Logged(real(out, inp, group=group, async_op=async_op), tag)
+
+    qgz_mod.dist.all_to_all_single = logged
+    try:
+        be = build_grad_reduce("qgz", topo, CommLedger(), BackendOptions(**options))
+        work = be.reduce_scatter(torch.ones(topo.size * n), torch.empty(n))
+        events.append("constructed")
+        work.wait()
+    finally:
+        qgz_mod.dist.all_to_all_single = real
+    return events
 
 
 # -- analytic error bounds -----------------------------------------------------------------------------------------
@@ -140,6 +179,9 @@ def bytegrad_bound(xs: List[torch.Tensor], nodes: int, rpn: int, chunk: int) -> 
 
 
 def qwz_bound(x: torch.Tensor, P: int, n: int, group_size: int) -> torch.Tensor:
+    from megatron_ext.comm.qwz import qwz_group
+
+    g = qwz_group(n, group_size)
     j = torch.arange(P * n)
-    ids = (j // n) * (-(-n // group_size)) + (j % n) // group_size
+    ids = (j // n) * (-(-n // g)) + (j % n) // g
     return group_reduce(x, ids, "absmax") / 127 / 2

@@ -14,6 +14,7 @@ from unit_tests.comm import _worlds as W
 from unit_tests.dist_harness import run_distributed
 from megatron_ext.comm.bytegrad import bytegrad_bytes, bytegrad_row_bytes
 from megatron_ext.comm.qgz import qgz_bytes, qgz_geometry
+from megatron_ext.comm.qwz import qwz_group, qwz_row_bytes
 
 # name: (world, ranks_per_node, shard numel n, options, dtype)
 CONFIGS = {
@@ -117,7 +118,9 @@ def test_ledger_equals_closed_form(name):
         assert tot["bytegrad"] == bytegrad_bytes(n, N, rpn, e, opts.get("bytegrad_chunk_size", 0),
                                                  leader=(r % rpn == 0))
         groups = -(-n // g)
-        row = -(-groups * g // 4) * 4 + 4 * groups        # INT8 codes of whole groups, padded to 4 bytes, + scales
+        gb = -(-n // groups)                               # balanced groups: padding < groups elements
+        row = -(-groups * gb // 4) * 4 + 4 * groups        # INT8 codes of whole groups, padded to 4 bytes, + scales
+        assert row == qwz_row_bytes(n, g)
         assert tot["qwz"] == (row * (rpn - 1), row * (P - rpn))
 
 
@@ -146,7 +149,8 @@ def test_cross_node_volumes_match_seed_closed_forms():
     assert plain_rs == (P - rpn) * M
     groups = -(-n // g)
     qwz_scales = (N - 1) * P * rpn * groups * 4
-    qwz_pad = (N - 1) * P * rpn * (-(-groups * g // 4) * 4 - n)
+    qwz_pad = (N - 1) * P * rpn * (-(-groups * qwz_group(n, g) // 4) * 4 - n)
+    assert qwz_pad <= (N - 1) * P * rpn * (groups + 3)
     assert inter("qwz") == (inter("plain_ag") // 2) // 2 + qwz_scales + qwz_pad
     L = P * n // N
     row = bytegrad_row_bytes(L, 0)
@@ -158,3 +162,16 @@ def test_bad_ranks_per_node_is_a_clear_error():
     res, _ = world("dp4_rpn2")
     msg = res[0]["bad_rpn_error"]
     assert msg is not None and "ranks_per_node" in msg and "does not divide" in msg
+
+
+def test_qgz_pipelines_intra_and_inter_node_hops():
+    """All intra-node hops start before wait(); stage s's inter-node hop is in flight before stage s+1's intra-node
+    hop is waited for (seed 000 4.1.2), so both link classes carry data at once."""
+    res, _ = world("dp4_rpn2")
+    ev = res[0]["qgz_events"]
+    S = CONFIGS["dp4_rpn2"][3]["qgz_pipeline_stages"]
+    assert ev[:S + 1] == [f"launch intra{s}" for s in range(S)] + ["constructed"]
+    for s in range(S - 1):
+        assert ev.index(f"launch inter{s}") < ev.index(f"wait intra{s + 1}")
+        assert ev.index(f"wait inter{s}") > ev.index(f"launch inter{s + 1}")
+    assert sum(e.startswith("launch inter") for e in ev) == S
