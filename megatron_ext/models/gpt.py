@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron_ext.compat import causal_attention_mask, enable_cpu_compat
+from megatron_ext.compat import causal_attention_mask, cpu_device_mode, enable_cpu_compat
 
 
 def make_gpt_config(num_layers: int, hidden_size: int, num_attention_heads: int, ffn_hidden_size: Optional[int] = None,
@@ -67,11 +67,13 @@ def build_gpt_model(num_layers: int, hidden_size: int, num_attention_heads: int,
                   pre_process=pre_process, post_process=post_process, parallel_output=True,
                   share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                   position_embedding_type=position_embedding_type)
-    if ladder_residual or desync_residual:
-        from megatron_ext.transformer.ladder_gpt import LadderGPTModel
-        return LadderGPTModel(**kwargs, ladder_residual=ladder_residual,
-                              ladder_residual_layers=ladder_residual_layers, desync_residual=desync_residual)
-    return GPTModel(**kwargs)
+    # Pipeline-tied embeddings call ``weight.data.cuda()`` at construction: build under the CPU device mode.
+    with cpu_device_mode():
+        if ladder_residual or desync_residual:
+            from megatron_ext.transformer.ladder_gpt import LadderGPTModel
+            return LadderGPTModel(**kwargs, ladder_residual=ladder_residual,
+                                  ladder_residual_layers=ladder_residual_layers, desync_residual=desync_residual)
+        return GPTModel(**kwargs)
 
 
 def _layer_spec(name: str):
