@@ -100,11 +100,14 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _crash_hook(stage: str) -> None:
-    """Test hook: ``MEGATRON_EXT_TEST_CRASH_IN_SAVE=<global rank>`` kills that rank mid-save (after its files)."""
+def _crash_hook(iteration: int) -> None:
+    """Test hook: ``MEGATRON_EXT_TEST_CRASH_IN_SAVE=<global rank>:<iteration>`` kills that rank while it saves that
+    iteration, after writing its own files and before the checkpoint is published (a simulated node failure)."""
     target = os.environ.get("MEGATRON_EXT_TEST_CRASH_IN_SAVE")
-    if target is not None and stage == "after_files" and int(target) == dist.get_rank():
-        os._exit(17)
+    if target:
+        rank, it = (int(x) for x in target.split(":"))
+        if rank == dist.get_rank() and it == iteration:
+            os._exit(17)
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
@@ -153,7 +156,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
                   "args": args_dict}
         _fsync_save(common, os.path.join(tmp, "common.pt"))
         written.append(os.path.join(tmp, "common.pt"))
-    _crash_hook("after_files")
+    _crash_hook(iteration)
 
     # One collective doubles as "every rank finished writing": a dead rank makes it fail, so nothing is published.
     files = {os.path.relpath(p, tmp): os.path.getsize(p) for p in written}

@@ -85,9 +85,10 @@ def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str
     names = ("train", "validation", "test")
     for prefix in prefixes:
         n = len(IndexedDataset(prefix))
-        for i, (a, b) in enumerate(matrix):
-            if weights[i] == 0:
+        for i, bounds in enumerate(matrix):
+            if weights[i] == 0 or bounds is None:
                 continue
+            a, b = bounds
             if int(round(b * n)) - int(round(a * n)) == 0:
                 if i == 0 or (i == 1 and num_samples[1] > 0):
                     raise ValueError(f"--split {split} leaves the {names[i]} split of {prefix} ({n} documents) "

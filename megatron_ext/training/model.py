@@ -48,21 +48,28 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.compat import cpu_device_mode, enable_cpu_compat
 
     enable_cpu_compat()
     config = transformer_config_from_args(args)
     spec = (get_gpt_layer_with_transformer_engine_spec() if args.transformer_impl == "transformer_engine"
             else get_gpt_layer_local_spec(normalization=args.normalization))
-    model = GPTModel(
+    # With PP > 1 and tied embeddings, megatron-core's LanguageModule moves the shared weight with `.cuda()` before
+    # its first/last-stage all-reduce; cpu_device_mode makes that a no-op without CUDA (pass-through with CUDA).
+    with cpu_device_mode():
+        model = _gpt(GPTModel, config, spec, args, ps)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.fp16 or args.bf16:
+        model = Float16Module(config, model)
+    return model
+
+
+def _gpt(GPTModel, config, spec, args: argparse.Namespace, ps) -> torch.nn.Module:
+    return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    if args.fp16 or args.bf16:
-        model = Float16Module(config, model)
-    return model

@@ -12,7 +12,6 @@ import os
 from typing import Iterable, Iterator, List, Sequence
 
 import numpy
-import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -62,7 +61,7 @@ def build_indexed_dataset(documents: Iterable[str], tokenizer, prefix: str, appe
                 ids = list(ids) + [tokenizer.eod]
             if not ids:
                 continue
-            builder.add_document(torch.tensor(numpy.asarray(ids, dtype=numpy.int64)), [len(ids)])
+            builder.add_document(numpy.asarray(ids, dtype=numpy.int64), [len(ids)])
             n_docs += 1
             n_tokens += len(ids)
 
