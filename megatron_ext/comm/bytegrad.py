@@ -156,7 +156,7 @@ class ByteGradGradReduce(GradReduce):
             ledger.record("bytegrad_inter_all_gather", intra=leader_peers_intra * row.numel(),
                           inter=leader_peers_inter * row.numel())
             st["gathered"] = gathered
-            return [dist.all_gather_into_tensor(gathered.view(-1), row, group=leader_group, async_op=True)]
+            return [_all_gather(gathered.view(-1), row, group=leader_group, async_op=True)]
 
         def broadcast_phase() -> List:
             if leader:
@@ -179,3 +179,9 @@ class ByteGradGradReduce(GradReduce):
 
         del leader_rank
         return StagedWork([reduce_phase, all_to_all_phase, average_gather_phase, broadcast_phase, finish])
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
+    """torch >= 2.13 renames all_gather_into_tensor to all_gather_single."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -82,7 +82,7 @@ class QwzParamGather(ParamGather):
         recv = torch.empty(topo.size * row.numel(), dtype=torch.uint8, device=row.device)
         intra, inter = topo.peers()
         self.ledger.record_pairwise("qwz_all_gather", row.numel(), intra, inter)
-        handle = dist.all_gather_into_tensor(recv, row, group=topo.group, async_op=True)
+        handle = _all_gather(recv, row, group=topo.group, async_op=True)
         rows = recv.view(topo.size, row.numel())
         dtype = out_bucket.dtype
 
@@ -93,3 +93,9 @@ class QwzParamGather(ParamGather):
                     dequantize_symmetric(c, s, bits=QWZ_BITS, group_size=group, numel=n, dtype=dtype))
 
         return TorchWork(handle, epilogue)
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
+    """torch >= 2.13 renames all_gather_into_tensor to all_gather_single."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)

@@ -1,0 +1,340 @@
+#!/usr/bin/env python
+"""Step time of the communication backends on an emulated multi-node cluster (network namespaces + tbf).
+
+``tools/netns_cluster.sh`` builds one network namespace per node, joined through a switch namespace by veth pairs
+rate-limited with ``tbf`` (e.g. 1 Gbit/s); the ranks of one node run inside that node's namespace and talk to each
+other over its loopback, so only cross-node traffic pays the emulated link. The namespaces are always removed at
+the end (also on errors and Ctrl-C). Needs root; nothing is changed on the host's own interfaces.
+
+Modes:
+  raw  -- one ZeRO-2 step's collectives: ``--buckets`` buckets of ``--bucket-numel`` elements reduce-scattered
+          (all launched, then waited, as the ODO does during backward) and then all-gathered, per backend combo.
+  gpt  -- a small megatron-core GPT trained with the ODO (``megatron_ext.OverlappedDDP`` +
+          ``OverlappedDistributedOptimizer``), one combo after the other; step time = forward + backward + step.
+
+Combos: plain, qwZ, qgZ (INT4), qwZ+qgZ, ByteGrad, and DeepSpeed ZeRO-2 as the peer (gpt mode, only when
+``deepspeed`` imports; skipped with a message otherwise). Each combo is timed at every ``--rates`` link rate; the
+table shows milliseconds per step (max over ranks, median over iterations) and the speedup over plain, next to
+seed 000's low-bandwidth results (1 IB link, 384 V100: 1.79x-2.16x end to end).
+
+    sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HELPER = os.path.join(HERE, "netns_cluster.sh")
+
+COMBOS = [
+    # label, grad_reduce, param_gather, backend option overrides
+    ("plain", "plain", "plain", {}),
+    ("qwZ", "plain", "qwz", {}),
+    ("qgZ", "qgz", "plain", {"qgz_bits": 4}),
+    ("qwZ+qgZ", "qgz", "qwz", {"qgz_bits": 4}),
+    ("ByteGrad", "bytegrad", "plain", {}),
+]
+SEED_000_LOW_BW = ("seed 000 Table 2, 384 V100, 1 IB link (100 Gbit/s): ZeRO++ over ZeRO-3 end to end 1.79x-2.16x; "
+                   "8 IB links: 1.13x-1.30x")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# worker side (runs inside a node namespace)
+# ------------------------------------------------------------------------------------------------------------------
+def _timed(fn, iters: int, warmup: int) -> List[float]:
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
+def _max_over_ranks(times: List[float]) -> List[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _ledger_over_ranks(ledger, topo) -> Dict:
+    """This rank's ledger summary plus the group's cross-node bytes per node (sum over ranks / nodes)."""
+    import torch
+    import torch.distributed as dist
+
+    summ = ledger.summary()
+    t = torch.tensor([summ["total"]["intra"], summ["total"]["inter"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    summ["per_node"] = {"intra": t[0].item() / topo.num_nodes, "inter": t[1].item() / topo.num_nodes}
+    return summ
+
+
+def _raw_combo(topo, label, gr, pg, extra, a) -> Dict:
+    import torch
+
+    from megatron_ext.comm import BackendOptions, CommLedger, build_grad_reduce, build_param_gather
+
+    dtype = getattr(torch, a.dtype)
+    opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages, **extra)
+    ledger = CommLedger()
+    grad_be = build_grad_reduce(gr, topo, ledger, opts)
+    param_be = build_param_gather(pg, topo, ledger, opts)
+    P = topo.size
+    n = -(-a.bucket_numel // (P * 64)) * 64
+    g = torch.Generator().manual_seed(topo.rank)
+    buckets = [torch.randn(P * n, generator=g).to(dtype) for _ in range(a.buckets)]
+    shards = [torch.empty(n, dtype=dtype) for _ in range(a.buckets)]
+
+    def step():
+        works = [grad_be.reduce_scatter(b, s) for b, s in zip(buckets, shards)]
+        for w in works:
+            w.wait()
+        works = [param_be.all_gather(s, b) for b, s in zip(buckets, shards)]
+        for w in works:
+            w.wait()
+
+    ledger.enabled = False
+    times = _max_over_ranks(_timed(step, a.iters, a.warmup))
+    ledger.enabled = True
+    ledger.reset()
+    step()
+    return {"times_s": times, "ledger": _ledger_over_ranks(ledger, topo)}
+
+
+def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext.models import build_gpt_model, make_gpt_config
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(1234)
+    cfg = make_gpt_config(a.layers, a.hidden, a.heads)
+    model = build_gpt_model(cfg, vocab_size=a.vocab, seq_length=a.seq)
+    ocfg = mx.OverlapConfig(bucket_size=a.bucket_numel, grad_reduce=gr, param_gather=pg,
+                            ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
+                            quant_group_size=a.group_size, qgz_pipeline_stages=a.stages,
+                            qgz_bits=extra.get("qgz_bits", 4))
+    ddp = mx.OverlappedDDP(model, ocfg)
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
+    g = torch.Generator().manual_seed(topo.rank)
+    tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=g)
+    pos = torch.arange(a.seq).unsqueeze(0).expand(a.micro_batch, -1)
+    labels = torch.roll(tokens, -1, dims=1)
+
+    def step():
+        out = ddp(tokens, pos, None, labels=labels)
+        loss = out.float().mean()
+        opt.scale_loss(loss).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+
+    ddp.ledger.enabled = False
+    times = _max_over_ranks(_timed(step, a.iters, a.warmup))
+    ddp.ledger.enabled = True
+    ddp.ledger.reset()
+    step()
+    return {"times_s": times, "ledger": _ledger_over_ranks(ddp.ledger, topo),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _deepspeed_combo(topo, a) -> Dict:
+    import deepspeed  # noqa: F401  (only reached when it imports)
+    raise NotImplementedError("DeepSpeed ZeRO-2 peer in bench_cluster is not wired up yet")
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, ROOT)
+    dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=900))
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    from megatron_ext.comm import Topology
+
+    topo = Topology(ranks_per_node=a.ranks_per_node)
+    results = {}
+    for label, gr, pg, extra in COMBOS:
+        if a.combos and label not in a.combos.split(","):
+            continue
+        fn = _raw_combo if a.mode == "raw" else _gpt_combo
+        results[label] = fn(topo, label, gr, pg, extra, a)
+        if a.rank == 0:
+            print(f"  {label:<10} {1e3 * statistics.median(results[label]['times_s']):9.1f} ms/step", flush=True)
+    if a.mode == "gpt":
+        try:
+            import deepspeed  # noqa: F401
+            results["DeepSpeed ZeRO-2"] = _deepspeed_combo(topo, a)
+        except ImportError:
+            if a.rank == 0:
+                print("  DeepSpeed ZeRO-2: skipped (deepspeed is not installed)", flush=True)
+    if a.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# orchestrator side
+# ------------------------------------------------------------------------------------------------------------------
+class Cluster:
+    """The namespaces of one benchmark run; removed on exit, error or signal."""
+
+    def __init__(self, nodes: int, rate: str, prefix: str) -> None:
+        self.nodes, self.prefix = nodes, prefix
+        self.down()   # leftovers of an interrupted run with the same prefix
+        subprocess.run([HELPER, "up", str(nodes), rate, prefix], check=True)
+
+    def set_rate(self, rate: str) -> None:
+        subprocess.run([HELPER, "rate", str(self.nodes), rate, self.prefix], check=True)
+
+    def down(self) -> None:
+        subprocess.run([HELPER, "down", str(self.nodes), self.prefix], check=False)
+
+    def ns(self, node: int) -> str:
+        return f"{self.prefix}{node}"
+
+
+def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
+    P = a.nodes * a.ranks_per_node
+    with tempfile.TemporaryDirectory(prefix="mx_bench_cluster_") as d:
+        store, out = os.path.join(d, "store"), os.path.join(d, "out.json")
+        procs = []
+        try:
+            for r in range(P):
+                node = r // a.ranks_per_node
+                env = ["env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", f"PYTHONPATH={ROOT}",
+                       f"LOCAL_WORLD_SIZE={a.ranks_per_node}"]
+                cmd = ["ip", "netns", "exec", cluster.ns(node), *env, sys.executable, os.path.abspath(__file__),
+                       "--worker", "--rank", str(r), "--world", str(P), "--store", store, "--out", out, *forward]
+                procs.append(subprocess.Popen(cmd))
+            deadline = time.monotonic() + a.timeout
+            for p in procs:
+                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if rc != 0:
+                    raise RuntimeError(f"a rank exited with code {rc} at rate {rate}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        with open(out) as f:
+            return json.load(f)
+
+
+def render(all_results: Dict[str, Dict], a) -> str:
+    rates = list(all_results)
+    labels = [l for l in all_results[rates[0]]]
+    lines = [f"mode={a.mode}, {a.nodes} nodes x {a.ranks_per_node} ranks, "
+             + (f"{a.buckets} bucket(s) of {a.bucket_numel / 1e6:.1f}M {a.dtype} elements" if a.mode == "raw"
+                else f"GPT {a.layers}x{a.hidden}, seq {a.seq}, micro-batch {a.micro_batch}"),
+             "ms per step (median over iterations of the max over ranks); speedup = plain / combo"]
+    hdr = f"{'combo':<18}" + "".join(f"{r + ' ms':>14}{'speedup':>9}{'inter MiB/node':>16}" for r in rates)
+    lines += [hdr, "-" * len(hdr)]
+    for l in labels:
+        row = f"{l:<18}"
+        for r in rates:
+            res = all_results[r].get(l)
+            base = statistics.median(all_results[r]["plain"]["times_s"])
+            if res is None:
+                row += f"{'-':>14}{'-':>9}{'-':>16}"
+                continue
+            med = statistics.median(res["times_s"])
+            inter = res["ledger"]["per_node"]["inter"] / 2 ** 20
+            row += f"{1e3 * med:>14.1f}{base / med:>8.2f}x{inter:>16.2f}"
+        lines.append(row)
+    lines.append(SEED_000_LOW_BW)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["raw", "gpt"], default="raw")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--rates", default="1gbit,100mbit", help="comma-separated tbf rates of the inter-node links")
+    ap.add_argument("--bucket-numel", type=int, default=4_000_000, help="elements per bucket")
+    ap.add_argument("--buckets", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--group-size", type=int, default=2048)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c[0] for c in COMBOS))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", default="bench_cluster.json")
+    # worker-only
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    if os.geteuid() != 0:
+        ap.error("needs root to create network namespaces")
+    forward = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--worker"]
+    rates = a.rates.split(",")
+    cluster = Cluster(a.nodes, rates[0], a.prefix)
+
+    def on_signal(signum, frame):
+        cluster.down()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    results: Dict[str, Dict] = {}
+    try:
+        for rate in rates:
+            cluster.set_rate(rate)
+            print(f"link rate {rate}:", flush=True)
+            results[rate] = run_rate(cluster, a, rate, forward)
+    finally:
+        cluster.down()
+    print(render(results, a))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store",
+                                                                                   "out")},
+                       "results": results, "seed_000": SEED_000_LOW_BW}, f, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
