@@ -1,0 +1,83 @@
+"""Checkpoints: exact resume at the same DP size, resharding DP 4 -> 2, and a crash mid-save."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .conftest import REPO
+from .test_pretrain_gpt import _data_flags
+
+
+def _runs(argv_list):
+    """Several pretrain_gpt runs one after another in the same world (each sets up and tears down its state)."""
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    return [pretrain(argv) for argv in argv_list]
+
+
+def _ordered(losses):
+    return [losses[i] for i in sorted(losses)]
+
+
+def test_exact_resume_same_dp(spawn, text_dataset, tiny_model_flags, tmp_path):
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "20",
+                                                           "--hidden-dropout", "0.1"]
+    ckpt = str(tmp_path / "ckpt")
+    straight = base
+    first = base + ["--save", ckpt, "--save-interval", "10", "--exit-interval", "10"]
+    second = base + ["--load", ckpt]
+    results = spawn(_runs, 2, [straight, first, second], timeout=200)
+    a, b, c = results[-1]
+    assert sorted(b["losses"]) == list(range(1, 11)) and sorted(c["losses"]) == list(range(11, 21))
+    resumed = {**b["losses"], **c["losses"]}
+    assert _ordered(resumed) == _ordered(a["losses"])  # bit-identical, iteration by iteration
+
+
+def test_reshard_dp4_to_dp2(spawn, text_dataset, tiny_model_flags, tmp_path):
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "8"]
+    ckpt = str(tmp_path / "ckpt")
+    # DP=4 straight run that also saves at iteration 4 (and 8); resume the iteration-4 checkpoint at DP=2.
+    ref = spawn(_runs, 4, [base + ["--save", ckpt, "--save-interval", "4"]], timeout=200)[-1][0]
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("4")
+    resumed = spawn(_runs, 2, [base + ["--load", ckpt, "--ddp-bucket-size", "3000"]], timeout=200)[-1][0]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    for i in range(5, 9):
+        assert abs(resumed["losses"][i] - ref["losses"][i]) < 1e-4 * abs(ref["losses"][i]), (i, resumed, ref)
+
+
+def _torchrun(argv, env, timeout=180):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "megatron_ext.training.pretrain_gpt"] + argv
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(text_dataset, tiny_model_flags, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "4",
+                                                           "--save", ckpt, "--save-interval", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MEGATRON_EXT_TEST_CRASH_IN_SAVE="1:4")  # rank 1 dies while iteration 4 is being saved
+    crashed = _torchrun(argv, env)
+    assert crashed.returncode != 0
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
+
+    env.pop("MEGATRON_EXT_TEST_CRASH_IN_SAVE")
+    resumed = _torchrun(argv + ["--load", ckpt], env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "loaded checkpoint" in resumed.stdout and "iteration        4/       4" in resumed.stdout
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000004.tmp"))
+
+
+def test_load_missing_checkpoint_is_a_clear_error(text_dataset, tiny_model_flags, tmp_path):
+    argv = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2",
+                                                           "--load", str(tmp_path / "does-not-exist")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # A world of one without torchrun: the entry point creates its own process group.
+    out = subprocess.run([sys.executable, "-m", "megatron_ext.training.pretrain_gpt"] + argv, cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"--load {tmp_path / 'does-not-exist'}: no such directory" in out.stderr
