@@ -1,0 +1,130 @@
+"""Each Triton kernel equals its torch reference bit for bit, on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Not collected by default (no ``test_`` prefix): ``test_triton_interpreted.py`` runs this file in a fresh pytest
+subprocess with ``TRITON_INTERPRET=1`` set before anything imports Triton (see the note there).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_triton_interpreted.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from megatron_ext.kernels import reference as ref  # noqa: E402
+
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
+
+
+@pytest.fixture(scope="module")
+def tri():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from megatron_ext.kernels import triton_ops, triton_symmetric
+    assert isinstance(triton_symmetric.swizzle_quantize_kernel, InterpretedFunction)
+    return triton_ops
+
+
+def _data(numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g).pow(3) * 8
+    if numel > 40:
+        x[7:40] = 0.0  # an all-zero group for small group sizes
+    return x.to(dtype)
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                       b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
+
+
+@SETTINGS
+@given(numel=st.integers(1, 1500), bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 6, 32, 64, 100, 256]),
+       dtype=DTYPES, out_dtype=DTYPES, seed=st.integers(0, 2 ** 16))
+def test_symmetric_quantize_dequantize(tri, numel, bits, group, dtype, out_dtype, seed):
+    x = _data(numel, dtype, seed)
+    want = ref.quantize_symmetric(x, bits=bits, group_size=group)
+    got = tri.quantize_symmetric(x, bits=bits, group_size=group)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+    kw = dict(bits=bits, group_size=group, numel=numel, dtype=out_dtype)
+    _same(tri.dequantize_symmetric(*want, **kw), ref.dequantize_symmetric(*want, **kw))
+
+
+@SETTINGS
+@given(per=st.integers(1, 200), short=st.integers(0, 5), nodes=st.integers(1, 3), rpn=st.integers(1, 3),
+       stages=st.integers(1, 3), bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 8, 32, 34]), dtype=DTYPES,
+       seed=st.integers(0, 2 ** 16))
+def test_swizzle_quantize(tri, per, short, nodes, rpn, stages, bits, group, dtype, seed):
+    numel = max(1, per * nodes * rpn - short)
+    x = _data(numel, dtype, seed)
+    want = ref.swizzle_quantize(x, bits, group, nodes, rpn, stages)
+    got = tri.swizzle_quantize(x, bits, group, nodes, rpn, stages)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+@SETTINGS
+@given(k=st.integers(1, 5), groups=st.integers(1, 30), bits=st.sampled_from([8, 4]),
+       group=st.sampled_from([2, 6, 32, 64]), out_dtype=DTYPES, cut=st.integers(0, 10), seed=st.integers(0, 2 ** 16))
+def test_dequantize_reduce(tri, k, groups, bits, group, out_dtype, cut, seed):
+    xs = [_data(groups * group, torch.float32, seed + i) for i in range(k)]
+    qs = [ref.quantize_symmetric(x, bits=bits, group_size=group) for x in xs]
+    chunks = torch.stack([c for c, _ in qs])
+    scales = torch.stack([s for _, s in qs])
+    want = ref.dequantize_reduce_quantize(chunks, scales, bits, group)
+    got = tri.dequantize_reduce_quantize(chunks, scales, bits, group)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+    numel = max(1, groups * group - cut)
+    kw = dict(bits=bits, group_size=group, numel=numel, dtype=out_dtype)
+    _same(tri.dequantize_reduce(chunks, scales, **kw), ref.dequantize_reduce(chunks, scales, **kw))
+
+
+@SETTINGS
+@given(numel=st.integers(1, 5000), chunk=st.sampled_from([1, 7, 100, 1000, 2048, 2049, 100000]), dtype=DTYPES,
+       out_dtype=DTYPES, offset=st.sampled_from([0.0, 0.5, -3.0]), seed=st.integers(0, 2 ** 16))
+def test_minmax(tri, numel, chunk, dtype, out_dtype, offset, seed):
+    numel = min(numel, 20 * chunk)  # at most 20 chunks: the interpreter runs one program per (chunk, block)
+    x = (_data(numel, torch.float32, seed) + offset).to(dtype)
+    want = ref.quantize_minmax_uint8(x, chunk)
+    got = tri.quantize_minmax_uint8(x, chunk)
+    for a, b in zip(got, want):
+        _same(a, b)
+    _same(tri.dequantize_minmax_uint8(*want, chunk, numel, out_dtype),
+          ref.dequantize_minmax_uint8(*want, chunk, numel, out_dtype))
+
+
+def test_minmax_tie_clamp(tri):
+    x = torch.tensor([-1.0, 0.0, 0.25, 1.0])  # ties at both ends: see test_reference
+    for a, b in zip(tri.quantize_minmax_uint8(x, 4), ref.quantize_minmax_uint8(x, 4)):
+        _same(a, b)
+
+
+def test_non_contiguous_rejected(tri):
+    x = torch.randn(8, 8).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        tri.quantize_symmetric(x, bits=8, group_size=8)
+    with pytest.raises(ValueError, match="contiguous"):
+        tri.swizzle_quantize(x, 8, 8, 2, 2, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        tri.quantize_minmax_uint8(x, 8)
+
+
+def test_dispatch_selects_triton(tri):
+    """The public functions reach the Triton launchers when forced (CPU tensors run interpreted)."""
+    from megatron_ext import kernels as K
+    x = _data(300, torch.float32, 1)
+    with K.use_backend("triton"):
+        got = K.quantize_symmetric(x, bits=4, group_size=32)
+    want = ref.quantize_symmetric(x, bits=4, group_size=32)
+    _same(got[0], want[0])
+    _same(got[1], want[1])
