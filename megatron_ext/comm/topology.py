@@ -50,16 +50,10 @@ class Topology:
         elif rpn == 1:
             self._intra_group, self._inter_group = None, self.group
         else:
-            for node in range(n):
-                ranks = [self.global_ranks[node * rpn + i] for i in range(rpn)]
-                g = dist.new_group(ranks)
-                if node == self.node:
-                    self._intra_group = g
-            for local in range(rpn):
-                ranks = [self.global_ranks[node * rpn + local] for node in range(n)]
-                g = dist.new_group(ranks)
-                if local == self.local_rank:
-                    self._inter_group = g
+            intra = [self.global_ranks[self.node * rpn + i] for i in range(rpn)]
+            inter = [self.global_ranks[node * rpn + self.local_rank] for node in range(n)]
+            self._intra_group = _subgroup(intra)
+            self._inter_group = _subgroup(inter)
 
     @property
     def intra_group(self) -> Optional[dist.ProcessGroup]:
@@ -85,6 +79,22 @@ class Topology:
     def __repr__(self) -> str:
         return (f"Topology(size={self.size}, rank={self.rank}, nodes={self.num_nodes}, "
                 f"ranks_per_node={self.ranks_per_node})")
+
+
+_SUBGROUPS: dict = {}
+
+
+def _subgroup(ranks: List[int]) -> dist.ProcessGroup:
+    """A process group over ``ranks`` created by its members only.
+
+    With TP/PP, ranks of *other* DP groups never build this DP group's topology, so a world-wide ``new_group``
+    (which every rank of the world must enter) would hang; ``use_local_synchronization`` needs only the members.
+    Groups are cached per default group and rank list, so building several wrappers does not leak groups.
+    """
+    key = (id(dist.group.WORLD), tuple(ranks))
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return _SUBGROUPS[key]
 
 
 def default_ranks_per_node(global_ranks: List[int]) -> int:
