@@ -9,13 +9,16 @@ import megatron_ext as mx
 from .models import make_model, odo_train_step, reference_training
 
 STEPS, MICRO, LR, WD, CLIP = 5, 3, 1e-2, 0.1, 0.05
-CASES = [(bucket, policy) for bucket in (500, 10**6) for policy in ("shard", "local", "auto")]
+CASES = [(bucket, policy, True) for bucket in (500, 10**6) for policy in ("shard", "local", "auto")]
+CASES += [(500, "shard", False), (500, "local", False)]   # no overlap: grads reduced and params gathered eagerly
 
 
 def _train_all_cases(optimizer):
     results = {}
-    for bucket, policy in CASES:
-        model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=bucket, accumulate=policy))
+    for bucket, policy, overlap in CASES:
+        model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=bucket, accumulate=policy,
+                                                                overlap_grad_reduce=overlap,
+                                                                overlap_param_gather=overlap))
         opt = mx.OverlappedDistributedOptimizer(
             OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=WD, clip_grad=CLIP, sgd_momentum=0.9), model)
         norms = []
@@ -24,7 +27,7 @@ def _train_all_cases(optimizer):
             assert ok
             norms.append(norm)
         model.force_param_sync()
-        results[(bucket, policy)] = ({n: p.detach().clone() for n, p in model.module.named_parameters()}, norms,
+        results[(bucket, policy, overlap)] = ({n: p.detach().clone() for n, p in model.module.named_parameters()}, norms,
                                      len(model.buckets))
     return results
 
