@@ -13,25 +13,24 @@ from typing import Dict, Optional
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
-    """Model FLOPs of one training iteration on ``batch_size`` sequences (Megatron-LM's dense GPT formula).
+    """Model FLOPs of one training iteration on ``batch_size`` sequences (Megatron-LM's dense-GPT count).
 
-    Every GEMM runs three times (forward, input-gradient, weight-gradient backward), a dense transformer stacks its
-    GEMMs in pairs, and an m x n by n x k GEMM costs 2mnk: hence the 3 * 2 * 2 = 12 in front. Per layer the
-    attention term counts the QKV and output projections (with grouped-query K/V) plus the score and context
-    GEMMs (s / h), the MLP term counts the two (three with SwiGLU: x 3/2) projections, and the logit layer is
-    spread over the layers as vocab / (2 * layers * hidden).
+    Every GEMM runs three times (forward, input-gradient and weight-gradient backward) and an m x n by n x k GEMM
+    costs 2mnk, hence the factor 6 on every term. Per token and layer: the Q/K/V projections (K and V with
+    ``num_query_groups`` heads under GQA) and the output projection; QK^T and attention x V, each over half the
+    sequence because of the causal mask; and the MLP's two GEMMs (three with SwiGLU). Plus the logit layer once.
     """
     h, L, s = args.hidden_size, args.num_layers, args.seq_length
     heads = args.num_attention_heads
     kv_channels = args.kv_channels or h // heads
     groups = args.num_query_groups if args.group_query_attention else heads
-    query_proj_ratio = kv_channels * heads / h
-    gated = 1.5 if args.swiglu else 1.0
+    q_size, kv_size = kv_channels * heads, kv_channels * groups
+    ffn_gemms = 3 if args.swiglu else 2
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or 0
-    return (12 * batch_size * s * L * h * h * (
-        (1 + groups / heads + s / h) * query_proj_ratio
-        + (args.ffn_hidden_size / h) * gated
-        + vocab / (2 * L * h)))
+    attention = h * (q_size + 2 * kv_size) + q_size * s + q_size * h   # qkv proj, causal QK^T + AV, out proj
+    mlp = h * args.ffn_hidden_size * ffn_gemms
+    per_token = 6 * (L * (attention + mlp) + h * vocab)
+    return float(batch_size * s * per_token)
 
 
 def _fmt_bytes(n: float) -> str:

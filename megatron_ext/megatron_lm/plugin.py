@@ -1,0 +1,185 @@
+"""Plug the OverlappedDistributedOptimizer into a Megatron-LM checkout's own training loop.
+
+The pip package ``megatron-core`` has no optimizer hook; ``megatron/training/training.py`` (only in a Megatron-LM
+checkout) builds the DDP wrapper from its module-global ``DDP`` and the optimizer from its module-global
+``get_megatron_optimizer``. :func:`install` rebinds both (and teaches ``unwrap_model`` about the new wrapper); each
+replacement defers to the original unless ``--use-overlapped-distributed-optimizer`` was given, so an installed
+plug-in changes nothing for runs that do not ask for it. A user adds two lines to their ``pretrain_gpt.py``::
+
+    import megatron_ext.megatron_lm as mxlm; mxlm.install()            # after the imports
+    pretrain(..., extra_args_provider=mxlm.add_args)                    # or mxlm.chain(your_provider)
+
+Limits (from Megatron-LM's side): the ODO has no ``sharded_state_dict``, so use ``--ckpt-format torch`` (each rank
+saves its own optimizer shard; resume at the same DP size) or megatron_ext's own pretrain_gpt for reshardable
+checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any, Callable, Dict, Optional
+
+from megatron_ext.training.arguments import add_megatron_ext_args
+
+_ORIGINALS: Dict[str, Any] = {}
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``extra_args_provider`` for Megatron-LM's ``pretrain``: adds this project's flags."""
+    return add_megatron_ext_args(parser)
+
+
+def chain(provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None
+          ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An ``extra_args_provider`` that runs ``provider`` (if any) and then :func:`add_args`."""
+    def both(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if provider is not None:
+            parser = provider(parser) or parser
+        return add_args(parser)
+    return both
+
+
+def _megatron_args() -> Any:
+    return importlib.import_module("megatron.training.global_vars").get_args()
+
+
+def _enabled(args: Any) -> bool:
+    return bool(getattr(args, "use_overlapped_distributed_optimizer", False))
+
+
+def overlap_config_from_megatron_args(args: Any):
+    """OverlapConfig from Megatron-LM's parsed args (its own names plus ours from :func:`add_args`)."""
+    import megatron_ext as mx
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.training.arguments import ArgumentError, dp_ranks_per_node
+
+    dp = ps.get_data_parallel_world_size()
+    view = argparse.Namespace(ranks_per_node=getattr(args, "ranks_per_node", None), world_size=args.world_size,
+                              tensor_model_parallel_size=args.tensor_model_parallel_size, data_parallel_size=dp)
+    try:
+        rpn = dp_ranks_per_node(view)
+    except ArgumentError as e:
+        raise ValueError(str(e)) from None
+    kw = dict(accumulate=getattr(args, "odo_accumulate", "auto"),
+              overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+              overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+              grad_reduce=getattr(args, "grad_reduce", "plain"), param_gather=getattr(args, "param_gather", "plain"),
+              ranks_per_node=rpn)
+    if getattr(args, "ddp_bucket_size", None):
+        kw["bucket_size"] = int(args.ddp_bucket_size)
+    if getattr(args, "qgz_bits", None):
+        kw["qgz_bits"] = int(args.qgz_bits)
+    if getattr(args, "quant_group_size", None):
+        kw["quant_group_size"] = int(args.quant_group_size)
+    return mx.OverlapConfig(**kw)
+
+
+def _make_ddp_switch(original_ddp: type, get_args: Callable[[], Any]) -> type:
+    """A stand-in for Megatron-LM's ``DDP`` name: builds an OverlappedDDP when the flag is on, else the original.
+
+    ``isinstance(x, DDP)`` checks in Megatron-LM keep working for both kinds of wrapper (metaclass hook).
+    """
+    from megatron_ext.optimizer.overlapped_ddp import OverlappedDDP
+
+    class _Meta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, (original_ddp, OverlappedDDP))
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, (original_ddp, OverlappedDDP))
+
+    class DDP(metaclass=_Meta):  # noqa: D401 - mirrors Megatron-LM's name
+        """Megatron-LM's DDP, or megatron_ext's OverlappedDDP under --use-overlapped-distributed-optimizer."""
+
+        def __new__(cls, *args: Any, **kwargs: Any):
+            margs = get_args()
+            if not _enabled(margs):
+                return original_ddp(*args, **kwargs)
+            names = ("config", "ddp_config", "module")
+            bound = dict(zip(names, args))
+            bound.update({k: kwargs[k] for k in names if k in kwargs})
+            if "module" not in bound:
+                raise TypeError("DDP(...) called without a module")
+            dp_group = kwargs.get("data_parallel_group")
+            pg = kwargs.get("pg_collection")
+            if dp_group is None and pg is not None:
+                dp_group = getattr(pg, "dp_cp", None) or getattr(pg, "dp", None)
+            if dp_group is None:
+                from megatron.core import parallel_state as ps
+                dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+            return OverlappedDDP(bound["module"], overlap_config_from_megatron_args(margs), dp_group=dp_group)
+
+    DDP.original = original_ddp  # type: ignore[attr-defined]
+    return DDP
+
+
+def _make_get_optimizer(original: Callable, get_args: Callable[[], Any]) -> Callable:
+    def get_megatron_optimizer(config, model_chunks, *args: Any, **kwargs: Any):
+        """Megatron-LM's optimizer factory, or the ODO over the (OverlappedDDP) model chunks."""
+        if not _enabled(get_args()):
+            return original(config, model_chunks, *args, **kwargs)
+        import megatron_ext as mx
+
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        return mx.OverlappedDistributedOptimizer(config, chunks if len(chunks) > 1 else chunks[0])
+
+    get_megatron_optimizer.original = original  # type: ignore[attr-defined]
+    return get_megatron_optimizer
+
+
+def install(training_module: Any = None, get_args: Optional[Callable[[], Any]] = None,
+            utils_module: Any = None) -> None:
+    """Patch ``megatron.training.training`` (a Megatron-LM checkout) so the flag builds the ODO. Idempotent.
+
+    ``training_module``/``get_args``/``utils_module`` default to the checkout's; tests pass stand-ins.
+    """
+    if _ORIGINALS:
+        return
+    if training_module is None:
+        try:
+            training_module = importlib.import_module("megatron.training.training")
+        except ImportError as e:
+            raise ImportError("megatron_ext.megatron_lm.install() needs a Megatron-LM checkout on PYTHONPATH "
+                              "(megatron.training is not part of the megatron-core pip package)") from e
+    get_args = get_args or _megatron_args
+    from megatron_ext.optimizer.overlapped_ddp import OverlappedDDP
+
+    _ORIGINALS["module"] = training_module
+    _ORIGINALS["DDP"] = training_module.DDP
+    _ORIGINALS["get_megatron_optimizer"] = training_module.get_megatron_optimizer
+    training_module.DDP = _make_ddp_switch(training_module.DDP, get_args)
+    training_module.get_megatron_optimizer = _make_get_optimizer(training_module.get_megatron_optimizer, get_args)
+    # unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES) binds its default at definition time.
+    utils = utils_module if utils_module is not None else _optional_import("megatron.training.utils")
+    if utils is not None and hasattr(utils, "ALL_MODULE_WRAPPER_CLASSNAMES"):
+        _ORIGINALS["utils"] = utils
+        _ORIGINALS["wrappers"] = utils.ALL_MODULE_WRAPPER_CLASSNAMES
+        utils.ALL_MODULE_WRAPPER_CLASSNAMES = tuple(utils.ALL_MODULE_WRAPPER_CLASSNAMES) + (OverlappedDDP,)
+        fn = getattr(utils, "unwrap_model", None)
+        if fn is not None and fn.__defaults__:
+            _ORIGINALS["unwrap_defaults"] = fn.__defaults__
+            fn.__defaults__ = tuple(utils.ALL_MODULE_WRAPPER_CLASSNAMES if d is _ORIGINALS["wrappers"] else d
+                                    for d in fn.__defaults__)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    if not _ORIGINALS:
+        return
+    mod = _ORIGINALS["module"]
+    mod.DDP = _ORIGINALS["DDP"]
+    mod.get_megatron_optimizer = _ORIGINALS["get_megatron_optimizer"]
+    utils = _ORIGINALS.get("utils")
+    if utils is not None:
+        utils.ALL_MODULE_WRAPPER_CLASSNAMES = _ORIGINALS["wrappers"]
+        if "unwrap_defaults" in _ORIGINALS:
+            utils.unwrap_model.__defaults__ = _ORIGINALS["unwrap_defaults"]
+    _ORIGINALS.clear()
+
+
+def _optional_import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -1,0 +1,88 @@
+"""The Megatron-LM plug-in, against stand-ins for ``megatron.training`` (no Megatron-LM checkout is available offline:
+the pip package ships only megatron.core). What is tested: the flags parse through an extra_args_provider, install()
+rebinds DDP / get_megatron_optimizer / unwrap_model's wrapper list, the flag switches between the original and the
+ODO, isinstance checks against Megatron-LM's DDP name keep working, and the ODO built this way trains a step."""
+from __future__ import annotations
+
+import argparse
+import types
+
+
+def test_add_args_and_chain():
+    import megatron_ext.megatron_lm as mxlm
+
+    def theirs(parser):
+        parser.add_argument("--their-flag", type=int, default=0)
+        return parser
+
+    p = argparse.ArgumentParser()
+    p = mxlm.chain(theirs)(p)
+    a = p.parse_args(["--use-overlapped-distributed-optimizer", "--grad-reduce", "qgz", "--qgz-bits", "8",
+                      "--ranks-per-node", "2", "--their-flag", "3"])
+    assert a.use_overlapped_distributed_optimizer and a.grad_reduce == "qgz" and a.qgz_bits == 8
+    assert a.ranks_per_node == 2 and a.their_flag == 3
+
+
+class _OriginalDDP:
+    def __init__(self, config, ddp_config, module, **kwargs):
+        self.module = module
+
+
+def _fake_checkout(args):
+    def unwrap_model(model, module_instances=None):
+        return model
+    utils = types.SimpleNamespace(ALL_MODULE_WRAPPER_CLASSNAMES=(_OriginalDDP,), unwrap_model=unwrap_model)
+    utils.unwrap_model.__defaults__ = (utils.ALL_MODULE_WRAPPER_CLASSNAMES,)
+    training = types.SimpleNamespace(DDP=_OriginalDDP, get_megatron_optimizer=lambda cfg, chunks, *a, **k: "original")
+    return training, utils
+
+
+def _plugin_world(enabled: bool):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    import megatron_ext.megatron_lm as mxlm
+
+    ps.initialize_model_parallel(1, 1)
+    args = argparse.Namespace(use_overlapped_distributed_optimizer=enabled, world_size=2,
+                              tensor_model_parallel_size=1, ddp_bucket_size=None, overlap_grad_reduce=True,
+                              overlap_param_gather=False, odo_accumulate="auto", grad_reduce="plain",
+                              param_gather="plain", ranks_per_node=None, qgz_bits=None, quant_group_size=None)
+    training, utils = _fake_checkout(args)
+    mxlm.install(training, get_args=lambda: args, utils_module=utils)
+    try:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        # Megatron-LM calls DDP positionally in some versions and by keyword in others.
+        ddp = training.DDP(config=None, ddp_config=None, module=module, disable_bucketing=False)
+        assert isinstance(ddp, training.DDP)
+        assert mx.OverlappedDDP in utils.ALL_MODULE_WRAPPER_CLASSNAMES
+        assert utils.unwrap_model.__defaults__[0] is utils.ALL_MODULE_WRAPPER_CLASSNAMES
+        opt = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
+        if not enabled:
+            return type(ddp).__name__, opt
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + torch.distributed.get_rank()))
+        before = [p.detach().clone() for p in module.parameters()]
+        opt.zero_grad()
+        opt.scale_loss(ddp(x).pow(2).mean()).backward()
+        ddp.finish_grad_sync()
+        ok, norm, _ = opt.step()
+        opt.force_param_sync()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, module.parameters()))
+        return type(ddp).__name__, type(opt).__name__, bool(ok), changed
+    finally:
+        mxlm.uninstall()
+        assert training.DDP is _OriginalDDP
+        ps.destroy_model_parallel()
+
+
+def _both():
+    return _plugin_world(True), _plugin_world(False)
+
+
+def test_install_switches_to_odo_only_with_the_flag(spawn):
+    for on, off in spawn(_both, 2, timeout=120):
+        assert on == ("OverlappedDDP", "OverlappedDistributedOptimizer", True, True)
+        assert off == ("_OriginalDDP", "original")
