@@ -44,13 +44,15 @@ def build_gpt_model(num_layers: int, hidden_size: int, num_attention_heads: int,
                     post_process: Optional[bool] = None, position_embedding_type: str = "learned_absolute",
                     share_embeddings_and_output_weights: bool = False, layer_spec: str = "local",
                     ladder_residual: bool = False, ladder_residual_layers: Optional[int] = None,
-                    desync_residual: Optional[str] = None, config: Any = None, **config_overrides: Any):
+                    desync_residual: Optional[str] = None, ladder_backward_overlap: bool = True, config: Any = None,
+                    **config_overrides: Any):
     """Build a megatron-core GPTModel for this rank's pipeline stage.
 
     ``layer_spec``: "local" (torch modules) or "te" (transformer-engine; requires TE importable).
     ``ladder_residual`` / ``ladder_residual_layers`` / ``desync_residual`` ("2x" | "4x") swap the decoder for a
     Ladder / Desynced-residual block (megatron_ext.transformer); with all three at their defaults the model is
-    megatron-core's own GPTModel, unchanged.
+    megatron-core's own GPTModel, unchanged. ``ladder_backward_overlap=False`` keeps megatron's own input-grad
+    all-reduces (no backward overlap; for comparison).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -72,7 +74,8 @@ def build_gpt_model(num_layers: int, hidden_size: int, num_attention_heads: int,
         if ladder_residual or desync_residual:
             from megatron_ext.transformer.ladder_gpt import LadderGPTModel
             return LadderGPTModel(**kwargs, ladder_residual=ladder_residual,
-                                  ladder_residual_layers=ladder_residual_layers, desync_residual=desync_residual)
+                                  ladder_residual_layers=ladder_residual_layers, desync_residual=desync_residual,
+                              ladder_backward_overlap=ladder_backward_overlap)
         return GPTModel(**kwargs)
 
 

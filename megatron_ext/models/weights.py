@@ -15,7 +15,7 @@ import torch
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 
 
-def _global_name(model: torch.nn.Module, name: str) -> str:
+def global_name(model: torch.nn.Module, name: str) -> str:
     """Map a stage-local ``decoder.layers.<j>`` index to the global layer index (``layer_number - 1``)."""
     m = _LAYER.match(name)
     if m is None:
@@ -48,7 +48,7 @@ def load_full_state_dict(model: torch.nn.Module, full: Dict[str, torch.Tensor], 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key = _global_name(model, name)
+            key = global_name(model, name)
             if key not in full:
                 raise KeyError(f"{key} (local {name}) missing from the full state dict")
             src = _shard(full[key], p, tp_rank, tp_size, swiglu and "linear_fc1" in name)
@@ -59,7 +59,7 @@ def load_full_state_dict(model: torch.nn.Module, full: Dict[str, torch.Tensor], 
 
 def full_parameters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Parameter name (global layer numbering) -> detached clone, for a TP=1 model (the reference)."""
-    return {_global_name(model, n): p.detach().clone() for n, p in model.named_parameters()}
+    return {global_name(model, n): p.detach().clone() for n, p in model.named_parameters()}
 
 
 def shard_of(model: torch.nn.Module, name: str, full: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
