@@ -17,22 +17,33 @@ its input gradient all-reduced to leave it.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 
+# Optional event log for tests: (event, module tag) in execution order, e.g. ("grad_launch", 3).
+TRACE: Optional[List[Tuple[str, Any]]] = None
+
+
+def _trace(event: str, tag: Any) -> None:
+    if TRACE is not None:
+        TRACE.append((event, tag))
+
+
 class _Slot:
     """Holds the buffer and work handle of one in-flight gradient all-reduce."""
 
-    __slots__ = ("buf", "work")
+    __slots__ = ("buf", "work", "tag")
 
-    def __init__(self) -> None:
+    def __init__(self, tag: Any = None) -> None:
         self.buf: Optional[torch.Tensor] = None
         self.work = None
+        self.tag = tag
 
     def wait(self) -> torch.Tensor:
+        _trace("grad_wait", self.tag)
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -62,7 +73,8 @@ class PendingOutput:
 class _LadderReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-                group, holder: list) -> torch.Tensor:
+                group, holder: list, tag: Any = None) -> torch.Tensor:
+        ctx.tag = tag
         out = partial.contiguous()
         work = dist.all_reduce(out, group=group, async_op=True) if dist.get_world_size(group) > 1 else None
         holder.append(work)
@@ -72,22 +84,23 @@ class _LadderReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        _trace("module_backward", ctx.tag)
         (mask,) = ctx.saved_tensors
         if mask is not None:
             grad = grad * mask
         gbias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad, gbias, None, None, None
+        return grad, gbias, None, None, None, None
 
 
 def launch_ladder_reduce(partial: torch.Tensor, bias: Optional[torch.Tensor], group, dropout_p: float,
-                         training: bool) -> PendingOutput:
+                         training: bool, tag: Any = None) -> PendingOutput:
     """Start the all-reduce of ``partial``; bias and dropout are applied after it finishes (in ``wait``)."""
     mask = None
     if training and dropout_p > 0:
         keep = torch.empty_like(partial).bernoulli_(1.0 - dropout_p)
         mask = keep / (1.0 - dropout_p)
     holder: list = []
-    out = _LadderReduce.apply(partial, bias, mask, group, holder)
+    out = _LadderReduce.apply(partial, bias, mask, group, holder, tag)
     buf = _storage_alias(out)
     if holder[0] is None:  # TP=1: nothing in flight, finish now
         with torch.no_grad():
@@ -129,14 +142,15 @@ class _LadderAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        _trace("grad_launch", ctx.slot.tag)
         buf = grad.clone()
         ctx.slot.buf = buf
         ctx.slot.work = dist.all_reduce(buf, group=ctx.group, async_op=True)
         return grad, buf, None, None
 
 
-def rendezvous(x: torch.Tensor) -> Tuple[torch.Tensor, _Slot]:
-    slot = _Slot()
+def rendezvous(x: torch.Tensor, tag: Any = None) -> Tuple[torch.Tensor, _Slot]:
+    slot = _Slot(tag)
     return _GradRendezvous.apply(x, slot), slot
 
 

@@ -37,14 +37,19 @@ from .config import LadderConfig
 _Pending = Tuple[PendingOutput, Tensor, Optional[_Slot]]
 
 
+def check_ladder_supported(config) -> None:
+    """Raise before anything is built (or any collective launched) for configurations we do not support."""
+    if config.sequence_parallel:
+        raise ValueError("--ladder-residual/--desync-residual do not support --sequence-parallel: their "
+                         "reductions are all-reduces of full-sequence partial sums; drop --sequence-parallel")
+
+
 class LadderTransformerBlock(TransformerBlock):
     """Drop-in replacement for ``TransformerBlock`` (same constructor plus ``ladder``)."""
 
     def __init__(self, config, spec, ladder: LadderConfig, pre_process: bool = True, post_process: bool = True,
                  pg_collection=None, vp_stage: Optional[int] = None) -> None:
-        if config.sequence_parallel:
-            raise ValueError("--ladder-residual/--desync-residual do not support --sequence-parallel: their "
-                             "reductions are all-reduces of full-sequence partial sums; drop --sequence-parallel")
+        check_ladder_supported(config)
         super().__init__(config=config, spec=spec, pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection, vp_stage=vp_stage)
         self.ladder = ladder
@@ -167,12 +172,14 @@ class LadderTransformerBlock(TransformerBlock):
                     if len(queue) == 2:
                         r = self._add_pending(r, queue.popleft())
                     out, bias = fn(self._norm(norm, r))
-                    p = launch_ladder_reduce(out, bias, self.tp_group, self.config.hidden_dropout, self.training)
+                    tag = 2 * (layer.layer_number - 1) + m % 2  # global module index
+                    p = launch_ladder_reduce(out, bias, self.tp_group, self.config.hidden_dropout, self.training,
+                                             tag)
                     t, slot = p.tensor, None
                     # Outputs that leave a recompute chunk are reduced in backward by the consumer instead.
                     crosses = not last and m >= n_modules - 2
                     if self.partial_grads and not crosses:
-                        t, slot = rendezvous(t)
+                        t, slot = rendezvous(t, tag)
                     queue.append((p, t, slot))
                     m += 1
             if last:

@@ -12,7 +12,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from .config import LadderConfig
-from .ladder_block import LadderTransformerBlock
+from .ladder_block import LadderTransformerBlock, check_ladder_supported
 
 
 class LadderGPTModel(GPTModel):
@@ -22,6 +22,8 @@ class LadderGPTModel(GPTModel):
                  desync_residual: Optional[str] = None, ladder_backward_overlap: bool = True, **kwargs: Any) -> None:
         ladder = LadderConfig(ladder=ladder_residual, ladder_layers=ladder_residual_layers, desync=desync_residual,
                               backward_overlap=ladder_backward_overlap)
+        config = kwargs.get("config", args[0] if args else None)
+        check_ladder_supported(config)
         super().__init__(*args, **kwargs)
         spec = kwargs.get("transformer_layer_spec", args[1] if len(args) > 1 else None)
         # Rebuild the decoder under the same RNG stream a standard build would use for it, so that with
