@@ -66,6 +66,22 @@ def _timed(fn, iters: int, warmup: int) -> List[float]:
     return times
 
 
+def _timed_continuous(step, flush, iters: int, warmup: int) -> List[float]:
+    """Mean step time over ``iters`` back-to-back steps (the ODO's param all-gather of step i overlaps the forward
+    of step i+1, so a barrier between steps would hide it); ``flush`` completes the last step's communication."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    flush()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    flush()
+    return [(time.perf_counter() - t0) / iters]
+
+
 def _max_over_ranks(times: List[float]) -> List[float]:
     import torch
     import torch.distributed as dist
@@ -125,34 +141,35 @@ def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
-    from megatron_ext.models import build_gpt_model, make_gpt_config
+    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
 
     if not ps.model_parallel_is_initialized():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from megatron_ext.compat import enable_cpu_compat
+        enable_cpu_compat()
         ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     torch.manual_seed(1234)
-    cfg = make_gpt_config(a.layers, a.hidden, a.heads)
-    model = build_gpt_model(cfg, vocab_size=a.vocab, seq_length=a.seq)
+    model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
     ocfg = mx.OverlapConfig(bucket_size=a.bucket_numel, grad_reduce=gr, param_gather=pg,
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
                             quant_group_size=a.group_size, qgz_pipeline_stages=a.stages,
                             qgz_bits=extra.get("qgz_bits", 4))
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
-    g = torch.Generator().manual_seed(topo.rank)
-    tokens = torch.randint(0, a.vocab, (a.micro_batch, a.seq), generator=g)
-    pos = torch.arange(a.seq).unsqueeze(0).expand(a.micro_batch, -1)
-    labels = torch.roll(tokens, -1, dims=1)
+    batch = synthetic_gpt_batch(a.micro_batch, a.seq, a.vocab, seed=topo.rank)
 
     def step():
-        out = ddp(tokens, pos, None, labels=labels)
-        loss = out.float().mean()
+        out = ddp(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss, _ = gpt_loss_func(batch["loss_mask"], out)
         opt.scale_loss(loss).backward()
         ddp.finish_grad_sync()
         opt.step()
         opt.zero_grad()
 
     ddp.ledger.enabled = False
-    times = _max_over_ranks(_timed(step, a.iters, a.warmup))
+    times = _max_over_ranks(_timed_continuous(step, ddp.force_param_sync, a.iters, a.warmup))
     ddp.ledger.enabled = True
     ddp.ledger.reset()
     step()
@@ -161,8 +178,43 @@ def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
 
 
 def _deepspeed_combo(topo, a) -> Dict:
-    import deepspeed  # noqa: F401  (only reached when it imports)
-    raise NotImplementedError("DeepSpeed ZeRO-2 peer in bench_cluster is not wired up yet")
+    """DeepSpeed ZeRO-2 (plain fp32 reduce-scatter/all-gather, its own bucketing) on the same GPT and batch."""
+    import deepspeed
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "mx_torch_extensions"))
+    os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
+    os.environ.setdefault("RANK", str(topo.rank))
+    os.environ.setdefault("WORLD_SIZE", str(topo.size))
+    torch.manual_seed(1234)
+    model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": a.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": a.bucket_numel,
+                              "allgather_bucket_size": a.bucket_numel, "overlap_comm": False,
+                              "contiguous_gradients": True},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
+                                      dist_init_required=False)
+    batch = synthetic_gpt_batch(a.micro_batch, a.seq, a.vocab, seed=topo.rank)
+
+    def step():
+        out = engine(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss, _ = gpt_loss_func(batch["loss_mask"], out)
+        engine.backward(loss)
+        engine.step()
+
+    times = _max_over_ranks(_timed_continuous(step, lambda: None, a.iters, a.warmup))
+    del ps
+    return {"times_s": times, "ledger": {"total": {"intra": 0, "inter": 0}, "per_node": {"intra": 0, "inter": 0}},
+            "note": "DeepSpeed ZeRO-2 is not instrumented by the ledger"}
 
 
 def worker(a) -> None:
@@ -189,10 +241,15 @@ def worker(a) -> None:
     if a.mode == "gpt":
         try:
             import deepspeed  # noqa: F401
-            results["DeepSpeed ZeRO-2"] = _deepspeed_combo(topo, a)
         except ImportError:
             if a.rank == 0:
                 print("  DeepSpeed ZeRO-2: skipped (deepspeed is not installed)", flush=True)
+        else:
+            if not a.combos or "DeepSpeed" in a.combos:
+                results["DeepSpeed ZeRO-2"] = _deepspeed_combo(topo, a)
+                if a.rank == 0:
+                    print(f"  {'DS ZeRO-2':<10} {1e3 * statistics.median(results['DeepSpeed ZeRO-2']['times_s']):9.1f}"
+                          f" ms/step", flush=True)
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
@@ -254,7 +311,8 @@ def render(all_results: Dict[str, Dict], a) -> str:
     lines = [f"mode={a.mode}, {a.nodes} nodes x {a.ranks_per_node} ranks, "
              + (f"{a.buckets} bucket(s) of {a.bucket_numel / 1e6:.1f}M {a.dtype} elements" if a.mode == "raw"
                 else f"GPT {a.layers}x{a.hidden}, seq {a.seq}, micro-batch {a.micro_batch}"),
-             "ms per step (median over iterations of the max over ranks); speedup = plain / combo"]
+             ("ms per step (median over iterations of the max over ranks)" if a.mode == "raw" else
+              f"ms per step (mean of {a.iters} back-to-back steps, max over ranks)") + "; speedup = plain / combo"]
     hdr = f"{'combo':<18}" + "".join(f"{r + ' ms':>14}{'speedup':>9}{'inter MiB/node':>16}" for r in rates)
     lines += [hdr, "-" * len(hdr)]
     for l in labels:
@@ -267,7 +325,8 @@ def render(all_results: Dict[str, Dict], a) -> str:
                 continue
             med = statistics.median(res["times_s"])
             inter = res["ledger"]["per_node"]["inter"] / 2 ** 20
-            row += f"{1e3 * med:>14.1f}{base / med:>8.2f}x{inter:>16.2f}"
+            inter_s = f"{inter:>16.2f}" if "note" not in res else f"{'n/a':>16}"
+            row += f"{1e3 * med:>14.1f}{base / med:>8.2f}x{inter_s}"
         lines.append(row)
     lines.append(SEED_000_LOW_BW)
     return "\n".join(lines)
