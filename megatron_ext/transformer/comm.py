@@ -199,6 +199,30 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
+class _SumGradsOverTP(torch.autograd.Function):
+    """Identity forward for several tensors; backward sums all their gradients over TP in ONE all-reduce
+    (norm weight and bias together: small tensors, so the cost is latency, paid once)."""
+
+    @staticmethod
+    def forward(ctx, group, *xs: torch.Tensor):
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        return (None, *[f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def sum_grads_over_tp(xs: List[Optional[torch.Tensor]], group) -> List[Optional[torch.Tensor]]:
+    present = [x for x in xs if x is not None]
+    if not present or dist.get_world_size(group) == 1:
+        return list(xs)
+    out = iter(_SumGradsOverTP.apply(group, *present))
+    return [next(out) if x is not None else None for x in xs]
+
+
 def sum_grad_over_tp(x: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
     """Identity forward, all-reduce backward (megatron's copy-to-TP region) for replicated params/inputs."""
     if x is None or dist.get_world_size(group) == 1:

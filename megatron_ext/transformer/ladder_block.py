@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from .comm import (PendingOutput, _Slot, launch_ladder_reduce, ladder_add, rendezvous, scale_grad,
-                   sum_grad_over_tp, sync_all_reduce)
+                   sum_grad_over_tp, sum_grads_over_tp, sync_all_reduce)
 from .config import LadderConfig
 
 # One not-yet-added module output: the pending reduction, the tensor to add, and its gradient slot (or None).
@@ -62,8 +62,14 @@ class LadderTransformerBlock(TransformerBlock):
         self.first_special = next((i for i, l in enumerate(self.layers) if l.layer_number - 1 >= first_global),
                                   len(self.layers))
         special = list(self.layers)[self.first_special:]
-        # Residual gradients are per-rank partial sums inside the special region (see comm.py notes).
-        self.partial_grads = self.tp > 1 and bool(special) and (bool(ladder.desync) or ladder.backward_overlap)
+        self.uses_te = any(_is_te(l.self_attention.linear_proj) for l in special)
+        if self.uses_te and ladder.desync and self.tp > 1:
+            raise NotImplementedError("--desync-residual needs the local layer spec: transformer-engine fuses the "
+                                      "norm into linear_qkv, so the per-rank norm gradients cannot be summed")
+        # Residual gradients are per-rank partial sums inside the special region (see comm.py notes). With TE
+        # the ladder keeps megatron's own input-gradient all-reduces (no backward overlap), for the same reason.
+        self.partial_grads = (self.tp > 1 and bool(special) and not self.uses_te
+                              and (bool(ladder.desync) or ladder.backward_overlap))
         for layer in special:
             self._rewire(layer)
 
@@ -72,11 +78,18 @@ class LadderTransformerBlock(TransformerBlock):
         when residual gradients are kept partial."""
         attn, mlp = layer.self_attention, layer.mlp
         for name, mod in (("linear_proj", attn.linear_proj), ("linear_fc2", mlp.linear_fc2)):
+            if _is_te(mod):
+                # [untested here: no TE on CPU] TE reduces inside te.pytorch.Linear when parallel_mode == "row";
+                # None gives the partial output, as megatron's own explicit_expert_comm path does.
+                if not getattr(mod, "te_return_bias", False):
+                    raise NotImplementedError(f"{name}: TE linear must return its bias separately")
+                mod.parallel_mode = None
+                continue
             if not isinstance(mod, RowParallelLinear) or not mod.skip_bias_add:
                 raise NotImplementedError(
                     f"ladder/desync blocks need megatron-core's RowParallelLinear with skip_bias_add for {name}; "
                     f"got {type(mod).__name__} (use the local layer spec)")
-            mod.explicit_expert_comm = True  # the documented way to get output_parallel without the all-reduce
+            mod.explicit_expert_comm = True  # megatron's own switch for "return output_parallel, no all-reduce"
         if self.partial_grads:
             for name, mod in (("linear_qkv", attn.linear_qkv), ("linear_fc1", mlp.linear_fc1)):
                 if not isinstance(mod, ColumnParallelLinear):
@@ -233,10 +246,14 @@ class LadderTransformerBlock(TransformerBlock):
     def _norm(self, norm: torch.nn.Module, x: Tensor) -> Tensor:
         if not self.partial_grads:
             return norm(x)
-        w = sum_grad_over_tp(norm.weight, self.tp_group)
+        w, b = sum_grads_over_tp([norm.weight, getattr(norm, "bias", None)], self.tp_group)
         if isinstance(norm, torch.nn.LayerNorm):
-            return F.layer_norm(x, norm.normalized_shape, w, sum_grad_over_tp(norm.bias, self.tp_group), norm.eps)
+            return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
         return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
+
+
+def _is_te(mod: torch.nn.Module) -> bool:
+    return type(mod).__module__.startswith("megatron.core.extensions.transformer_engine")
 
 
 def _attn_kw(kw: dict) -> dict:
