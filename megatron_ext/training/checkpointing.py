@@ -258,12 +258,46 @@ def _load(path: str) -> Any:
 
 def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool = True,
                     load_rng: bool = True) -> Dict[str, Any]:
-    """Load ``ckpt`` (from :func:`find_checkpoint`) into model/ODO/scheduler; returns ``common.pt``'s dict."""
+    """Load ``ckpt`` (from :func:`find_checkpoint`) into model/ODO/scheduler; returns ``common.pt``'s dict.
+
+    Every rank first reads and checks its files without touching the model; the ranks then agree (one all-reduce)
+    that all of them succeeded before anything is applied, so a file that is damaged on one rank fails the load on
+    every rank instead of leaving the others waiting in a collective.
+    """
+    error: Optional[str] = None
+    try:
+        loaded = _read_checkpoint(ckpt, load_optim, load_rng)
+    except CheckpointError as e:
+        error, loaded = str(e), None
+    ok = torch.tensor([0.0 if error else 1.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error:
+        raise CheckpointError(error)
+    if ok.item() < 1.0:
+        raise CheckpointError(f"{ckpt}: another rank could not read its part of the checkpoint (see its error)")
+    common, model_state, optim_state, rng_state = loaded
+    try:
+        _unwrap(model).load_state_dict(model_state, strict=True)
+    except RuntimeError as e:  # same on every rank of a TP/PP position; shapes come from the flags
+        raise CheckpointError(f"{ckpt}: the saved model does not match this model (different flags?): {e}") from None
+    if load_optim:
+        optimizer.load_state_dict(optim_state)
+        if scheduler is not None and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if rng_state is not None:
+        set_rng_state(rng_state)
+    optimizer.force_param_sync()
+    return common
+
+
+def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
     from megatron.core import parallel_state as ps
 
     common = _load(os.path.join(ckpt, "common.pt"))
-    if common.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint (format {common.get('format')!r})")
+    if not isinstance(common, dict) or common.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint")
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     if (common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"]) != (tp, pp):
         raise CheckpointError(
@@ -271,22 +305,14 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool 
             f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
             "(only the data-parallel size may change on resume)")
     mp_dir = os.path.join(ckpt, mp_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
-    state = _load(os.path.join(mp_dir, "model.pt"))
-    try:
-        _unwrap(model).load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{mp_dir}/model.pt does not match this model (different flags?): {e}") from None
+    model_state = _load(os.path.join(mp_dir, "model.pt"))
+    optim_state = None
     if load_optim:
         if not common.get("has_optim", True):
             raise CheckpointError(f"{ckpt} was saved with --no-save-optim; resume with --no-load-optim")
-        optimizer.load_state_dict(_load(os.path.join(mp_dir, "optim.pt")))
-        if scheduler is not None and common.get("scheduler") is not None:
-            scheduler.load_state_dict(common["scheduler"])
-    else:
-        optimizer.reload_model_params()
-    if load_rng:
-        rng_path = os.path.join(ckpt, "rng", f"rank_{dist.get_rank():05d}.pt")
-        if common["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):
-            set_rng_state(_load(rng_path))
-    optimizer.force_param_sync()
-    return common
+        optim_state = _load(os.path.join(mp_dir, "optim.pt"))
+    rng_state = None
+    rng_path = os.path.join(ckpt, "rng", f"rank_{dist.get_rank():05d}.pt")
+    if load_rng and common["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):
+        rng_state = _load(rng_path)
+    return common, model_state, optim_state, rng_state

@@ -30,7 +30,7 @@ def _build_data(args: argparse.Namespace):
                       vocab_size=args.vocab_size)
     tok_type = args.tokenizer_type
     if not data_path and not args.mock_data:
-        if dist.get_rank() == 0:
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:  # once per node (the cache is node-local)
             build_default_corpus()
         dist.barrier()
         prefix, tok_json = build_default_corpus()

@@ -47,27 +47,22 @@ def test_reshard_dp4_to_dp2(spawn, text_dataset, tiny_model_flags, tmp_path):
         assert abs(resumed["losses"][i] - ref["losses"][i]) < 1e-4 * abs(ref["losses"][i]), (i, resumed, ref)
 
 
-def _torchrun(argv, env, timeout=180):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megatron_ext.training.pretrain_gpt"] + argv
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def test_crash_mid_save_keeps_previous_checkpoint(spawn, text_dataset, tiny_model_flags, tmp_path):
+    import pytest
 
+    from unit_tests.dist_harness import DistributedTestError
 
-def test_crash_mid_save_keeps_previous_checkpoint(text_dataset, tiny_model_flags, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "4",
                                                            "--save", ckpt, "--save-interval", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MEGATRON_EXT_TEST_CRASH_IN_SAVE="1:4")  # rank 1 dies while iteration 4 is being saved
-    crashed = _torchrun(argv, env)
-    assert crashed.returncode != 0
+    # Rank 1 dies (os._exit) after writing its files for iteration 4, before the checkpoint is published.
+    with pytest.raises(DistributedTestError):  # rank 1 exits; rank 0 fails in the publish collective
+        spawn(_runs, 2, [argv], timeout=120, env={"MEGATRON_EXT_TEST_CRASH_IN_SAVE": "1:4"})
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
 
-    env.pop("MEGATRON_EXT_TEST_CRASH_IN_SAVE")
-    resumed = _torchrun(argv + ["--load", ckpt], env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "loaded checkpoint" in resumed.stdout and "iteration        4/       4" in resumed.stdout
+    resumed = spawn(_runs, 2, [argv + ["--load", ckpt]], timeout=120)[-1][0]
+    assert sorted(resumed["losses"]) == [3, 4]
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000004.tmp"))
 
@@ -81,3 +76,27 @@ def test_load_missing_checkpoint_is_a_clear_error(text_dataset, tiny_model_flags
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"--load {tmp_path / 'does-not-exist'}: no such directory" in out.stderr
+
+
+def test_load_corrupt_file_fails_on_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """A damaged model file (right size, garbage bytes) is a clear error on all ranks, not a hang."""
+    ckpt = str(tmp_path / "ckpt")
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
+    spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+    p = os.path.join(ckpt, "iter_0000002", "mp_rank_00_000", "model.pt")
+    size = os.path.getsize(p)
+    with open(p, "wb") as f:
+        f.write(b"\0" * size)
+    errs = spawn(_load_error, 2, base + ["--load", ckpt], timeout=120)
+    assert all("corrupt checkpoint file" in e and "model.pt" in e for e in errs), errs
+
+
+def _load_error(argv):
+    from megatron_ext.training.checkpointing import CheckpointError
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    try:
+        pretrain(argv)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
