@@ -15,8 +15,9 @@ from .triton_symmetric import rint, to_out_dtype
 
 @triton.jit
 def partial_minmax_kernel(x_ptr, pmin_ptr, pmax_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    blk = tl.program_id(1)
+    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
+    c = pid // nblk
+    blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
     v = tl.load(x_ptr + c * chunk_size + offs, mask=ok, other=0.0).to(tl.float32)
@@ -27,9 +28,10 @@ def partial_minmax_kernel(x_ptr, pmin_ptr, pmax_ptr, numel, chunk_size, nblk, BL
 
 
 @triton.jit
-def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    blk = tl.program_id(1)
+def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
+    c = pid // nblk
+    blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
     scale = tl.load(scale_ptr + c)
@@ -42,9 +44,10 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, B
 
 
 @triton.jit
-def minmax_dequantize_kernel(q_ptr, out_ptr, scale_ptr, lb_ptr, numel, chunk_size, BLOCK: tl.constexpr):
-    c = tl.program_id(0)
-    blk = tl.program_id(1)
+def minmax_dequantize_kernel(q_ptr, out_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
+    c = pid // nblk
+    blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
     scale = tl.load(scale_ptr + c)

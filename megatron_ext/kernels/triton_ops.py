@@ -124,10 +124,11 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
         return q, empty, empty.clone()
     pmin = torch.empty(nchunks, nblk, dtype=torch.float32, device=x.device)
     pmax = torch.empty_like(pmin)
-    _mm.partial_minmax_kernel[(nchunks, nblk)](x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
+    _mm.partial_minmax_kernel[(nchunks * nblk,)](x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
     mins, maxs = pmin.amin(dim=1), pmax.amax(dim=1)
     scale, lb = _ref.minmax_params(mins, maxs)
-    _mm.minmax_quantize_kernel[(nchunks, nblk)](x, q, scale, lb, numel, chunk_size, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    _mm.minmax_quantize_kernel[(nchunks * nblk,)](x, q, scale, lb, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK,
+                                                  **_OPTS)
     return q, mins, maxs
 
 
@@ -142,6 +143,6 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     out = torch.empty(numel, dtype=dtype, device=q.device)
     if nchunks:
         scale, lb = _ref.minmax_params(mins.float(), maxs.float())
-        _mm.minmax_dequantize_kernel[(nchunks, nblk)](q, out, scale.contiguous(), lb.contiguous(), numel,
-                                                      chunk_size, BLOCK=_MINMAX_BLOCK, **_OPTS)
+        _mm.minmax_dequantize_kernel[(nchunks * nblk,)](q, out, scale.contiguous(), lb.contiguous(), numel,
+                                                        chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
     return out
