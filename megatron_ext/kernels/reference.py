@@ -12,6 +12,8 @@ a memory copy.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_input, codes_dtype, num_groups,
@@ -24,14 +26,23 @@ _MINMAX_EPS = 1e-7  # ByteGrad: scale = 255 / (max - min + 1e-7)
 # ----------------------------------------------------------------------------------------------------------------
 # INT4 nibble packing
 # ----------------------------------------------------------------------------------------------------------------
+_LITTLE = sys.byteorder == "little"
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Pack int8 codes in [-8, 7] two per byte: element 2i in bits 4-7, element 2i+1 in bits 0-3."""
+    if _LITTLE:  # one int16 lane per pair: low byte = even element, high byte = odd element (3x fewer passes)
+        v = q.reshape(-1).view(torch.int16)
+        return (((v & 0x0F) << 4) | ((v >> 8) & 0x0F)).to(torch.uint8)
     u = q.view(torch.uint8).view(-1, 2)
     return (u[:, 0] << 4) | (u[:, 1] & 0x0F)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: signed int8 codes, two per input byte."""
+    if _LITTLE:  # build the int16 lane (odd << 8) | (even & 0xFF) with sign-extended nibbles, then view as int8
+        w = packed.view(torch.int8).to(torch.int16)
+        return (((w >> 4) & 0xFF) | ((w << 12) >> 4)).view(torch.int8)
     hi = packed.view(torch.int8) >> 4
     lo = (packed << 4).view(torch.int8) >> 4
     return torch.stack((hi, lo), dim=-1).view(-1)
@@ -89,12 +100,8 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
 def _dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """``out[k, g] = fl(code * scale)`` cast to ``out.dtype``; ``codes`` are the bytes of those k groups."""
     f32 = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    if bits == 8:
-        f32.copy_(codes.view(out.shape))  # int8 -> fp32 is exact; same-dtype math below takes the fast path
-    else:
-        pairs = f32.view(out.shape[0], -1, 2)
-        pairs[..., 0].copy_(codes.view(torch.int8).view(out.shape[0], -1) >> 4)
-        pairs[..., 1].copy_((codes << 4).view(torch.int8).view(out.shape[0], -1) >> 4)
+    q = codes if bits == 8 else unpack_int4(codes)
+    f32.copy_(q.view(out.shape))  # int8 -> fp32 is exact; same-dtype math below takes the fast path
     f32.mul_(scales.unsqueeze(1))
     if f32 is not out:
         out.copy_(f32)
@@ -151,10 +158,17 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
                      pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
-    gathered = swizzle_gather(x, lay).view(-1)
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
-    _quantize_padded(gathered, gathered.numel(), bits, group_size, codes.view(-1), scales.view(-1))
+    flat = x.view(-1)
+    n, m = lay.partition_numel, lay.stage_numel
+    # Every stage chunk is contiguous in x: quantize it straight into its slot (the reorder costs no extra pass).
+    for s in range(lay.stages):
+        for j in range(lay.world):
+            p = (j % nodes) * ranks_per_node + j // nodes
+            start = min(p * n + s * m, lay.numel)
+            stop = min(p * n + s * m + lay.stage_valid_numel(s), lay.numel)
+            _quantize_padded(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
     return codes, scales
 
 
@@ -236,12 +250,12 @@ def _chunk_minmax(flat: torch.Tensor, numel: int, chunk_size: int) -> tuple[torc
     mins = torch.empty(nchunks, dtype=torch.float32, device=flat.device)
     maxs = torch.empty_like(mins)
     full = numel // chunk_size
-    if full:
-        lo, hi = torch.aminmax(flat[:full * chunk_size].view(full, chunk_size), dim=1)
-        mins[:full], maxs[:full] = lo, hi
+    if full:  # amin / amax separately: torch.aminmax over dim=1 is ~10x slower on CPU
+        body = flat[:full * chunk_size].view(full, chunk_size)
+        mins[:full], maxs[:full] = body.amin(dim=1), body.amax(dim=1)
     if nchunks > full:
-        lo, hi = torch.aminmax(flat[full * chunk_size:numel])
-        mins[full], maxs[full] = lo, hi
+        tail = flat[full * chunk_size:numel]
+        mins[full], maxs[full] = tail.amin(), tail.amax()
     return mins, maxs
 
 

@@ -235,3 +235,16 @@ def test_bad_arguments():
     c, s = quantize_symmetric(x, bits=8, group_size=8)
     with pytest.raises(TypeError, match="int8"):
         dequantize_symmetric(c.view(torch.uint8), s, bits=8, group_size=8, numel=64)
+
+
+@pytest.mark.parametrize("numel", [256, 250, 7])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_swizzle_quantize_equals_quantizing_the_gathered_layout(numel, stages):
+    """Fused reorder + quantize == quantize(reordered, zero-padded copy), chunk by chunk."""
+    from megatron_ext.kernels.reference import swizzle_gather
+    x = torch.randn(numel)
+    for bits in (8, 4):
+        lay = swizzle_layout(numel, bits, 8, 2, 4, stages)
+        codes, scales = swizzle_quantize(x, bits, 8, 2, 4, stages)
+        want_c, want_s = quantize_symmetric(swizzle_gather(x, lay).view(-1), bits=bits, group_size=8)
+        assert torch.equal(codes.view(-1), want_c) and torch.equal(scales.view(-1), want_s)
