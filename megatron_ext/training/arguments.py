@@ -376,8 +376,19 @@ def _validate_later_features(args: argparse.Namespace) -> None:
     if args.hpz_partition_size is not None:
         _fail("--hpz-partition-size is not implemented in this build yet (parameter sharding, ZeRO-3/hpZ)")
     if args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual is not None:
-        _fail("--ladder-residual/--ladder-residual-layers/--desync-residual are not wired into pretrain_gpt in "
-              "this build yet")
+        try:
+            from megatron_ext.transformer.config import LadderConfig
+        except ImportError:
+            _fail("--ladder-residual/--ladder-residual-layers/--desync-residual: megatron_ext.transformer is not "
+                  "available in this build")
+        try:
+            LadderConfig(ladder=args.ladder_residual, ladder_layers=args.ladder_residual_layers,
+                         desync=args.desync_residual).num_ladder_layers(args.num_layers)
+        except ValueError as e:
+            _fail(str(e))
+        if args.sequence_parallel:
+            _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
+                  "all-reduces of full-sequence partial sums)")
 
 
 def _env_world_size() -> int:

@@ -66,7 +66,14 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def _gpt(GPTModel, config, spec, args: argparse.Namespace, ps) -> torch.nn.Module:
-    return GPTModel(
+    ladder = {}
+    if args.ladder_residual or args.desync_residual:
+        from megatron_ext.transformer.ladder_gpt import LadderGPTModel
+
+        GPTModel = LadderGPTModel  # noqa: N806 - same constructor plus the ladder options
+        ladder = dict(ladder_residual=args.ladder_residual, ladder_residual_layers=args.ladder_residual_layers,
+                      desync_residual=args.desync_residual)
+    return GPTModel(**ladder,
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(), parallel_output=True,

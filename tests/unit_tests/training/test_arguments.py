@@ -61,6 +61,10 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--lr-warmup-iters", "10"], ["--lr-warmup-iters", "--lr-decay-iters"]),
     (["--ranks-per-node", "3"], ["--ranks-per-node"]),
     (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not implemented"]),
+    (["--ladder-residual-layers", "1"], ["--ladder-residual-layers", "--ladder-residual"]),
+    (["--ladder-residual", "--desync-residual", "2x"], ["--ladder-residual", "--desync-residual"]),
+    (["--ladder-residual", "--ladder-residual-layers", "5"], ["--ladder-residual-layers", "--num-layers"]),
+    (["--ladder-residual", "--sequence-parallel", "--tensor-model-parallel-size", "2"], ["--sequence-parallel"]),
     (["--grad-reduce", "nonsense"], ["--grad-reduce"]),
 ])
 def test_conflicting_or_invalid_flags_named(capsys, argv, names):

@@ -28,3 +28,17 @@ def test_loss_decreases(spawn, text_dataset, tiny_model_flags, parallel):
     assert len(losses) == 8
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
     assert 8 in last["eval"]
+
+
+def _first_losses(argvs):
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    return [pretrain(a)["losses"].get(1) for a in argvs]
+
+
+def test_ladder_residual_tp2_first_loss_equals_tp1(spawn, text_dataset, tiny_model_flags):
+    """--ladder-residual through pretrain_gpt: with CPU initialisation, TP=2 starts exactly where TP=1 does."""
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "1",
+                                                           "--ladder-residual"]
+    tp1, tp2 = spawn(_first_losses, 2, [base, base + ["--tensor-model-parallel-size", "2"]], timeout=120)[-1]
+    assert abs(tp1 - tp2) < 1e-5 * abs(tp1), (tp1, tp2)
