@@ -20,6 +20,7 @@ from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_i
                      qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
+_TINY = 2.0 ** -126  # smallest normal fp32
 _MINMAX_EPS = 1e-7  # ByteGrad: scale = 255 / (max - min + 1e-7)
 
 
@@ -62,7 +63,9 @@ def _quantize_groups(xg: torch.Tensor, bits: int, scales_out: torch.Tensor, code
         y = torch.div(xg, safe.unsqueeze(1))
     else:  # exact upcast first: mixed-dtype broadcasting is slow on CPU
         y = xg.float().div_(safe.unsqueeze(1))
-    y.round_().clamp_(-qm, qm)
+    y.round_()
+    if bool(((scales_out > 0) & (scales_out < _TINY)).any()):  # |x/scale| <= qmax unless the scale is subnormal
+        y.clamp_(-qm, qm)
     if bits == 8:
         codes_out.copy_(y.view(-1))
     else:
@@ -259,6 +262,27 @@ def _chunk_minmax(flat: torch.Tensor, numel: int, chunk_size: int) -> tuple[torc
     return mins, maxs
 
 
+def _row_blocks(numel: int, chunk_size: int):
+    """Yield (start, stop, rows, chunk0): element ranges covering whole chunks (or pieces of one big chunk).
+
+    ``rows`` > 0: ``[start, stop)`` is ``rows`` full chunks starting at chunk ``chunk0``; ``rows`` == 0: a piece of
+    chunk ``chunk0`` (a chunk larger than a cache block, or the partial last chunk).
+    """
+    full = numel // chunk_size
+    per = _BLOCK // chunk_size
+    if per >= 1:
+        for c in range(0, full, per):
+            r = min(per, full - c)
+            yield c * chunk_size, (c + r) * chunk_size, r, c
+        if numel > full * chunk_size:
+            yield full * chunk_size, numel, 0, full
+        return
+    for c in range(cdiv(numel, chunk_size)):
+        c1 = min(numel, (c + 1) * chunk_size)
+        for s in range(c * chunk_size, c1, _BLOCK):
+            yield s, min(c1, s + _BLOCK), 0, c
+
+
 def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_input(x)
     if chunk_size <= 0:
@@ -268,19 +292,26 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     mins, maxs = _chunk_minmax(flat, numel, chunk_size)
     scale, lb = minmax_params(mins, maxs)
     ub = lb + 255.0
+    # q = min(rint(x*scale), ub) - lb. The clamp to [0, 255] is ours: with ties (e.g. max - min = 2, scale = 127.5)
+    # rint(min*scale) can be lb - 1, which ByteGrad's uint8 cast wraps to 255; clamping gives the nearest code.
+    # Fast path: rint(fl(x*scale)) is monotone in x, so if the chunk minimum lands in [lb, ub] with exact integers
+    # (< 2^24), every element does, and both the min() with ub and the clamp are no-ops: skip those two passes.
+    rmin = torch.round(mins * scale)
+    exact = bool(((rmin >= lb) & (ub.abs() < 2.0 ** 24) & (rmin.abs() < 2.0 ** 24)).all()) if numel else True
     q = torch.empty(numel, dtype=torch.uint8, device=x.device)
-    for c in range(mins.numel()):
-        sc, l_, u_ = scale[c:c + 1], lb[c:c + 1], ub[c:c + 1]
-        c0, c1 = c * chunk_size, min(numel, (c + 1) * chunk_size)
-        for s in range(c0, c1, _BLOCK):
-            e = min(c1, s + _BLOCK)
-            y = torch.mul(flat[s:e], sc) if flat.dtype == torch.float32 else flat[s:e].float().mul_(sc)
-            # min(rint(x*scale), ub) - lb. The clamp to [0, 255] is ours: with ties (e.g. max - min = 2, scale = 127.5)
-            # rint(min*scale) can be lb - 1, which ByteGrad's uint8 cast wraps to 255; clamping gives the nearest code.
-            y.round_()
+    for start, stop, rows, c in _row_blocks(numel, chunk_size):
+        shape = (rows, chunk_size) if rows else (1, stop - start)
+        k = max(rows, 1)
+        sc, l_, u_ = scale[c:c + k, None], lb[c:c + k, None], ub[c:c + k, None]
+        xs = flat[start:stop].view(shape)
+        y = torch.mul(xs, sc) if flat.dtype == torch.float32 else xs.float().mul_(sc)
+        y.round_()
+        if not exact:
             torch.minimum(y, u_, out=y)
-            y.sub_(l_).clamp_(0.0, 255.0)
-            q[s:e].copy_(y)
+        y.sub_(l_)
+        if not exact:
+            y.clamp_(0.0, 255.0)
+        q[start:stop].view(shape).copy_(y)
     return q, mins, maxs
 
 
@@ -294,16 +325,13 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     scale, lb = minmax_params(mins.float(), maxs.float())
     flat = q.view(-1)
     out = torch.empty(numel, dtype=dtype, device=q.device)
-    for c in range(cdiv(numel, chunk_size)):
-        c0, c1 = c * chunk_size, min(numel, (c + 1) * chunk_size)
-        for s in range(c0, c1, _BLOCK):
-            e = min(c1, s + _BLOCK)
-            if dtype == torch.float32:
-                y = out[s:e]
-                y.copy_(flat[s:e])
-            else:
-                y = flat[s:e].float()
-            y.add_(lb[c:c + 1]).div_(scale[c:c + 1])
-            if y.data_ptr() != out[s:e].data_ptr():
-                out[s:e].copy_(y)
+    for start, stop, rows, c in _row_blocks(numel, chunk_size):
+        shape = (rows, chunk_size) if rows else (1, stop - start)
+        k = max(rows, 1)
+        dst = out[start:stop].view(shape)
+        y = dst if dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=q.device)
+        y.copy_(flat[start:stop].view(shape))  # (q + lb) / scale in fp32
+        y.add_(lb[c:c + k, None]).div_(scale[c:c + k, None])
+        if y is not dst:
+            dst.copy_(y)
     return out
