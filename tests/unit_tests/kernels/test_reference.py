@@ -248,3 +248,31 @@ def test_swizzle_quantize_equals_quantizing_the_gathered_layout(numel, stages):
         codes, scales = swizzle_quantize(x, bits, 8, 2, 4, stages)
         want_c, want_s = quantize_symmetric(swizzle_gather(x, lay).view(-1), bits=bits, group_size=8)
         assert torch.equal(codes.view(-1), want_c) and torch.equal(scales.view(-1), want_s)
+
+
+def test_cache_block_size_does_not_change_results(monkeypatch):
+    """The torch path works in cache blocks; a tiny block (many blocks, chunks split across blocks) is bit-identical."""
+    from megatron_ext.kernels import reference
+    x = torch.randn(5000) * 3
+    qs = [quantize_minmax_uint8(x, c) for c in (7, 100, 3000)]
+    sym = [quantize_symmetric(x, bits=b, group_size=32) for b in (8, 4)]
+    swz = swizzle_quantize(x, 4, 32, 2, 2, 2)
+    monkeypatch.setattr(reference, "_BLOCK", 64)
+    for c, want in zip((7, 100, 3000), qs):
+        got = quantize_minmax_uint8(x, c)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(dequantize_minmax_uint8(*got, c, 5000), dequantize_minmax_uint8(*want, c, 5000))
+    for b, want in zip((8, 4), sym):
+        got = quantize_symmetric(x, bits=b, group_size=32)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = swizzle_quantize(x, 4, 32, 2, 2, 2)
+    assert torch.equal(got[0], swz[0]) and torch.equal(got[1], swz[1])
+
+
+def test_subnormal_scales_stay_in_range():
+    x = torch.tensor([1e-40, -3e-41, 2e-42, 0.0, 5e-39, -5e-39, 1e-45, 0.0])
+    for bits in (8, 4):
+        codes, scales = quantize_symmetric(x, bits=bits, group_size=8)
+        q = codes if bits == 8 else torch.stack([codes.view(torch.int8) >> 4, (codes << 4).view(torch.int8) >> 4], -1)
+        qm = 2 ** (bits - 1) - 1
+        assert int(q.min()) >= -qm and int(q.max()) <= qm

@@ -109,6 +109,15 @@ def test_minmax_tie_clamp(tri):
         _same(a, b)
 
 
+def test_subnormal_and_zero_groups(tri):
+    x = torch.tensor([1e-40, -3e-41, 2e-42, 0.0, 5e-39, -5e-39, 1e-45, 0.0] + [0.0] * 8 + [1.0, -2.0] * 4)
+    for bits in (8, 4):
+        want = ref.quantize_symmetric(x, bits=bits, group_size=8)
+        got = tri.quantize_symmetric(x, bits=bits, group_size=8)
+        _same(got[0], want[0])
+        _same(got[1], want[1])
+
+
 def test_non_contiguous_rejected(tri):
     x = torch.randn(8, 8).t()
     with pytest.raises(ValueError, match="contiguous"):
