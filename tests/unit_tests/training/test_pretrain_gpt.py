@@ -38,7 +38,7 @@ def _first_losses(argvs):
 
 def test_ladder_residual_tp2_first_loss_equals_tp1(spawn, text_dataset, tiny_model_flags):
     """--ladder-residual through pretrain_gpt: with CPU initialisation, TP=2 starts exactly where TP=1 does."""
-    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "1",
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2",
                                                            "--ladder-residual"]
     tp1, tp2 = spawn(_first_losses, 2, [base, base + ["--tensor-model-parallel-size", "2"]], timeout=120)[-1]
     assert abs(tp1 - tp2) < 1e-5 * abs(tp1), (tp1, tp2)
