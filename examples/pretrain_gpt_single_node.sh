@@ -28,6 +28,7 @@ exec torchrun --nproc-per-node 8 --standalone examples/pretrain_gpt.py \
     --untie-embeddings-and-output-weights \
     --micro-batch-size 4 --global-batch-size 256 \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel \
+    --transformer-impl transformer_engine \
     --bf16 --optimizer adam --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000 \
     --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 \
     --train-iters 100000 --log-interval 10 --eval-interval 1000 --eval-iters 20 \

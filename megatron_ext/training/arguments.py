@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="layer implementation (default: transformer_engine when importable, else local)")
     g.add_argument("--use-mcore-models", action="store_true", help="accepted; models are always megatron-core's")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialise weights on CPU (always on without CUDA; makes TP>1 init equal TP=1's)")
@@ -310,11 +311,14 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         _fail("--save-interval needs --save")
     if args.save_interval is not None and args.save_interval <= 0:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
-    if args.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            _fail("--transformer-impl transformer_engine: transformer_engine is not importable; use local")
+    te_available = _importable("transformer_engine")
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te_available else "local"
+    if args.transformer_impl == "transformer_engine" and not te_available:
+        _fail("--transformer-impl transformer_engine: transformer_engine is not importable; use local")
+    if args.sequence_parallel and args.transformer_impl == "local":
+        _fail("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
+              "(WrappedTorchNorm) rejects sequence parallelism")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
@@ -389,6 +393,12 @@ def _validate_later_features(args: argparse.Namespace) -> None:
         if args.sequence_parallel:
             _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
                   "all-reduces of full-sequence partial sums)")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 def _env_world_size() -> int:

@@ -65,6 +65,8 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--ladder-residual", "--desync-residual", "2x"], ["--ladder-residual", "--desync-residual"]),
     (["--ladder-residual", "--ladder-residual-layers", "5"], ["--ladder-residual-layers", "--num-layers"]),
     (["--ladder-residual", "--sequence-parallel", "--tensor-model-parallel-size", "2"], ["--sequence-parallel"]),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--transformer-impl", "local"],
+     ["--sequence-parallel", "--transformer-impl"]),
     (["--grad-reduce", "nonsense"], ["--grad-reduce"]),
 ])
 def test_conflicting_or_invalid_flags_named(capsys, argv, names):
