@@ -2,7 +2,10 @@
 """Throughput of the quantization kernels against this machine's memory-copy bandwidth, measured in the same run.
 
 For each operation and size: GB/s of bytes read + written by the op (its minimal traffic: inputs once, outputs
-once) and the ratio to a ``torch`` clone of the same number of bytes (a clone of B/2 bytes reads B/2 and writes B/2).
+once) and the ratio to a ``torch`` clone of the same number of bytes (a clone of B/2 bytes reads B/2 and writes B/2;
+like the ops it allocates its output) and to a copy into a preallocated buffer (the raw copy bandwidth, without the
+allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs,
+interleaved with the copies, so that a shared machine's load hits both alike.
 The torch path runs on CPU; with CUDA available the Triton path runs on the GPU too. Prints a table and writes JSON.
 
     python tools/bench_kernels.py                          # CPU: 1M..64M elements
@@ -42,6 +45,8 @@ class Row:
     gbps: float
     copy_gbps: float
     ratio: float
+    copy_prealloc_gbps: float
+    ratio_prealloc: float
 
 
 def _sync(device: str) -> None:
@@ -101,10 +106,12 @@ def build_ops(numel: int, dtype: torch.dtype, device: str, group: int, nodes: in
     return ops
 
 
-def copy_fn(nbytes: int, device: str) -> tuple[Callable[[], object], int]:
-    """A clone of nbytes/2 bytes: reads and writes nbytes in all."""
+def copy_fns(nbytes: int, device: str) -> tuple[Callable[[], object], Callable[[], object], int]:
+    """A clone of nbytes/2 bytes (reads and writes nbytes in all, allocating its output like the ops do) and the
+    same copy into a preallocated buffer (no allocation / page-fault cost: the machine's raw copy bandwidth)."""
     src = torch.ones(max(1, nbytes // 2), dtype=torch.uint8, device=device)
-    return src.clone, 2 * src.numel()
+    dst = torch.empty_like(src)
+    return src.clone, (lambda: dst.copy_(src)), 2 * src.numel()
 
 
 def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) -> list[Row]:
@@ -112,16 +119,18 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
     backend = K.select_backend(device)
     for numel in sizes:
         for name, fn, nbytes in build_ops(numel, dtype, device, **geom):
-            clone, copied = copy_fn(nbytes, device)
-            t, tc = float("inf"), float("inf")
-            for _ in range(repeat):  # interleaved, so both see the same machine load
+            clone, copy_, copied = copy_fns(nbytes, device)
+            t, tc, tp = float("inf"), float("inf"), float("inf")
+            for _ in range(repeat):  # interleaved, so all three see the same machine load
                 t = min(t, timeit(fn, device, 1))
                 tc = min(tc, timeit(clone, device, 1))
-            cp = copied / tc / 1e9
+                tp = min(tp, timeit(copy_, device, 1))
+            cp, pp = copied / tc / 1e9, copied / tp / 1e9
             gb = nbytes / t / 1e9
-            rows.append(Row(name, device, backend, numel, nbytes, t, gb, cp, gb / cp))
-            print(f"{name:42s} {device:4s} {backend:6s} {numel / (1 << 20):7.0f}M {t * 1e3:9.2f} ms "
-                  f"{gb:8.2f} GB/s  copy {cp:8.2f} GB/s  {100 * gb / cp:6.1f}%", flush=True)
+            rows.append(Row(name, device, backend, numel, nbytes, t, gb, cp, gb / cp, pp, gb / pp))
+            print(f"{name:42s} {device:4s} {backend:6s} {numel / (1 << 20):5.0f}M {t * 1e3:9.2f} ms "
+                  f"{gb:7.2f} GB/s  clone {cp:7.2f} GB/s {100 * gb / cp:5.0f}%  copy_ {pp:7.2f} GB/s "
+                  f"{100 * gb / pp:5.0f}%", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -153,11 +162,12 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [parse_size(s) for s in (args.sizes or default).split(",")]
         rows += run(sizes, device, DTYPES[args.dtype], args.repeat, **geom)
     print()
-    print(f"| op | device | backend | elements | GB/s | copy GB/s | % of copy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | device | backend | elements | ms | GB/s | clone GB/s | % of clone | copy_ GB/s | % of copy_ |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.op} | {r.device} | {r.backend} | {r.numel / (1 << 20):.0f}M | {r.gbps:.2f} | "
-              f"{r.copy_gbps:.2f} | {100 * r.ratio:.0f}% |")
+        print(f"| {r.op} | {r.device} | {r.backend} | {r.numel / (1 << 20):.0f}M | {r.seconds * 1e3:.2f} | "
+              f"{r.gbps:.2f} | {r.copy_gbps:.2f} | {100 * r.ratio:.0f}% | {r.copy_prealloc_gbps:.2f} | "
+              f"{100 * r.ratio_prealloc:.0f}% |")
     meta = dict(torch=torch.__version__, machine=platform.machine(), processor=platform.processor(),
                 threads=torch.get_num_threads(), dtype=args.dtype, **geom,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
