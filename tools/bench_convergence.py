@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Convergence of the communication backends: loss curves of short GPT pretraining runs, as a PNG and a table.
+
+Each backend combination trains the same small megatron-core GPT (same seed, data and schedule) with
+``megatron_ext.training.pretrain_gpt`` (the ODO, ``--ranks-per-node`` simulated nodes on gloo) for ``--train-iters``
+steps on real text (the cached standard-library corpus unless ``--data-path`` is given); the lm loss of every
+logged interval is parsed from the Megatron-style log. The table reports the final training loss (mean of the
+last ``--final-window`` logged intervals), the final validation loss, and the relative difference to the plain
+backend (the issue's criterion: within 2%; seed 000 Table 5: +2.1% with qwZ + hpZ + qgZ, +0.0% with qgZ off).
+
+    python tools/bench_convergence.py --train-iters 200 --png convergence.png --json convergence.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+COMBOS = {
+    # label: (grad_reduce, param_gather, extra flags)
+    "plain": ("plain", "plain", []),
+    "qwZ": ("plain", "qwz", []),
+    "qgZ INT4": ("qgz", "plain", ["--qgz-bits", "4"]),
+    "qgZ INT8": ("qgz", "plain", ["--qgz-bits", "8"]),
+    "ByteGrad": ("bytegrad", "plain", []),
+    "qwZ+qgZ INT4": ("qgz", "qwz", ["--qgz-bits", "4"]),
+    "qwZ+qgZ INT8": ("qgz", "qwz", ["--qgz-bits", "8"]),
+    "qwZ+ByteGrad": ("bytegrad", "qwz", []),
+}
+SEED_000_TABLE_5 = "seed 000 Table 5 (GPT-350M, 30B tokens): baseline 2.1218, ZeRO++ all on 2.1656 (+2.1%), qgZ off 2.1217"
+
+TRAIN_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.eE+-]+)")
+EVAL_RE = re.compile(r"validation loss at (.*?) \| lm loss value: ([0-9.eE+-]+)")
+
+
+def run_combo(label: str, a) -> Dict:
+    gr, pg, extra = COMBOS[label]
+    quant = ["--quant-group-size", str(a.quant_group_size)] if (gr == "qgz" or pg == "qwz") else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--standalone",
+           "-m", "megatron_ext.training.pretrain_gpt",
+           "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+           "--num-attention-heads", str(a.heads), "--seq-length", str(a.seq_length),
+           "--max-position-embeddings", str(a.seq_length), "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+           "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size),
+           "--optimizer", "adam", "--lr", str(a.lr), "--min-lr", str(a.lr / 10), "--lr-decay-style", "cosine",
+           "--lr-warmup-iters", str(a.warmup), "--weight-decay", "0.01", "--clip-grad", "1.0",
+           "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+           "--train-iters", str(a.train_iters), "--log-interval", str(a.log_interval),
+           "--eval-interval", str(a.train_iters), "--eval-iters", str(a.eval_iters), "--seed", str(a.seed),
+           "--use-distributed-optimizer", "--use-overlapped-distributed-optimizer", "--overlap-grad-reduce",
+           "--overlap-param-gather", "--ddp-bucket-size", str(a.bucket_size),
+           "--grad-reduce", gr, "--param-gather", pg, *extra, *quant, "--ranks-per-node", str(a.ranks_per_node)]
+    if a.data_path:
+        cmd += ["--data-path", a.data_path]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = proc.stdout
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
+        with open(os.path.join(a.log_dir, label.replace(" ", "_").replace("+", "_") + ".log"), "w") as f:
+            f.write(log)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: pretrain_gpt exited with {proc.returncode}:\n{log[-4000:]}")
+    curve = [(int(m.group(1)), float(m.group(2))) for m in TRAIN_RE.finditer(log)]
+    evals = [float(m.group(2)) for m in EVAL_RE.finditer(log)]
+    if not curve:
+        raise RuntimeError(f"{label}: no 'lm loss' lines in the log:\n{log[-4000:]}")
+    k = max(1, a.final_window)
+    return {"curve": curve, "final_train_loss": sum(l for _, l in curve[-k:]) / len(curve[-k:]),
+            "final_val_loss": evals[-1] if evals else None, "wall_s": time.time() - t0, "cmd": cmd}
+
+
+def render(results: Dict[str, Dict]) -> str:
+    base = results.get("plain")
+    hdr = f"{'combo':<14} {'final train loss':>17} {'vs plain':>9} {'final val loss':>15} {'vs plain':>9} {'wall s':>7}"
+    lines = [hdr, "-" * len(hdr)]
+    for label, r in results.items():
+        dt = (r["final_train_loss"] / base["final_train_loss"] - 1) * 100 if base else float("nan")
+        v = r["final_val_loss"]
+        dv = (v / base["final_val_loss"] - 1) * 100 if base and v and base["final_val_loss"] else float("nan")
+        lines.append(f"{label:<14} {r['final_train_loss']:>17.4f} {dt:>+8.2f}% "
+                     f"{(v if v is not None else float('nan')):>15.4f} {dv:>+8.2f}% {r['wall_s']:>7.0f}")
+    lines.append(SEED_000_TABLE_5)
+    return "\n".join(lines)
+
+
+def plot(results: Dict[str, Dict], path: str, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written ({path})")
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, r in results.items():
+        it, loss = zip(*r["curve"])
+        ax.plot(it, loss, label=label, linewidth=2.2 if label == "plain" else 1.2,
+                linestyle="-" if label == "plain" else "--" if "qwZ+" in label else "-")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss (mean over log interval)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--combos", default=",".join(COMBOS), help="comma-separated subset of: " + ",".join(COMBOS))
+    ap.add_argument("--train-iters", type=int, default=200)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--global-batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--bucket-size", type=int, default=200_000)
+    ap.add_argument("--quant-group-size", type=int, default=2048)
+    ap.add_argument("--log-interval", type=int, default=5)
+    ap.add_argument("--eval-iters", type=int, default=4)
+    ap.add_argument("--final-window", type=int, default=4, help="logged intervals averaged for the final loss")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data-path", default=None)
+    ap.add_argument("--log-dir", default=None, help="keep each run's log here")
+    ap.add_argument("--png", default="convergence.png")
+    ap.add_argument("--json", default="convergence.json")
+    a = ap.parse_args(argv)
+    results: Dict[str, Dict] = {}
+    for label in a.combos.split(","):
+        if label not in COMBOS:
+            ap.error(f"unknown combo {label!r}; choose from {list(COMBOS)}")
+        print(f"running {label} ...", flush=True)
+        results[label] = run_combo(label, a)
+        r = results[label]
+        print(f"  final train loss {r['final_train_loss']:.4f}, val {r['final_val_loss']}, {r['wall_s']:.0f} s",
+              flush=True)
+    print(render(results))
+    title = (f"GPT {a.num_layers}x{a.hidden_size}, {a.nproc} ranks ({a.nproc // a.ranks_per_node} simulated nodes), "
+             f"{a.train_iters} steps")
+    if a.png and plot(results, a.png, title):
+        print(f"wrote {a.png}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "results": results, "seed_000_table_5": SEED_000_TABLE_5}, f, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
