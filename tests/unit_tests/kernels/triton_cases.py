@@ -4,7 +4,6 @@ Not collected by default (no ``test_`` prefix): ``test_triton_interpreted.py`` r
 subprocess with ``TRITON_INTERPRET=1`` set before anything imports Triton (see the note there).
 """
 import os
-import sys
 
 import pytest
 import torch
