@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+pytest.importorskip("hypothesis")
 
 _CASES = Path(__file__).with_name("triton_cases.py")
 _TESTS_ROOT = Path(__file__).resolve().parents[2]
