@@ -61,10 +61,15 @@ def test_crash_mid_save_keeps_previous_checkpoint(spawn, text_dataset, tiny_mode
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000004"))
 
-    resumed = spawn(_runs, 2, [argv + ["--load", ckpt]], timeout=120)[-1][0]
+    i = argv.index("--train-iters")
+    longer = argv[:i + 1] + ["5"] + argv[i + 2:]
+    resumed, weights_only = spawn(_runs, 2, [argv + ["--load", ckpt],
+                                             longer + ["--load", ckpt, "--no-load-optim"]], timeout=120)[-1]
     assert sorted(resumed["losses"]) == [3, 4]
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "4"
-    assert not os.path.exists(os.path.join(ckpt, "iter_0000004.tmp"))
+    assert sorted(weights_only["losses"]) == [5]  # model weights and data position loaded, optimizer fresh
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "5"
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000004")) and os.path.isdir(os.path.join(ckpt, "iter_0000005"))
+    assert not any(name.endswith(".tmp") for name in os.listdir(ckpt))
 
 
 def test_load_missing_checkpoint_is_a_clear_error(text_dataset, tiny_model_flags, tmp_path):
