@@ -1,0 +1,35 @@
+"""pretrain_gpt: train a megatron-core GPT with the OverlappedDistributedOptimizer from Megatron-LM's flags.
+
+Entry point: ``torchrun ... -m megatron_ext.training.pretrain_gpt --help`` (or ``examples/pretrain_gpt.py``).
+
+Files, one job each:
+
+* ``arguments.py``     flags (Megatron-LM names + ours), strict validation with messages that name the flag
+* ``tokenizer.py``     byte-level BPE (trained locally or GPT-2 vocab/merges), NullTokenizer
+* ``preprocess.py``    text/JSONL -> megatron-core indexed dataset (used by tools/preprocess_data.py)
+* ``corpus.py``        the default corpus: the Python standard library's sources, built once and cached
+* ``data.py``          megatron-core GPTDataset via BlendedMegatronDatasetBuilder; resumable micro-batch order
+* ``model.py``         this rank's GPTModel stage from the flags (Float16Module for bf16/fp16, Ladder option)
+* ``initialize.py``    process group, megatron-core parallel state, seeds
+* ``loop.py``          train_step / evaluate / train on megatron-core's forward-backward schedules
+* ``logging_utils.py`` Megatron-style log lines, FLOP count, TensorBoard
+* ``checkpointing.py`` atomic, reshardable checkpoints
+* ``pretrain_gpt.py``  wires the above together
+
+[Note: what runs on CPU/gloo, and the limits]
+TP, PP and DP run together on CPU gloo (tests: TP=2 x DP=2, PP=2 x DP=2; the main job DP=4 on 2 simulated
+nodes). megatron-core 0.16 needs CUDA in a few places on this path; ``megatron_ext.compat.enable_cpu_compat`` routes
+around them, and ``model.py`` builds the GPT under ``cpu_device_mode`` because with PP > 1 and tied embeddings
+``LanguageModule.setup_embeddings_and_output_layer`` calls ``weight.data.cuda()``. Limits, with the reasons:
+
+* ``--sequence-parallel`` needs ``--transformer-impl transformer_engine``: megatron-core's local layer spec
+  (``WrappedTorchNorm``) raises "sequence parallel not supported by torch LayerNorm"; TE does not run on CPU.
+* Interleaved (virtual) pipelines, context parallelism and MoE are rejected by name (the ODO wraps one model chunk
+  here; the others are not wired).
+* Checkpoints reshard across DP sizes, bucket sizes and backends; TP/PP must match the saving run (model and
+  optimizer files are per TP/PP position). RNG streams are restored only at the same world size.
+* Multi-node runs need a filesystem shared by all nodes for ``--save``/``--load`` and for megatron-core's dataset
+  index cache (as with Megatron-LM); the default corpus is built once per node.
+* The "bytes sent per step" of the log are the collectives of the ODO as counted by its ledger (per rank,
+  intra-/inter-node); megatron-core's own TP and PP traffic is not in the ledger.
+"""
