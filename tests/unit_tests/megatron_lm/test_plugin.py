@@ -86,3 +86,39 @@ def test_install_switches_to_odo_only_with_the_flag(spawn):
     for on, off in spawn(_both, 2, timeout=120):
         assert on == ("OverlappedDDP", "OverlappedDistributedOptimizer", True, True)
         assert off == ("_OriginalDDP", "original")
+
+
+def test_launch_injects_flags_into_the_scripts_pretrain(tmp_path, monkeypatch):
+    """launch.py runs a checkout's script with install() done and add_args chained into its extra_args_provider
+    (stand-in ``megatron.training`` package; the real one needs a Megatron-LM checkout)."""
+    import sys
+
+    import megatron_ext.megatron_lm.plugin as plugin
+    from megatron_ext.megatron_lm import launch
+
+    seen = {}
+
+    def fake_pretrain(*args, extra_args_provider=None, **kwargs):
+        parser = extra_args_provider(argparse.ArgumentParser())
+        seen["args"] = parser.parse_args(["--use-overlapped-distributed-optimizer", "--grad-reduce", "qgz"])
+
+    pkg = types.ModuleType("megatron.training")
+    mod = types.ModuleType("megatron.training.training")
+    pkg.pretrain = mod.pretrain = fake_pretrain
+    pkg.training = mod
+    mod.DDP, mod.get_megatron_optimizer = _OriginalDDP, (lambda *a, **k: "original")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))   # launch rewrites argv and prepends the checkout to path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, "megatron.training", pkg)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", mod)
+    monkeypatch.setattr(plugin, "_optional_import", lambda name: None)
+    monkeypatch.setattr(plugin, "_megatron_args", lambda: argparse.Namespace())
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron.training import pretrain\n"
+                      "if __name__ == '__main__':\n    pretrain(None, extra_args_provider=None)\n")
+    try:
+        launch.main([str(script), "--whatever"])
+        assert seen["args"].use_overlapped_distributed_optimizer and seen["args"].grad_reduce == "qgz"
+        assert mod.DDP is not _OriginalDDP and mod.get_megatron_optimizer.original is not None
+    finally:
+        plugin.uninstall()
