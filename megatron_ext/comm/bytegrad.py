@@ -104,6 +104,8 @@ class ByteGradGradReduce(GradReduce):
         if P == 1:
             out_shard.copy_(bucket)
             return CompletedWork()
+        if n == 0:
+            return CompletedWork()
         if topo.num_nodes == 1:
             self._warn_once(f"bytegrad on a single node ({P} ranks): using the flat (non-hierarchical) form")
             nodes, D, intra_group, leader_group, leader = P, 1, None, topo.group, True

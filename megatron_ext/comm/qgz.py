@@ -108,6 +108,8 @@ class QgzGradReduce(GradReduce):
         if topo.size == 1:
             out_shard.copy_(bucket)
             return CompletedWork()
+        if n == 0:
+            return CompletedWork()
         if topo.num_nodes == 1:
             self._warn_once(f"qgz on a single node ({topo.size} ranks): using the one-hop intra-node all-to-all form")
         return _QgzWork(self, bucket, out_shard)

@@ -75,6 +75,8 @@ class QwzParamGather(ParamGather):
             if shard.data_ptr() != out_bucket.data_ptr():
                 out_bucket.copy_(shard)
             return CompletedWork()
+        if n == 0:
+            return CompletedWork()
         group = qwz_group(n, self.options.quant_group_size)
         codes, scales = quantize_symmetric(shard.contiguous(), bits=QWZ_BITS, group_size=group)
         row = pack_codes_scales(codes, scales)

@@ -57,6 +57,19 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         backend.reduce_scatter(torch.full((P * n,), 0.75), shard).wait()
         out["const"][label] = shard
     out["qgz_events"] = qgz_event_order(topo, n, options)
+    # Tiny buckets (fewer elements than stages or groups; empty): padded, never a fallback.
+    out["tiny"] = {}
+    for tiny in (0, 1, 3):
+        x = make_bucket(seed + 1, r, P * tiny)
+        for label, name, extra in (grad_cases or GRAD_CASES):
+            backend = build_grad_reduce(name, topo, CommLedger(), BackendOptions(**{**options, **extra}))
+            shard = torch.empty(tiny)
+            backend.reduce_scatter(x, shard).wait()
+            out["tiny"][(label, tiny)] = shard
+        buf = x.clone()
+        build_param_gather("qwz", topo, CommLedger(), BackendOptions(**options)).all_gather(
+            buf[r * tiny:(r + 1) * tiny], buf).wait()
+        out["tiny"][("qwz", tiny)] = buf
     try:
         Topology(ranks_per_node=3 if P % 3 else 5, create_subgroups=False)
         out["bad_rpn_error"] = None

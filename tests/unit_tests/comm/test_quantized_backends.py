@@ -175,3 +175,20 @@ def test_qgz_pipelines_intra_and_inter_node_hops():
         assert ev.index(f"launch inter{s}") < ev.index(f"wait intra{s + 1}")
         assert ev.index(f"wait inter{s}") > ev.index(f"launch inter{s + 1}")
     assert sum(e.startswith("launch inter") for e in ev) == S
+
+
+@pytest.mark.parametrize("name", ["dp4_rpn2", "dp8_rpn4"])
+def test_tiny_and_empty_buckets(name):
+    res, _ = world(name)
+    P = CONFIGS[name][0]
+    for tiny in (0, 1, 3):
+        xs = [W.make_bucket(SEED + 1, r, P * tiny).double() for r in range(P)]
+        exact = sum(xs) / P
+        scale = max([x.abs().max().item() for x in xs if x.numel()] + [0.0])
+        for label in ("plain", "qgz4", "qgz8", "bytegrad"):
+            got = torch.cat([r["tiny"][(label, tiny)].double() for r in res])
+            assert got.shape == exact.shape
+            assert torch.isfinite(got).all()
+            assert ((got - exact).abs() <= 0.5 * scale + 1e-6).all(), (label, tiny)
+        q = [r["tiny"][("qwz", tiny)] for r in res]
+        assert all(torch.equal(b, q[0]) for b in q)
