@@ -13,6 +13,10 @@
 
 ``<dir>/latest_checkpointed_iteration.txt`` (Megatron-LM's tracker name) names the newest complete checkpoint.
 
+Cost: saving gathers the DP shards of each TP/PP position on its DP rank 0 (CPU memory there: the full fp32
+master + Adam moments of that position, 12 bytes per parameter); loading maps ``optim.pt`` (``mmap``), so each rank
+pages in only the slices it owns.
+
 [Note: atomicity]
 All ranks write into ``iter_XXXXXXX.tmp``; the ranks then report their files to rank 0 in one collective, so a rank
 that died mid-save makes the collective fail on the others and nothing below happens. Rank 0 writes the manifest,
@@ -249,9 +253,11 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
     return ckpt
 
 
-def _load(path: str) -> Any:
+def _load(path: str, mmap: bool = False) -> Any:
+    """torch.load with errors naming the file; ``mmap`` maps tensors from the file instead of reading them, so a
+    rank that needs a slice of a large canonical optimizer state only pages in that slice."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:
         raise CheckpointError(f"corrupt checkpoint file {path}: {type(e).__name__}: {e}") from None
 
@@ -305,12 +311,12 @@ def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
             f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
             "(only the data-parallel size may change on resume)")
     mp_dir = os.path.join(ckpt, mp_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
-    model_state = _load(os.path.join(mp_dir, "model.pt"))
+    model_state = _load(os.path.join(mp_dir, "model.pt"), mmap=True)
     optim_state = None
     if load_optim:
         if not common.get("has_optim", True):
             raise CheckpointError(f"{ckpt} was saved with --no-save-optim; resume with --no-load-optim")
-        optim_state = _load(os.path.join(mp_dir, "optim.pt"))
+        optim_state = _load(os.path.join(mp_dir, "optim.pt"), mmap=True)
     rng_state = None
     rng_path = os.path.join(ckpt, "rng", f"rank_{dist.get_rank():05d}.pt")
     if load_rng and common["world_size"] == dist.get_world_size() and os.path.isfile(rng_path):
