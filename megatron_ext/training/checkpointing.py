@@ -13,8 +13,8 @@
 
 ``<dir>/latest_checkpointed_iteration.txt`` (Megatron-LM's tracker name) names the newest complete checkpoint.
 
-Cost: saving gathers the DP shards of each TP/PP position on its DP rank 0 (CPU memory there: the full fp32
-master + Adam moments of that position, 12 bytes per parameter); loading maps ``optim.pt`` (``mmap``), so each rank
+Cost: each DP rank writes its shard, and DP rank 0 of each TP/PP position merges them from disk (CPU memory there:
+the full fp32 master + Adam moments of that position, 12 bytes per parameter; nothing goes over the network); loading maps ``optim.pt`` (``mmap``), so each rank
 pages in only the slices it owns.
 
 [Note: atomicity]
@@ -135,15 +135,21 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     written: List[str] = []
     mp_dir = os.path.join(tmp, mp_dir_name(tp_rank, pp_rank))
     if save_optim:
+        # Each DP rank writes its own shard; DP rank 0 merges them from disk into the canonical per-parameter file.
+        # Going through files keeps the state off the network and off GPU memory (gather_object would pickle the
+        # whole state into device buffers under NCCL).
         from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
 
-        local = _to_cpu(optimizer.state_dict())
-        shards: Optional[List[dict]] = [None] * ps.get_data_parallel_world_size() if dp_rank == 0 else None
-        dist.gather_object(local, shards, dst=dist.get_global_rank(dp_group, 0), group=dp_group)
+        shard_dir = os.path.join(mp_dir, "optim_shards")
+        _fsync_save(_to_cpu(optimizer.state_dict()), os.path.join(shard_dir, f"dp_{dp_rank:05d}.pt"))
+        dist.barrier(group=dp_group)
         if dp_rank == 0:
+            paths = [os.path.join(shard_dir, f"dp_{r:05d}.pt") for r in range(ps.get_data_parallel_world_size())]
+            shards = [torch.load(p, map_location="cpu", weights_only=False, mmap=True) for p in paths]
             _fsync_save(merge_optimizer_shards(shards), os.path.join(mp_dir, "optim.pt"))
             written.append(os.path.join(mp_dir, "optim.pt"))
-        del shards, local
+            del shards
+            shutil.rmtree(shard_dir)
     if dp_rank == 0:
         _fsync_save(_to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
         written.append(os.path.join(mp_dir, "model.pt"))
