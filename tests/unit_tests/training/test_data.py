@@ -1,0 +1,68 @@
+"""Data order, the default corpus cache and the FLOP count behind the TFLOP/s log field."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megatron_ext.training.data import MicroBatchIterator, train_valid_test_num_samples
+
+
+class _Seq(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return {"tokens": torch.tensor([i])}
+
+
+def _global_batches(dp, mbs, gbs, consumed, steps):
+    """The samples each iteration sees across all DP ranks (as a sorted list per iteration)."""
+    iters = [MicroBatchIterator(_Seq(), consumed, mbs, r, dp) for r in range(dp)]
+    out = []
+    for _ in range(steps):
+        seen = []
+        for _ in range(gbs // (mbs * dp)):
+            for it in iters:
+                seen += next(it)["tokens"].view(-1).tolist()
+        out.append(sorted(seen))
+    return out
+
+
+def test_global_batches_do_not_depend_on_dp_size_or_resume_point():
+    full = _global_batches(dp=4, mbs=2, gbs=16, consumed=0, steps=4)
+    assert full == _global_batches(dp=2, mbs=2, gbs=16, consumed=0, steps=4)
+    assert full == _global_batches(dp=1, mbs=4, gbs=16, consumed=0, steps=4)
+    assert full[2:] == _global_batches(dp=2, mbs=4, gbs=16, consumed=32, steps=2)  # resumed after 2 iterations
+    assert full[0] == list(range(16)) and full[1] == list(range(16, 32))
+
+
+def test_num_samples():
+    assert train_valid_test_num_samples(100, 8, 50, 2) == [800, 48, 16]
+    assert train_valid_test_num_samples(100, 8, 50, 0) == [800, 0, 0]
+
+
+def test_default_corpus_built_once_and_cached(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.training.corpus import build_default_corpus
+
+    prefix, tok = build_default_corpus(str(tmp_path), vocab_size=300, max_bytes=150_000)
+    stamp = os.path.getmtime(prefix + ".bin")
+    again = build_default_corpus(str(tmp_path), vocab_size=300, max_bytes=150_000)
+    assert again == (prefix, tok) and os.path.getmtime(prefix + ".bin") == stamp
+    assert len(IndexedDataset(prefix)) > 3
+    assert not [d for d in os.listdir(tmp_path) if ".tmp" in d]
+
+
+def test_flop_count_matches_hand_count():
+    from megatron_ext.training.logging_utils import num_floating_point_operations
+
+    a = argparse.Namespace(hidden_size=64, num_layers=2, seq_length=32, num_attention_heads=4, kv_channels=None,
+                           group_query_attention=False, num_query_groups=None, swiglu=False, ffn_hidden_size=256,
+                           padded_vocab_size=512, vocab_size=500)
+    h, s, L, f, V, b = 64, 32, 2, 256, 512, 3
+    per_layer = 2 * (3 * h * h + h * h) + 2 * 2 * s * h / 2 + 2 * 2 * h * f  # fwd GEMMs per token, causal attention
+    expected = 3 * b * s * (L * per_layer + 2 * h * V)
+    assert abs(num_floating_point_operations(a, b) - expected) < 1e-6 * expected
