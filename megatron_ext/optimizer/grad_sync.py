@@ -74,6 +74,7 @@ class GradSync:
         self._inflight: List[Callable[[], None]] = []
         self.sync_enabled = True
         self.step_mode: Optional[str] = None     # "pool" | "local", fixed at the step's first backward
+        self.last_step_mode: Optional[str] = None
         self._in_backward = False
         self._comm_this_micro = False
         self._pending_local = False
@@ -123,6 +124,7 @@ class GradSync:
                 self.step_mode = "local"
             else:  # auto: M > 1 micro-batches iff the first backward of the step runs under no_sync()
                 self.step_mode = "pool" if self.sync_enabled else "local"
+            self.last_step_mode = self.step_mode
         self._comm_this_micro = self.step_mode == "pool" or self.sync_enabled
         self._next_launch = 0
         for st in self._state:

@@ -91,3 +91,24 @@ def test_out_of_order_backward_costs_buffers_not_correctness(spawn):
         assert order != sorted(order) and stats["overflows"] > 0 and stats["live"] == 0
         for n, r in ref.items():
             torch.testing.assert_close(params[n], r, rtol=1e-5, atol=1e-6)
+
+
+def _rs_bytes_per_policy(micro_batches):
+    out = {}
+    for policy in ("shard", "local", "auto"):
+        model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=700, accumulate=policy))
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), model)
+        model.ledger.reset()
+        odo_train_step(model, opt, 0, dist.get_rank(), micro_batches=micro_batches)
+        out[policy] = (model.ledger.bytes("reduce_scatter"), model.grad_sync.last_step_mode)
+    return out
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_auto_accumulation_picks_the_cheaper_policy(spawn, micro_batches):
+    res = spawn(_rs_bytes_per_policy, 2, micro_batches)[0]
+    one = res["local"][0]
+    assert res["shard"][0] == micro_batches * one      # reduce-scatter every micro-batch
+    assert res["auto"][0] == one                        # never more traffic than local
+    # M = 1: auto uses the pooled (bounded-memory) path; M > 1: the once-per-step local path.
+    assert res["auto"][1] == ("pool" if micro_batches == 1 else "local")
