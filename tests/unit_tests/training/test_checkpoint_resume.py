@@ -34,17 +34,23 @@ def test_exact_resume_same_dp(spawn, text_dataset, tiny_model_flags, tmp_path):
     assert _ordered(resumed) == _ordered(a["losses"])  # bit-identical, iteration by iteration
 
 
-def test_reshard_dp4_to_dp2(spawn, text_dataset, tiny_model_flags, tmp_path):
+def test_reshard_dp4_to_dp2_other_bucket_size_and_backends(spawn, text_dataset, tiny_model_flags, tmp_path):
     base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "8"]
     ckpt = str(tmp_path / "ckpt")
     # DP=4 straight run that also saves at iteration 4 (and 8); resume the iteration-4 checkpoint at DP=2.
     ref = spawn(_runs, 4, [base + ["--save", ckpt, "--save-interval", "4"]], timeout=200)[-1][0]
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("4")
-    resumed = spawn(_runs, 2, [base + ["--load", ckpt, "--ddp-bucket-size", "3000"]], timeout=200)[-1][0]
-    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    # DP=2 with another bucket size; then with other backends (qgZ INT8 gradients, qwZ weights) on 2 "nodes".
+    other = ["--ddp-bucket-size", "3000"]
+    quant = ["--grad-reduce", "qgz", "--qgz-bits", "8", "--param-gather", "qwz", "--quant-group-size", "256",
+             "--ranks-per-node", "1"]
+    resumed, requant = spawn(_runs, 2, [base + ["--load", ckpt] + other, base + ["--load", ckpt] + quant],
+                             timeout=200)[-1]
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8] and sorted(requant["losses"]) == [5, 6, 7, 8]
     for i in range(5, 9):
         assert abs(resumed["losses"][i] - ref["losses"][i]) < 1e-4 * abs(ref["losses"][i]), (i, resumed, ref)
+        assert abs(requant["losses"][i] - ref["losses"][i]) < 2e-2 * abs(ref["losses"][i]), (i, requant, ref)
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(spawn, text_dataset, tiny_model_flags, tmp_path):
