@@ -281,7 +281,8 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool 
         loaded = _read_checkpoint(ckpt, load_optim, load_rng)
     except CheckpointError as e:
         error, loaded = str(e), None
-    ok = torch.tensor([0.0 if error else 1.0])
+    ok = torch.tensor([0.0 if error else 1.0],
+                      device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if error:
         raise CheckpointError(error)
