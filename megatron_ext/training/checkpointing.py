@@ -14,8 +14,8 @@
 ``<dir>/latest_checkpointed_iteration.txt`` (Megatron-LM's tracker name) names the newest complete checkpoint.
 
 Cost: each DP rank writes its shard, and DP rank 0 of each TP/PP position merges them from disk (CPU memory there:
-the full fp32 master + Adam moments of that position, 12 bytes per parameter; nothing goes over the network); loading maps ``optim.pt`` (``mmap``), so each rank
-pages in only the slices it owns.
+the full fp32 master + Adam moments of that position, 12 bytes per parameter; nothing goes over the network);
+loading maps ``optim.pt`` (``mmap``), so each rank pages in only the slices it owns.
 
 [Note: atomicity]
 All ranks write into ``iter_XXXXXXX.tmp``; the ranks then report their files to rank 0 in one collective, so a rank
@@ -160,7 +160,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
         common = {"format": FORMAT, "iteration": iteration, "consumed_train_samples": consumed_train_samples,
                   "consumed_valid_samples": consumed_valid_samples,
                   "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                  "world_size": dist.get_world_size(), "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                  "world_size": dist.get_world_size(),
+                  "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                   "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                   "data_parallel_size": ps.get_data_parallel_world_size(), "has_optim": save_optim,
                   "args": args_dict}

@@ -15,7 +15,6 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 
 

@@ -32,7 +32,7 @@ def test_indexed_dataset_round_trip(text_dataset):
 
 
 def test_gpt2_vocab_and_merges_files(tmp_path):
-    """GPT-2 style vocab.json/merges.txt (here written by a locally trained BPE) drive --tokenizer-type GPT2BPETokenizer."""
+    """GPT-2 style vocab.json/merges.txt (here from a locally trained BPE) drive --tokenizer-type GPT2BPETokenizer."""
     from tokenizers import ByteLevelBPETokenizer
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
