@@ -224,8 +224,11 @@ def sum_grads_over_tp(xs: List[Optional[torch.Tensor]], group) -> List[Optional[
 
 
 def sum_grad_over_tp(x: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
-    """Identity forward, all-reduce backward (megatron's copy-to-TP region) for replicated params/inputs."""
+    """Identity forward, all-reduce backward (like megatron's copy-to-TP region) for replicated params/inputs.
+
+    Unlike megatron's version the backward reduces a copy: autograd hands the *same* gradient tensor to both
+    inputs of an add (``r + out``), so an in-place all-reduce would also change the gradient of ``r``.
+    """
     if x is None or dist.get_world_size(group) == 1:
         return x
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-    return copy_to_tensor_model_parallel_region(x, group=group)
+    return _SumGradsOverTP.apply(group, x)[0]

@@ -114,16 +114,13 @@ class LadderTransformerBlock(TransformerBlock):
         kw = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                   rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, packed_seq_params=packed_seq_params,
                   sequence_len_offset=sequence_len_offset)
-        recompute = self.config.recompute_granularity == "full" and self.training
-        chunk = max(1, self.config.recompute_num_layers or 1) if recompute else len(self.layers) or 1
-
-        standard = list(self.layers)[: self.first_special]
-        for i in range(0, len(standard), chunk):
-            hidden_states = self._maybe_checkpoint(recompute, self._standard_chunk(standard[i:i + chunk], kw),
-                                                   hidden_states)
-        special = list(self.layers)[self.first_special:]
+        segments = self._segments()
+        standard = [seg for seg in segments if not seg[2]]
+        for layers, ckpt, _ in standard:
+            hidden_states = self._maybe_checkpoint(ckpt, self._standard_chunk(layers, kw), hidden_states)
+        special = [seg for seg in segments if seg[2]]
         if special:
-            hidden_states = self._special_forward(special, hidden_states, kw, recompute, chunk)
+            hidden_states = self._special_forward(special, hidden_states, kw)
 
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
@@ -131,6 +128,31 @@ class LadderTransformerBlock(TransformerBlock):
         if not self.pre_process and len(self.layers) == 0 and not self.final_layernorm:
             hidden_states = hidden_states.clone()
         return hidden_states
+
+    def _segments(self) -> List[Tuple[List, bool, bool]]:
+        """Split this stage's layers into (layers, checkpointed, special) runs following megatron's full
+        recompute options: 'uniform' checkpoints every chunk of recompute_num_layers, 'block' only the first
+        recompute_num_layers layers. Standard and ladder/desync layers never share a segment."""
+        layers = list(self.layers)
+        full = self.config.recompute_granularity == "full" and self.training
+        n = max(1, self.config.recompute_num_layers or 1)
+        block = self.config.recompute_method == "block"
+        segments: List[Tuple[List, bool, bool]] = []
+        for special, part in ((False, layers[: self.first_special]), (True, layers[self.first_special:])):
+            offset = 0 if not special else self.first_special
+            i = 0
+            while i < len(part):
+                if not full:
+                    size, ckpt = len(part), False
+                elif block:
+                    done = offset + i
+                    size = max(1, n - done) if done < n else len(part) - i
+                    ckpt = done < n
+                else:
+                    size, ckpt = n, True
+                segments.append((part[i:i + size], ckpt, special))
+                i += size
+        return segments
 
     @staticmethod
     def _maybe_checkpoint(recompute: bool, fn: Callable, *args: Tensor):
@@ -145,22 +167,20 @@ class LadderTransformerBlock(TransformerBlock):
             return h
         return run
 
-    def _special_forward(self, layers: List, r: Tensor, kw: dict, recompute: bool, chunk: int) -> Tensor:
+    def _special_forward(self, segments: List[Tuple[List, bool, bool]], r: Tensor, kw: dict) -> Tensor:
         if self.partial_grads:
             r = sum_grad_over_tp(r, self.tp_group)  # leaving the region, gradients become full again
         if self.ladder.desync:
-            desynced = False
-            for i in range(0, len(layers), chunk):
-                r = self._maybe_checkpoint(recompute, self._desync_chunk(layers[i:i + chunk], kw), r)
-                desynced = not self.ladder.reduces(2 * layers[min(i + chunk, len(layers)) - 1].layer_number - 1)
-            if desynced:  # stage/block end: re-synchronise the residual before the final norm / next stage
+            for layers, ckpt, _ in segments:
+                r = self._maybe_checkpoint(ckpt, self._desync_chunk(layers, kw), r)
+            # stage/block end: re-synchronise the residual before the final norm / next stage
+            if not self.ladder.reduces(2 * segments[-1][0][-1].layer_number - 1):
                 r = sync_all_reduce(r / self.tp, self.tp_group)
         else:
             pending: List[Tensor] = []
-            for i in range(0, len(layers), chunk):
-                last = i + chunk >= len(layers)
-                outs = self._maybe_checkpoint(recompute, self._ladder_chunk(layers[i:i + chunk], kw, last),
-                                              r, *pending)
+            for i, (layers, ckpt, _) in enumerate(segments):
+                last = i == len(segments) - 1
+                outs = self._maybe_checkpoint(ckpt, self._ladder_chunk(layers, kw, last), r, *pending)
                 r, pending = outs[0], list(outs[1:])
         if self.partial_grads:
             r = scale_grad(r, 1.0 / self.tp)  # incoming gradient is replicated; enter partial form
