@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
+from .group_collectives import DP_SCALAR, MP_SCALAR, all_reduce_, collective_device, node_peers
 from .inner_optimizer import build_inner_optimizer
 from .model_parallel import counts_towards_norm, model_parallel_group
 from .overlapped_ddp import OverlappedDDP
@@ -49,6 +50,11 @@ class OverlappedDistributedOptimizer:
         self.chunks = chunks
         self.dp_group = chunks[0].topology.group
         self.mp_group = model_parallel_group()
+        # Scalars are computed on the gradients' device and reduced where each group can reduce them.
+        self.grad_device = chunks[0].main_grad_partition.device
+        self._dp_device = collective_device(self.dp_group, self.grad_device)
+        self._mp_device = collective_device(self.mp_group, self.grad_device) if self.mp_group is not None else None
+        self._mp_peers = node_peers(self.mp_group) if self.mp_group is not None else (0, 0)
         # PartitionedParameter: fp32 masters, same layout as each chunk's PartitionedGradient.
         self.masters: List[torch.Tensor] = []
         for c in chunks:
@@ -131,22 +137,25 @@ class OverlappedDistributedOptimizer:
         if self.grad_scaler is None:
             return False
         inv = 1.0 / self.grad_scaler.scale.item()
-        local_inf = torch.zeros(1)
+        flags = self._sync_failed_flag(2)  # [found_inf, grad sync failed]
         for c in self.chunks:
             c.main_grad_partition.mul_(inv)
-            if not bool(torch.isfinite(c.main_grad_partition).all()):
-                local_inf.fill_(1.0)
-        found_inf = self._all_reduce(local_inf, dist.ReduceOp.MAX).item() > 0
+            flags[0] = torch.maximum(flags[0], (~torch.isfinite(c.main_grad_partition)).any().double())
+        flags = self._all_reduce(flags, dist.ReduceOp.MAX).tolist()
+        self._raise_if_sync_failed(flags[1])
+        found_inf = flags[0] > 0
         self.grad_scaler.update(found_inf)
         return found_inf
 
     def get_grad_norm(self) -> float:
+        """Global L2 norm from the shards; its all-reduce also carries the grad-sync failure flag."""
         grads = [pc.grad for pc in self.pieces if pc.counted and pc.grad.numel() > 0]
-        sq = torch.zeros(1, dtype=torch.float32)
+        sq = self._sync_failed_flag(2)  # [sum of squares, grad sync failed]
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
-            sq += torch.stack(norms).double().pow(2).sum().float().cpu()
-        total = self._all_reduce(sq, dist.ReduceOp.SUM).item()
+            sq[0] = torch.stack(norms).double().pow(2).sum()
+        total, failed = self._all_reduce(sq, dist.ReduceOp.SUM).tolist()
+        self._raise_if_sync_failed(failed)
         return math.sqrt(total)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -159,7 +168,9 @@ class OverlappedDistributedOptimizer:
         return norm
 
     def count_zeros(self) -> int:
-        local = torch.tensor([float(sum(int((pc.grad == 0).sum()) for pc in self.pieces))])
+        local = torch.zeros(1, dtype=torch.float64, device=self.grad_device)
+        for pc in self.pieces:
+            local += (pc.grad == 0).sum()
         return int(self._all_reduce(local, dist.ReduceOp.SUM).item())
 
     @torch.no_grad()
@@ -210,7 +221,8 @@ class OverlappedDistributedOptimizer:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         all_names = {c.param_name(p) if len(self.chunks) == 1 else f"{ci}.{c.param_name(p)}": (
             tuple(p.shape), p.numel()) for ci, c in enumerate(self.chunks) for b in c.buckets for p in b.params}
-        step = int(self._all_reduce(torch.tensor([float(step)]), dist.ReduceOp.MAX).item())
+        step = int(self._all_reduce(torch.tensor([float(step)], dtype=torch.float64, device=self.grad_device),
+                                    dist.ReduceOp.MAX).item())
         return {"format": LOCAL_FORMAT, "dp_size": self.chunks[0].topology.size,
                 "dp_rank": self.chunks[0].topology.rank, "optimizer": type(self.inner).__name__, "step": step,
                 "param_groups": groups, "all_params": all_names,
@@ -251,8 +263,10 @@ class OverlappedDistributedOptimizer:
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
         raise NotImplementedError(
-            "megatron-core dist-checkpointing of the overlapped distributed optimizer is not supported; use "
-            "state_dict()/load_state_dict() (canonical per-parameter layout, reshardable) or --ckpt-format torch")
+            "megatron-core dist-checkpointing (--ckpt-format torch_dist / zarr) of the overlapped distributed "
+            "optimizer is not supported. Use --ckpt-format torch with Megatron-LM, or call state_dict() / "
+            "load_state_dict() yourself: rank-local slices in canonical per-parameter layout, merged with "
+            "megatron_ext.optimizer.checkpoint.merge_optimizer_shards() to load at another DP size")
 
     # -- internals ----------------------------------------------------------------------------------
     def _publish_masters(self) -> None:
@@ -264,15 +278,26 @@ class OverlappedDistributedOptimizer:
                     self.masters[ci][b.partition_offset:b.partition_offset + b.shard_numel])
             c.param_sync.launch()
 
+    def _sync_failed_flag(self, n: int) -> torch.Tensor:
+        """``n`` float64 zeros on the gradients' device; the last is 1 when this rank's grad sync failed."""
+        t = torch.zeros(n, dtype=torch.float64, device=self.grad_device)
+        if any(c.grad_sync.error for c in self.chunks):
+            t[-1] = 1.0
+        return t
+
+    def _raise_if_sync_failed(self, failed: float) -> None:
+        if failed > 0:
+            local = [c.grad_sync.error for c in self.chunks if c.grad_sync.error]
+            where = local[0] if local else "on another rank (see that rank's log)"
+            raise RuntimeError(f"gradient synchronisation failed in the last backward, step aborted on every rank "
+                               f"before any weight changed: {where}")
+
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        """Reduce a small tensor over the DP group, then the model-parallel group (devices and ledger handled)."""
         c = self.chunks[0]
-        if c.topology.size > 1:
-            intra, inter = c.topology.peers()
-            per_peer = math.ceil(2 * t.numel() * t.element_size() / c.topology.size)
-            c.ledger.record_pairwise("all_reduce", per_peer, intra, inter)
-            dist.all_reduce(t, op=op, group=self.dp_group)
+        all_reduce_(t, op, self.dp_group, c.ledger, DP_SCALAR, c.topology.peers(), self._dp_device)
         if self.mp_group is not None:
-            dist.all_reduce(t, op=op, group=self.mp_group)
+            all_reduce_(t, op, self.mp_group, c.ledger, MP_SCALAR, self._mp_peers, self._mp_device)
         return t
 
 

@@ -3,7 +3,10 @@
 [Note: accumulation policies]
 ``shard``: every micro-batch reduce-scatters each bucket as soon as its last gradient arrives (pooled buffers,
 ZeRO-2 memory) and accumulates into this rank's shard. ``local``: micro-batches inside ``no_sync()`` accumulate
-full gradients in a persistent buffer; the last one reduce-scatters once (ZeRO-1 traffic, like megatron-core).
+full gradients in a persistent buffer; a synchronising micro-batch reduce-scatters it (ZeRO-1 traffic when only the
+last micro-batch synchronises, like megatron-core). Without ``no_sync()`` every micro-batch synchronises, exactly
+as under ``shard``: a persistent buffer is zeroed once its reduce-scatter has completed, and the next micro-batch
+waits for that bucket's collective before it adds into the buffer again (never twice-counted, never raced).
 ``auto`` decides per step from the number of micro-batches: a step whose first backward runs inside
 ``no_sync()`` has M > 1 micro-batches, for which ``local`` sends M times less; a one-micro-batch step uses
 ``shard``, which sends the same bytes with bounded buffer memory.
@@ -13,20 +16,34 @@ All ranks must issue collectives in the same order, whatever order their gradien
 therefore launched strictly in index order: a bucket that completes early waits for its predecessors. At the end
 of each communicating backward (an autograd-engine callback) every remaining bucket is launched, including
 buckets whose parameters got no gradient (they contribute zeros), so every rank issues exactly one
-reduce-scatter per bucket.
+reduce-scatter per bucket. A bucket is complete when each of its *distinct* parameters has delivered a gradient.
+
+[Note: overlap off]
+With ``overlap_grad_reduce=False`` pooled buckets are still reduced as they complete, but each reduce-scatter is
+waited for at once (blocking, no overlap): the pool bound on live bucket buffers holds either way. Persistent
+(``local``) buffers are reduced after the backward.
+
+[Note: errors inside backward]
+A gradient that arrives for a bucket already launched in this backward cannot be reduced any more. Raising inside
+the hook would abort this rank's backward while its peers wait in the next reduce-scatter until the collective
+timeout. Instead the error is recorded, the late gradient dropped and every collective still issued as on the
+peers; the optimizer folds a "failed" flag into its first scalar all-reduce of the step, so every rank raises
+together, before any weight changes.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..comm.backend import GradReduce, Work
+from ..comm.ledger import CommLedger
 from .bucketing import Bucket
 from .buffer_pool import BufferPool
+from .group_collectives import MP_GRAD, all_reduce_, node_peers
 from .param_buffer import ParameterBuffer
 
 logger = logging.getLogger(__name__)
@@ -35,20 +52,25 @@ MPReduction = Tuple[dist.ProcessGroup, bool]  # (group, average)
 
 
 class _BucketState:
-    __slots__ = ("buffer", "pooled", "arrived", "launched", "completer")
+    __slots__ = ("buffer", "pooled", "arrived", "launched", "reading", "dirty")
 
     def __init__(self) -> None:
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None   # where this bucket's gradients accumulate
         self.pooled = False
-        self.arrived = 0
-        self.launched = False
-        self.completer: Optional[Callable[[], None]] = None
+        self.arrived: Set[int] = set()               # ids of the params that delivered a grad this micro-batch
+        self.launched = False                        # reduce-scatter launched in this micro-batch
+        self.reading: Optional[Callable[[], None]] = None  # in-flight reduce-scatter reading the persistent buffer
+        self.dirty = False                           # persistent buffer holds gradients not yet reduced
 
 
 class GradSync:
     def __init__(self, buckets: List[Bucket], param_buffer: ParameterBuffer, partition_grad: torch.Tensor,
                  backend: GradReduce, *, rank: int, policy: str, pool_size: int, grad_reduce_in_fp32: bool,
-                 overlap: bool, mp_reductions: Dict[int, MPReduction]) -> None:
+                 overlap: bool, mp_reductions: Dict[int, MPReduction], ledger: Optional[CommLedger] = None,
+                 post_reduce_scale: float = 1.0, param_name: Optional[Callable[[torch.Tensor], str]] = None
+                 ) -> None:
+        """``post_reduce_scale`` multiplies each reduced (DP-averaged) shard once: the DP size under megatron's
+        per-token loss, whose DDP contract is a sum over DP (see megatron_config.py)."""
         self.buckets = buckets
         self.regular = [b for b in buckets if not b.deferred]
         self.deferred = [b for b in buckets if b.deferred]
@@ -59,6 +81,10 @@ class GradSync:
         self.policy = policy
         self.overlap = overlap
         self.mp_reductions = mp_reductions
+        self.ledger = ledger
+        self.post_reduce_scale = float(post_reduce_scale)
+        self._param_name = param_name or (lambda p: f"<parameter of shape {tuple(p.shape)}>")
+        self._mp_peers = {id(g): node_peers(g) for g, _ in mp_reductions.values()}
         device = partition_grad.device
         self.grad_dtype: Dict[torch.dtype, torch.dtype] = {
             b.dtype: (torch.float32 if grad_reduce_in_fp32 else b.dtype) for b in buckets}
@@ -75,6 +101,7 @@ class GradSync:
         self.sync_enabled = True
         self.step_mode: Optional[str] = None     # "pool" | "local", fixed at the step's first backward
         self.last_step_mode: Optional[str] = None
+        self.error: Optional[str] = None         # recorded inside backward, raised by the optimizer on all ranks
         self._in_backward = False
         self._comm_this_micro = False
         self._pending_local = False
@@ -82,7 +109,7 @@ class GradSync:
         self._next_launch = 0
         self._hooks = []
         self.first_backward_order: Optional[List[int]] = None
-        self._order_seen: List[int] = []
+        self._order_seen: Optional[List[int]] = []
         for b in buckets:
             for p in b.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))
@@ -100,20 +127,30 @@ class GradSync:
             self._start_micro()
         st = self._state[b.index]
         if st.launched:
-            raise RuntimeError(
-                "a gradient arrived for a bucket whose reduce-scatter was already launched in this backward "
-                "(a parameter used after its bucket completed, or a second backward without zero_grad)")
-        if st.buffer is None:
-            st.buffer, st.pooled = self._get_buffer(b)
+            self._record_late_gradient(b, param)
+            return
+        buffer = self._writable_buffer(b, st)
         _, off = self.param_buffer.locate(param)
         with torch.no_grad():
-            st.buffer[off:off + param.numel()].add_(param.grad.reshape(-1))
+            buffer[off:off + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
-        st.arrived += 1
-        if st.arrived == len(b.params) and self._order_seen is not None:
+        st.dirty = not st.pooled
+        st.arrived.add(id(param))
+        if len(st.arrived) < len(b.params):
+            return
+        if self._order_seen is not None:
             self._order_seen.append(b.index)
-        if self.overlap and self._comm_this_micro and not b.deferred:
+        if self._comm_this_micro and not b.deferred and (self.overlap or st.pooled):
             self._launch_ready(complete_all=False)
+
+    def _record_late_gradient(self, b: Bucket, param: torch.Tensor) -> None:
+        msg = (f"the gradient of {self._param_name(param)} arrived after its bucket's reduce-scatter was launched "
+               "in this backward (a parameter whose gradient is accumulated again later in the same backward, e.g. "
+               "by a nested or re-entrant backward); that gradient cannot be reduced")
+        if self.error is None:
+            self.error = msg
+            logger.error("%s; the step will fail on every DP rank", msg)
+        param.grad = None
 
     def _start_micro(self) -> None:
         self._in_backward = True
@@ -135,10 +172,9 @@ class GradSync:
         self._in_backward = False
         if self._order_seen is not None:
             self.first_backward_order = list(self._order_seen)
-            expected = [b.index for b in self.buckets if self._state[b.index].arrived == len(b.params)]
             if self.first_backward_order != sorted(self.first_backward_order):
-                logger.info("gradient buckets completed out of index order %s (expected %s): overlap is reduced, "
-                            "results are not affected", self.first_backward_order, expected)
+                logger.info("gradient buckets completed out of index order %s: overlap is reduced, results are not "
+                            "affected", self.first_backward_order)
             self._order_seen = None
         if self._comm_this_micro:
             self._launch_ready(complete_all=True)
@@ -146,9 +182,18 @@ class GradSync:
         else:
             self._pending_local = True
         for st in self._state:
-            st.arrived = 0
+            st.arrived.clear()
 
     # -- buffers ------------------------------------------------------------------------------------
+    def _writable_buffer(self, b: Bucket, st: _BucketState) -> torch.Tensor:
+        """The bucket's buffer, safe to add into: a persistent one whose previous reduce-scatter is still in
+        flight is waited for first (that completion zeroes it)."""
+        if st.reading is not None:
+            st.reading()
+        if st.buffer is None:
+            st.buffer, st.pooled = self._get_buffer(b)
+        return st.buffer
+
     def _get_buffer(self, b: Bucket) -> Tuple[torch.Tensor, bool]:
         gd = self.grad_dtype[b.dtype]
         if self.step_mode == "pool" and not b.deferred:
@@ -164,25 +209,25 @@ class GradSync:
         while self._next_launch < len(self.regular):
             b = self.regular[self._next_launch]
             st = self._state[b.index]
-            if not complete_all and st.arrived < len(b.params):
+            if not complete_all and len(st.arrived) < len(b.params):
                 return
             self._launch(b)
             self._next_launch += 1
 
     def _launch(self, b: Bucket) -> None:
         st = self._state[b.index]
-        if st.buffer is None:
-            st.buffer, st.pooled = self._get_buffer(b)
+        buffer = self._writable_buffer(b, st)
+        pooled = st.pooled
         out = self.partition_grad[b.partition_offset:b.partition_offset + b.shard_numel]
         if self._fresh[b.index]:
             target, accumulate = out, False
             self._fresh[b.index] = False
         else:
             target, accumulate = torch.empty_like(out), True
-        work: Work = self.backend.reduce_scatter(st.buffer, target)
+        work: Work = self.backend.reduce_scatter(buffer, target)
         st.launched = True
-        buffer, pooled = st.buffer, st.pooled
         pool = self.pools[self.grad_dtype[b.dtype]] if pooled else None
+        scale = self.post_reduce_scale
         done = [False]
 
         def complete() -> None:
@@ -190,19 +235,27 @@ class GradSync:
                 return
             done[0] = True
             work.wait()
+            if scale != 1.0:
+                target.mul_(scale)
             if accumulate:
                 out.add_(target)
             if pool is not None:
                 pool.untrack(complete)
                 pool.release(buffer)
-            if st.buffer is buffer and pooled:
-                st.buffer = None
+            else:
+                buffer.zero_()           # reduced: the next micro-batch starts from zero
+                if st.reading is complete:
+                    st.reading = None
 
-        st.completer = complete
         if pool is not None:
             pool.track(complete)
             st.buffer = None  # the pool owns it again once complete() runs
+        else:
+            st.reading = complete
+            st.dirty = False
         self._inflight.append(complete)
+        if pool is not None and not self.overlap:
+            complete()  # overlap off: blocking, so the buffer returns to the pool at once
 
     def _reset_launch_flags(self) -> None:
         for st in self._state:
@@ -233,13 +286,11 @@ class GradSync:
     def _reduce_deferred(self) -> None:
         """Model-parallel all-reduce of tied / sequence-parallel grads, then their DP reduce-scatter."""
         for b in self.deferred:
-            st = self._state[b.index]
-            if st.buffer is None:
-                st.buffer, st.pooled = self._get_buffer(b)
+            buffer = self._writable_buffer(b, self._state[b.index])
             for p, off in zip(b.params, b.offsets):
                 group, average = self.mp_reductions[id(p)]
-                g = st.buffer[off:off + p.numel()]
-                dist.all_reduce(g, group=group)
+                g = buffer[off:off + p.numel()]
+                all_reduce_(g, dist.ReduceOp.SUM, group, self.ledger, MP_GRAD, self._mp_peers[id(group)])
                 if average:
                     g.div_(dist.get_world_size(group))
             self._launch(b)
@@ -253,15 +304,17 @@ class GradSync:
         self.wait_all()
         self.partition_grad.zero_()
         self._fresh = [True] * len(self.buckets)
-        for flat in self._local.values():
-            flat.zero_()
         for st in self._state:
             if st.buffer is not None and st.pooled:
                 self.pools[st.buffer.dtype].release(st.buffer)
+            elif st.buffer is not None and st.dirty:
+                st.buffer.zero_()    # accumulated but never reduced (e.g. a step that was abandoned)
             st.buffer = None
-            st.arrived = 0
+            st.arrived.clear()
             st.launched = False
+            st.dirty = False
         self.step_mode = None
+        self.error = None
         self._pending_local = False
         self._deferred_done = False
         self._next_launch = 0

@@ -21,6 +21,8 @@ from ..comm.topology import Topology
 from .bucketing import Bucket, assign_buckets
 from .config import OverlapConfig
 from .grad_sync import GradSync
+from .group_collectives import group_device_types
+from .megatron_config import check_supported, per_token_loss
 from .model_parallel import model_parallel_grad_reductions
 from .param_buffer import ParameterBuffer
 from .param_sync import ParamSync
@@ -46,6 +48,9 @@ class OverlappedDDP(torch.nn.Module):
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"OverlappedDDP: all parameters must be on one device, found {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        _check_group_serves(dp_group, device)
+        check_supported(module)
         self.module = module
         self.overlap_config = config
         self.topology = Topology(dp_group, config.ranks_per_node)
@@ -60,7 +65,6 @@ class OverlappedDDP(torch.nn.Module):
         self.param_names = {id(p): n for n, p in named}
         self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.topology.size, alignment,
                                                     deferred=[id(p) in mp for p in params])
-        device = next(iter(devices))
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.
@@ -70,7 +74,9 @@ class OverlappedDDP(torch.nn.Module):
                                   rank=self.topology.rank, policy=config.accumulate,
                                   pool_size=config.buffer_pool_size,
                                   grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-                                  overlap=config.overlap_grad_reduce, mp_reductions=mp)
+                                  overlap=config.overlap_grad_reduce, mp_reductions=mp, ledger=self.ledger,
+                                  post_reduce_scale=self.topology.size if per_token_loss(module) else 1.0,
+                                  param_name=lambda p: repr(self.param_names.get(id(p), "?")))
         self.param_sync = ParamSync(module, self.buckets, self.param_buffer, self.param_backend,
                                     self.topology.rank, overlap=config.overlap_param_gather)
         # Read by megatron-core's finalize_model_grads and training loop.
@@ -111,6 +117,8 @@ class OverlappedDDP(torch.nn.Module):
         self.grad_sync.zero_grad()
 
     def scale_gradients(self, scaling_factor: float) -> None:
+        """Scale this rank's reduced gradient shard. With ``calculate_per_token_loss`` the shard holds the sum over
+        DP (megatron-core's contract, see megatron_config.py) and ``finalize_model_grads`` passes 1 / global tokens."""
         self.main_grad_partition.mul_(scaling_factor)
 
     def enable_forward_pre_hook(self) -> None:
@@ -158,6 +166,18 @@ class OverlappedDDP(torch.nn.Module):
 
     def param_name(self, p: torch.nn.Parameter) -> str:
         return self.param_names[id(p)]
+
+
+def _check_group_serves(dp_group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Bucket collectives run on the parameters' device: the DP group's backend must serve it (no collective)."""
+    if not dist.is_initialized():
+        return  # Topology raises the clear error
+    types = group_device_types(dp_group)
+    if device.type not in types:
+        backend = dist.get_backend(dp_group if dp_group is not None else dist.group.WORLD)
+        raise ValueError(f"OverlappedDDP: the parameters live on {device}, but the data-parallel group's backend "
+                         f"({backend}) reduces only {sorted(types)} tensors: move the model to a device the group "
+                         "serves (e.g. torch.cuda.current_device() for nccl) before wrapping it")
 
 
 def _lcm(*xs: int) -> int:

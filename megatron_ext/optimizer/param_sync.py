@@ -1,22 +1,69 @@
-"""Parameter path: per-bucket all-gather into the ParameterBuffer, waited for by forward pre-hooks.
+"""Parameter path: per-bucket all-gather into the ParameterBuffer, waited for just before a weight is read.
 
 [Note: no stale reads]
-After the optimizer step every bucket's all-gather is launched in forward order. A forward pre-hook on each module
-that owns parameters waits only for the buckets of those parameters, so the gathers overlap the forward of
-earlier modules. Parameters read by a module that does not own them (a weight passed as an argument, a tied
-output layer) are covered too: during the first forward the wrapper records which owners actually ran their
-pre-hook, and the buckets of every other parameter are waited for at the root's pre-hook. Anything that writes
-or reads weights outside forward (step, state_dict, evaluation helpers) calls ``wait_all()`` first.
+After the optimizer step every bucket's all-gather is launched in forward order and waited for lazily, so the
+gathers overlap the forward. Three mechanisms together guarantee that no weight is read while its bucket is in
+flight, whatever the module structure:
+
+1. A forward pre-hook on every module that owns parameters waits for the buckets of those parameters (like
+   megatron-core's DDP); this covers the common case and anything the module does with its own parameters.
+2. Every owner's ``_parameters`` mapping is replaced by a read guard: ``Module.__getattr__`` fetches parameters
+   through it, so *any* read by attribute -- a parent reading a child's weight before the child runs, a tied
+   output layer, user code between steps -- waits for exactly that parameter's bucket, at the moment of the read.
+   The check is one dict lookup, and it follows the model's control flow step by step (no learned schedule).
+3. Reads that bypass attributes (``module.parameters()`` iterated by another module, a stored reference) are found
+   once, in the first forward: it waits for everything at the root, while a ``TorchFunctionMode`` audits every op
+   and notes each parameter consumed before mechanisms 1 and 2 would have waited for it. Those buckets are waited
+   for at the root's pre-hook from then on (they lose overlap, never correctness).
+
+Anything that writes weights (step, load) or reads them in bulk (state_dict) calls ``wait_all()`` first.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from ..comm.backend import ParamGather, Work
 from .bucketing import Bucket
 from .param_buffer import ParameterBuffer
+
+
+class _ReadGuardedParameters(dict):
+    """A module's ``_parameters`` that waits for a parameter's in-flight all-gather when it is fetched."""
+
+    __slots__ = ("_mx_sync", "_mx_bucket_of")
+
+    def __getitem__(self, name: str) -> Optional[torch.nn.Parameter]:
+        p = dict.__getitem__(self, name)
+        idx = self._mx_bucket_of.get(name)
+        if idx is not None:
+            self._mx_sync.on_read(idx)
+        return p
+
+    def __reduce__(self):
+        # Copies and pickles of the module get a plain dict, detached from this optimizer.
+        return (dict, (dict(self),))
+
+
+class _FirstForwardAudit(TorchFunctionMode):
+    """Notes parameters consumed by ops before the hooks / read guards would have waited for their bucket."""
+
+    def __init__(self, sync: "ParamSync") -> None:
+        super().__init__()
+        self.sync = sync
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bucket_of = self.sync.bucket_of_param
+        for leaf in tree_leaves((args, kwargs)):
+            idx = bucket_of.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if idx is not None and idx not in self.sync.covered:
+                self.sync.root_buckets.add(idx)
+                self.sync.covered.add(idx)
+        return func(*args, **kwargs)
 
 
 class ParamSync:
@@ -32,31 +79,38 @@ class ParamSync:
         # Forward order: the bucket holding the earliest-registered parameter first.
         order = {id(p): i for i, p in enumerate(module.parameters())}
         self.forward_order = sorted(buckets, key=lambda b: min(order.get(id(p), 1 << 60) for p in b.params))
+        self.bucket_of_param: Dict[int, int] = {id(p): b.index for b in buckets for p in b.params}
         self._owner_buckets: Dict[int, Set[int]] = {}
         for m in module.modules():
-            own = {self.param_buffer.locate(p)[0].index for p in m._parameters.values()
-                   if p is not None and self._managed(p)}
+            own = {self.bucket_of_param[id(p)] for p in m._parameters.values()
+                   if p is not None and id(p) in self.bucket_of_param}
             if own:
                 self._owner_buckets[id(m)] = own
-        self._fired: Optional[Set[int]] = set()   # owners seen during the first forward (learning)
-        self._root_buckets: Set[int] = set()
+        self.learning = True                  # the first forward audits reads (mechanism 3)
+        self.covered: Set[int] = set()        # buckets mechanisms 1-2 have waited for so far in that forward
+        self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
+        self._audit: Optional[_FirstForwardAudit] = None
         self._handles: List = []
         if overlap:
+            self._guard_parameter_reads()
             self.enable_hooks()
 
-    def _managed(self, p: torch.nn.Parameter) -> bool:
-        try:
-            self.param_buffer.locate(p)
-            return True
-        except KeyError:
-            return False
+    def _guard_parameter_reads(self) -> None:
+        for m in self.module.modules():
+            if id(m) not in self._owner_buckets or isinstance(m._parameters, _ReadGuardedParameters):
+                continue
+            guarded = _ReadGuardedParameters(m._parameters)
+            guarded._mx_sync = self
+            guarded._mx_bucket_of = {n: self.bucket_of_param[id(p)] for n, p in m._parameters.items()
+                                     if p is not None and id(p) in self.bucket_of_param}
+            m._parameters = guarded
 
     # -- hooks --------------------------------------------------------------------------------------
     def enable_hooks(self) -> None:
         if self._handles:
             return
         self._handles.append(self.module.register_forward_pre_hook(self._root_pre_hook, prepend=True))
-        self._handles.append(self.module.register_forward_hook(self._root_post_hook))
+        self._handles.append(self.module.register_forward_hook(self._root_post_hook, always_call=True))
         for m in self.module.modules():
             if id(m) in self._owner_buckets:
                 self._handles.append(m.register_forward_pre_hook(self._make_pre_hook(id(m))))
@@ -71,29 +125,33 @@ class ParamSync:
         return bool(self._handles)
 
     def _root_pre_hook(self, module, args) -> None:
-        if self._fired is not None:
-            # Still learning which owners run: be safe and wait for everything this time.
-            self.wait_all()
+        if self.learning and self._audit is None:
+            self.wait_all()  # nothing is read stale while the audit learns
+            self._audit = _FirstForwardAudit(self)
+            self._audit.__enter__()
             return
-        for idx in self._root_buckets:
+        for idx in self.root_buckets:
             self.wait_bucket(idx)
 
     def _root_post_hook(self, module, args, output) -> None:
-        if self._fired is not None:
-            fired = self._fired
-            self._fired = None
-            self._root_buckets = set()
-            for mid, idxs in self._owner_buckets.items():
-                if mid not in fired:
-                    self._root_buckets |= idxs
+        if self._audit is not None:
+            audit, self._audit = self._audit, None
+            audit.__exit__(None, None, None)
+            self.learning = False
+            self.covered = set()
 
     def _make_pre_hook(self, mid: int):
         def hook(module, args) -> None:
-            if self._fired is not None:
-                self._fired.add(mid)
             for idx in self._owner_buckets[mid]:
-                self.wait_bucket(idx)
+                self.on_read(idx)
         return hook
+
+    def on_read(self, idx: int) -> None:
+        """A parameter of bucket ``idx`` is about to be read: wait for its gather if it is in flight."""
+        if self._audit is not None:
+            self.covered.add(idx)
+        if idx in self._work:
+            self.wait_bucket(idx)
 
     # -- gathers ------------------------------------------------------------------------------------
     def launch(self) -> None:

@@ -29,14 +29,14 @@ class DistributedTestError(AssertionError):
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, kwargs: dict,
-            results: "mp.Queue", env: dict) -> None:
+            results: "mp.Queue", env: dict, backend: str) -> None:
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         out = fn(*args, **kwargs)
         # Plain pickle bytes: torch's multiprocessing reducers would share tensors through file descriptors
@@ -77,10 +77,11 @@ def _context():
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
-                    env: dict | None = None, **kwargs: Any) -> List[Any]:
+                    env: dict | None = None, backend: str = "gloo", **kwargs: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results (rank order).
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into spawned processes). ``backend`` is passed to
+    ``init_process_group``: ``"cpu:gloo"`` gives a group that, like NCCL for CPU tensors, refuses other devices.
     """
     ctx = _context()
     results = ctx.Queue()
@@ -90,8 +91,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     child_env.update(env or {})
     procs = []
     for rank in range(world_size):
-        p = ctx.Process(target=_worker, args=(rank, world_size, store_path, fn, args, kwargs, results, child_env),
-                        daemon=True)
+        p = ctx.Process(target=_worker, daemon=True,
+                        args=(rank, world_size, store_path, fn, args, kwargs, results, child_env, backend))
         p.start()
         procs.append(p)
     outputs: dict = {}

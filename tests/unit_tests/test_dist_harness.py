@@ -19,7 +19,7 @@ def _rank_two_fails():
     return 0
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 8])
 def test_world_runs_collectives(spawn, world):
     assert spawn(_sum_ranks, world) == [float(sum(range(world)))] * world
 
