@@ -12,12 +12,23 @@ pending output; all pending outputs are added before the final norm / at the end
 Desync-nx (section 5): standard wiring, but only the last module of every n keeps its all-reduce; each rank's
 residual drifts locally and is re-synchronised by ``AllReduce(out + r / tp)`` at the next reducing module.
 
+Inference: megatron's ``inference_context`` (KV cache), rotary and ``sequence_len_offset`` arguments reach the
+attention modules exactly as ``TransformerLayer`` passes them, so prefill + decode steps work unchanged.
+
+[Note: deferred parameter gradients]  At TP>1 with partial residual gradients (see comm.py), the norm weights
+(and, for desync, the row-parallel biases) receive per-rank partial gradients. Instead of one blocking all-reduce
+per module, every such parameter is routed through ONE identity node at the block entry together with the
+block input; its backward runs once all modules' backward is done and sums all of them over TP in one coalesced
+all-reduce (as megatron sums sequence-parallel norm grads once per step). Gradient hooks (DDP, the optimizer) see
+only the summed gradient. Inside recompute chunks the parameter views are checkpoint inputs, so the chunk's
+recomputation hands their gradients back to that single node.
+
 Sequence parallelism is rejected: both schemes rely on an all-reduce of a full-sequence partial sum.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,22 +37,20 @@ from torch import Tensor
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_viewless_tensor
 
 from .comm import (PendingOutput, _Slot, launch_ladder_reduce, ladder_add, rendezvous, scale_grad,
                    sum_grad_over_tp, sum_grads_over_tp, sync_all_reduce)
 from .config import LadderConfig
+from .recompute_plan import Segment, plan_segments
+from .support import check_ladder_supported, check_te_row_linear, is_te, norm_parameters
 
 # One not-yet-added module output: the pending reduction, the tensor to add, and its gradient slot (or None).
 _Pending = Tuple[PendingOutput, Tensor, Optional[_Slot]]
-
-
-def check_ladder_supported(config) -> None:
-    """Raise before anything is built (or any collective launched) for configurations we do not support."""
-    if config.sequence_parallel:
-        raise ValueError("--ladder-residual/--desync-residual do not support --sequence-parallel: their "
-                         "reductions are all-reduces of full-sequence partial sums; drop --sequence-parallel")
+# Parameter (by id) -> the view whose gradient is summed over TP at the block entry; None: use the parameter.
+_Subst = Optional[Dict[int, Tensor]]
 
 
 class LadderTransformerBlock(TransformerBlock):
@@ -49,7 +58,7 @@ class LadderTransformerBlock(TransformerBlock):
 
     def __init__(self, config, spec, ladder: LadderConfig, pre_process: bool = True, post_process: bool = True,
                  pg_collection=None, vp_stage: Optional[int] = None) -> None:
-        check_ladder_supported(config)
+        check_ladder_supported(config, ladder)
         super().__init__(config=config, spec=spec, pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection, vp_stage=vp_stage)
         self.ladder = ladder
@@ -62,27 +71,30 @@ class LadderTransformerBlock(TransformerBlock):
         self.first_special = next((i for i, l in enumerate(self.layers) if l.layer_number - 1 >= first_global),
                                   len(self.layers))
         special = list(self.layers)[self.first_special:]
-        self.uses_te = any(_is_te(l.self_attention.linear_proj) for l in special)
+        self.uses_te = any(is_te(l.self_attention.linear_proj) for l in special)
         if self.uses_te and ladder.desync and self.tp > 1:
-            raise NotImplementedError("--desync-residual needs the local layer spec: transformer-engine fuses the "
-                                      "norm into linear_qkv, so the per-rank norm gradients cannot be summed")
+            raise NotImplementedError("--desync-residual needs the local layer spec at TP>1: transformer-engine "
+                                      "fuses the norm into linear_qkv, so the per-rank norm gradients cannot be "
+                                      "summed; use --transformer-impl local")
         # Residual gradients are per-rank partial sums inside the special region (see comm.py notes). With TE
         # the ladder keeps megatron's own input-gradient all-reduces (no backward overlap), for the same reason.
         self.partial_grads = (self.tp > 1 and bool(special) and not self.uses_te
                               and (bool(ladder.desync) or ladder.backward_overlap))
+        self.deferred_params: List[torch.nn.Parameter] = []  # grads summed over TP once per backward
         for layer in special:
             self._rewire(layer)
 
     def _rewire(self, layer) -> None:
         """Row-parallel linears return partial sums (we reduce); column-parallel ones skip input-grad reduction
         when residual gradients are kept partial."""
+        if not isinstance(layer.cross_attention, IdentityOp):
+            raise NotImplementedError("ladder/desync layers have no cross-attention; use a spec without it")
         attn, mlp = layer.self_attention, layer.mlp
         for name, mod in (("linear_proj", attn.linear_proj), ("linear_fc2", mlp.linear_fc2)):
-            if _is_te(mod):
+            if is_te(mod):
                 # [untested here: no TE on CPU] TE reduces inside te.pytorch.Linear when parallel_mode == "row";
                 # None gives the partial output, as megatron's own explicit_expert_comm path does.
-                if not getattr(mod, "te_return_bias", False):
-                    raise NotImplementedError(f"{name}: TE linear must return its bias separately")
+                check_te_row_linear(mod, name)
                 mod.parallel_mode = None
                 continue
             if not isinstance(mod, RowParallelLinear) or not mod.skip_bias_add:
@@ -97,30 +109,39 @@ class LadderTransformerBlock(TransformerBlock):
                 mod.disable_grad_reduce = True
                 mod.allreduce_dgrad = False
             for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                if not isinstance(norm, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
-                    raise NotImplementedError(f"norm {type(norm).__name__} is not supported with TP>1 here")
+                self.deferred_params += [p for p in norm_parameters(norm) if p is not None]
+            if self.ladder.desync:  # desync adds the bias to a partial-gradient residual (ladder: after reduction)
+                self.deferred_params += [m.bias for m in (attn.linear_proj, mlp.linear_fc2) if m.bias is not None]
 
     # ---- forward -------------------------------------------------------------------------------------------
 
-    def forward(self, hidden_states: Tensor, attention_mask: Optional[Tensor], context=None, context_mask=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, inference_context=None, packed_seq_params=None, sequence_len_offset=None,
-                padding_mask=None, **unused: Any) -> Tensor:
-        if inference_context is not None or unused.get("inference_params") is not None:
-            raise NotImplementedError("ladder/desync blocks do not support megatron inference contexts yet")
+    def forward(self, hidden_states, attention_mask: Optional[Tensor], context: Optional[Tensor] = None,
+                context_mask: Optional[Tensor] = None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, padding_mask=None, *, inference_params=None,
+                dynamic_inference_decode_only: Optional[bool] = None) -> Tensor:
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
         if not self.pre_process:
             hidden_states = self.input_tensor
+        has_special = self.first_special < len(self.layers)
+        if has_special and (context is not None or context_mask is not None):
+            raise ValueError("ladder/desync layers have no cross-attention: `context`/`context_mask` must be None")
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        kw = dict(attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                  rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-                  sequence_len_offset=sequence_len_offset)
-        segments = self._segments()
-        standard = [seg for seg in segments if not seg[2]]
-        for layers, ckpt, _ in standard:
-            hidden_states = self._maybe_checkpoint(ckpt, self._standard_chunk(layers, kw), hidden_states)
-        special = [seg for seg in segments if seg[2]]
+        attn_kw = dict(attention_mask=attention_mask, inference_context=inference_context,
+                       rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                       rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                       packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset)
+        layer_kw = dict(attn_kw, context=context, context_mask=context_mask, padding_mask=padding_mask)
+        segments = self.segments()
+        for seg in segments:
+            if not seg.special:
+                hidden_states = self._maybe_checkpoint(
+                    seg.checkpointed, self._standard_chunk(self._layers(seg), layer_kw), hidden_states)
+        special = [seg for seg in segments if seg.special]
         if special:
-            hidden_states = self._special_forward(special, hidden_states, kw)
+            hidden_states = self._special_forward(special, hidden_states, attn_kw, padding_mask)
 
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
@@ -129,35 +150,18 @@ class LadderTransformerBlock(TransformerBlock):
             hidden_states = hidden_states.clone()
         return hidden_states
 
-    def _segments(self) -> List[Tuple[List, bool, bool]]:
-        """Split this stage's layers into (layers, checkpointed, special) runs following megatron's full
-        recompute options: 'uniform' checkpoints every chunk of recompute_num_layers, 'block' only the first
-        recompute_num_layers layers. Standard and ladder/desync layers never share a segment."""
-        layers = list(self.layers)
-        full = self.config.recompute_granularity == "full" and self.training
-        n = max(1, self.config.recompute_num_layers or 1)
-        block = self.config.recompute_method == "block"
-        segments: List[Tuple[List, bool, bool]] = []
-        for special, part in ((False, layers[: self.first_special]), (True, layers[self.first_special:])):
-            offset = 0 if not special else self.first_special
-            i = 0
-            while i < len(part):
-                if not full:
-                    size, ckpt = len(part), False
-                elif block:
-                    done = offset + i
-                    size = max(1, n - done) if done < n else len(part) - i
-                    ckpt = done < n
-                else:
-                    size, ckpt = n, True
-                segments.append((part[i:i + size], ckpt, special))
-                i += size
-        return segments
+    def segments(self) -> List[Segment]:
+        """This stage's layers grouped as megatron's full-recompute options group them (recompute_plan.py)."""
+        c = self.config
+        return plan_segments(len(self.layers), self.first_special, c.recompute_granularity, c.recompute_method,
+                             c.recompute_num_layers, self.training)
 
-    @staticmethod
-    def _maybe_checkpoint(recompute: bool, fn: Callable, *args: Tensor):
+    def _layers(self, seg: Segment) -> List:
+        return list(self.layers)[seg.start:seg.stop]
+
+    def _maybe_checkpoint(self, recompute: bool, fn: Callable, *args: Tensor):
         if recompute:
-            return tensor_parallel.checkpoint(fn, False, *args)
+            return tensor_parallel.checkpoint(fn, self.config.distribute_saved_activations, *args)
         return fn(*args)
 
     def _standard_chunk(self, layers: List, kw: dict) -> Callable:
@@ -167,44 +171,59 @@ class LadderTransformerBlock(TransformerBlock):
             return h
         return run
 
-    def _special_forward(self, segments: List[Tuple[List, bool, bool]], r: Tensor, kw: dict) -> Tensor:
-        if self.partial_grads:
-            r = sum_grad_over_tp(r, self.tp_group)  # leaving the region, gradients become full again
+    def _special_forward(self, segments: List[Segment], r: Tensor, attn_kw: dict,
+                         padding_mask: Optional[Tensor]) -> Tensor:
+        views: List[Tensor] = []
+        if self.partial_grads and torch.is_grad_enabled():
+            # Leaving the region the input gradient becomes full again; the same node sums every deferred
+            # parameter gradient (one coalesced all-reduce after the whole block's backward).
+            r, *views = sum_grads_over_tp([r, *self.deferred_params], self.tp_group)
+            # distribute_saved_activations splits a checkpoint's first input in place: it must own its data
+            r = make_viewless_tensor(inp=r, requires_grad=True, keep_graph=True)
         if self.ladder.desync:
-            for layers, ckpt, _ in segments:
-                r = self._maybe_checkpoint(ckpt, self._desync_chunk(layers, kw), r)
+            for seg in segments:
+                r = self._maybe_checkpoint(seg.checkpointed, self._desync_chunk(self._layers(seg), attn_kw,
+                                                                                padding_mask), r, *views)
             # stage/block end: re-synchronise the residual before the final norm / next stage
-            if not self.ladder.reduces(2 * segments[-1][0][-1].layer_number - 1):
+            if not self.ladder.reduces(2 * self._layers(segments[-1])[-1].layer_number - 1):
                 r = sync_all_reduce(r / self.tp, self.tp_group)
         else:
             pending: List[Tensor] = []
-            for i, (layers, ckpt, _) in enumerate(segments):
+            for i, seg in enumerate(segments):
                 last = i == len(segments) - 1
-                outs = self._maybe_checkpoint(ckpt, self._ladder_chunk(layers, kw, last), r, *pending)
+                fn = self._ladder_chunk(self._layers(seg), attn_kw, padding_mask, last, len(pending))
+                outs = self._maybe_checkpoint(seg.checkpointed, fn, r, *pending, *views)
                 r, pending = outs[0], list(outs[1:])
         if self.partial_grads:
             r = scale_grad(r, 1.0 / self.tp)  # incoming gradient is replicated; enter partial form
         return r
 
+    def _module_pairs(self, layer, attn_kw: dict, padding_mask: Optional[Tensor]):
+        """(norm, module) pairs of one layer, each module returning ``(partial output, bias)``."""
+        return ((layer.input_layernorm, lambda x: layer.self_attention(x, **attn_kw)),
+                (layer.pre_mlp_layernorm, lambda x: layer.mlp(x, padding_mask=padding_mask)))
+
     # ---- ladder --------------------------------------------------------------------------------------------
 
-    def _ladder_chunk(self, layers: List, kw: dict, last: bool) -> Callable:
-        """Run ``layers`` with ladder wiring. Inputs: residual and up to two finished outputs from before the
-        chunk. The last chunk flushes (adds every pending output: before the final norm / at the stage end);
-        others return the residual and their last two outputs, finished (waited) but not yet added, so that a
-        recomputed chunk is a pure function of its inputs."""
-        def run(r: Tensor, *carried: Tensor):
+    def _ladder_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor], last: bool,
+                      n_carried: int) -> Callable:
+        """Run ``layers`` with ladder wiring. Inputs: residual, up to two finished outputs from before the chunk,
+        then the deferred-gradient parameter views. The last chunk flushes (adds every pending output: before the
+        final norm / at the stage end); others return the residual and their last two outputs, finished (waited)
+        but not yet added, so that a recomputed chunk is a pure function of its inputs."""
+        def run(r_in: Tensor, *args: Tensor):
+            r = r_in
+            subst = self._substitutes(args[n_carried:])
             queue: Deque[_Pending] = deque()
-            for t in carried:
+            for t in args[:n_carried]:
                 queue.append((None, self._carried(t), None))
             n_modules = 2 * len(layers)
             m = 0
             for layer in layers:
-                for norm, fn in ((layer.input_layernorm, lambda x, l=layer: l.self_attention(x, **_attn_kw(kw))),
-                                 (layer.pre_mlp_layernorm, lambda x, l=layer: l.mlp(x))):
+                for norm, fn in self._module_pairs(layer, attn_kw, padding_mask):
                     if len(queue) == 2:
                         r = self._add_pending(r, queue.popleft())
-                    out, bias = fn(self._norm(norm, r))
+                    out, bias = fn(self._norm(norm, r, subst))
                     tag = 2 * (layer.layer_number - 1) + m % 2  # global module index
                     p = launch_ladder_reduce(out, bias, self.tp_group, self.config.hidden_dropout, self.training,
                                              tag)
@@ -219,6 +238,8 @@ class LadderTransformerBlock(TransformerBlock):
                 while queue:
                     r = self._add_pending(r, queue.popleft())
                 return (r,)
+            if r is r_in:  # a first one-layer chunk adds nothing; a checkpoint must not return its input, whose
+                r = r.clone()  # data distribute_saved_activations replaces by this rank's slice
             return (r, *[self._finish(q) for q in queue])
         return run
 
@@ -242,39 +263,42 @@ class LadderTransformerBlock(TransformerBlock):
 
     # ---- desync --------------------------------------------------------------------------------------------
 
-    def _desync_chunk(self, layers: List, kw: dict) -> Callable:
-        def run(r: Tensor) -> Tensor:
+    def _desync_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor]) -> Callable:
+        def run(r: Tensor, *views: Tensor) -> Tensor:
+            subst = self._substitutes(views)
             for layer in layers:
                 base = 2 * (layer.layer_number - 1)
-                for j, (norm, fn) in enumerate(
-                        ((layer.input_layernorm, lambda x, l=layer: l.self_attention(x, **_attn_kw(kw))),
-                         (layer.pre_mlp_layernorm, lambda x, l=layer: l.mlp(x)))):
-                    out, bias = fn(self._norm(norm, r))
-                    out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
-                    bias = sum_grad_over_tp(bias, self.tp_group) if self.partial_grads else bias
-                    if self.ladder.reduces(base + j):
-                        r = sync_all_reduce(out + r / self.tp, self.tp_group)
-                    else:
-                        r = r + out
+                for j, (norm, fn) in enumerate(self._module_pairs(layer, attn_kw, padding_mask)):
+                    out, bias = fn(self._norm(norm, r, subst))
+                    reduces = self.ladder.reduces(base + j)
+                    # megatron: r + dropout(out + bias), one dropout draw over the full output (identical on all
+                    # TP ranks). A reducing module sums the ranks' terms, so each adds bias / tp; a desynced one
+                    # adds its partial output and the whole bias to its own residual (section 5).
                     if bias is not None:
-                        r = r + bias
+                        bias = subst[id(bias)] if subst is not None else bias
+                        out = out + (bias / self.tp if reduces else bias)
+                    out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+                    r = sync_all_reduce(out + r / self.tp, self.tp_group) if reduces else r + out
             return r
         return run
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
-    def _norm(self, norm: torch.nn.Module, x: Tensor) -> Tensor:
-        if not self.partial_grads:
+    def _substitutes(self, views: Sequence[Tensor]) -> _Subst:
+        """Map deferred parameters to their views when building a graph (forward with grad, or recompute)."""
+        if not views or not torch.is_grad_enabled():
+            return None
+        return {id(p): v for p, v in zip(self.deferred_params, views)}
+
+    @staticmethod
+    def _norm(norm: torch.nn.Module, x: Tensor, subst: _Subst) -> Tensor:
+        if subst is None:
             return norm(x)
-        w, b = sum_grads_over_tp([norm.weight, getattr(norm, "bias", None)], self.tp_group)
-        if isinstance(norm, torch.nn.LayerNorm):
+        w = subst[id(norm.weight)]
+        b = subst[id(norm.bias)] if getattr(norm, "bias", None) is not None else None
+        if type(norm) is torch.nn.LayerNorm:
             return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
-        return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
-
-
-def _is_te(mod: torch.nn.Module) -> bool:
-    return type(mod).__module__.startswith("megatron.core.extensions.transformer_engine")
-
-
-def _attn_kw(kw: dict) -> dict:
-    return {k: v for k, v in kw.items() if v is not None or k == "attention_mask"}
+        if type(norm) is torch.nn.RMSNorm:
+            return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
+        # any other norm (apex/megatron FusedLayerNorm, ...) reading self.weight / self.bias
+        return torch.func.functional_call(norm, {"weight": w} if b is None else {"weight": w, "bias": b}, (x,))

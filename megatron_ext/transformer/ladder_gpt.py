@@ -1,18 +1,23 @@
 """GPTModel with a Ladder / Desynced-residual decoder, and conversion of standard checkpoints into it.
 
-megatron-core's ``GPTModel`` hard-codes ``TransformerBlock``; we build the standard model and swap its decoder for
-a ``LadderTransformerBlock`` built from the same spec. Parameter names are unchanged, so a standard checkpoint
-(state dict) loads as-is: the hybrid model of seed 002 section 4.2 is "same weights, different wiring".
+megatron-core's ``GPTModel`` hard-codes ``TransformerBlock``; while its constructor runs, that name is bound to a
+``LadderTransformerBlock`` factory, so the decoder is built once, in the place (and RNG stream) of the standard
+one. Parameter names are unchanged, so a standard checkpoint (state dict) loads as-is: the hybrid model of seed 002
+section 4.2 is "same weights, different wiring".
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import contextlib
+import functools
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_model as _gpt_model_module
 
 from .config import LadderConfig
-from .ladder_block import LadderTransformerBlock, check_ladder_supported
+from .ladder_block import LadderTransformerBlock
+from .support import check_ladder_supported
 
 
 class LadderGPTModel(GPTModel):
@@ -23,18 +28,25 @@ class LadderGPTModel(GPTModel):
         ladder = LadderConfig(ladder=ladder_residual, ladder_layers=ladder_residual_layers, desync=desync_residual,
                               backward_overlap=ladder_backward_overlap)
         config = kwargs.get("config", args[0] if args else None)
-        check_ladder_supported(config)
-        super().__init__(*args, **kwargs)
-        spec = kwargs.get("transformer_layer_spec", args[1] if len(args) > 1 else None)
-        # Rebuild the decoder under the same RNG stream a standard build would use for it, so that with
-        # use_cpu_initialization a ladder model starts from exactly the standard model's weights.
-        old = self.decoder
-        self.decoder = LadderTransformerBlock(config=self.config, spec=spec, ladder=ladder,
-                                              pre_process=self.pre_process, post_process=self.post_process,
-                                              pg_collection=getattr(self, "pg_collection", None),
-                                              vp_stage=getattr(self, "vp_stage", None))
-        self.decoder.load_state_dict(old.state_dict())
+        check_ladder_supported(config, ladder)
+        # The decoder is built where GPTModel builds its TransformerBlock, so it draws the same random numbers:
+        # with the same seed a ladder model starts from exactly the standard model's weights.
+        with _decoder_class(functools.partial(LadderTransformerBlock, ladder=ladder)):
+            super().__init__(*args, **kwargs)
+        if not isinstance(self.decoder, LadderTransformerBlock):
+            raise AssertionError("GPTModel no longer builds its decoder through gpt_model.TransformerBlock")
         self.ladder = ladder
+
+
+@contextlib.contextmanager
+def _decoder_class(factory: Callable[..., torch.nn.Module]) -> Iterator[None]:
+    """Bind ``gpt_model.TransformerBlock`` (the name GPTModel.__init__ calls) to ``factory`` for one build."""
+    saved = _gpt_model_module.TransformerBlock
+    _gpt_model_module.TransformerBlock = factory
+    try:
+        yield
+    finally:
+        _gpt_model_module.TransformerBlock = saved
 
 
 def convert_standard_to_ladder(standard_state_dict: Dict[str, Any], model: torch.nn.Module,

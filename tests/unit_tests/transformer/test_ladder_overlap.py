@@ -1,40 +1,88 @@
-"""Ladder communication schedule: forward reductions waited one module later, backward reductions overlapped."""
+"""Ladder communication schedule, observed at the communication library: forward reductions waited one module
+later (Algorithm 1), backward reductions overlapped, and no per-module blocking all-reduce in backward."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from unit_tests.dist_harness import run_distributed
 from unit_tests.test_utilities import Utils
+from unit_tests.transformer.comm_recorder import hook_modules, record_all_reduces
 
-SHAPE = dict(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, seq_length=8)
+L, H, S, B = 3, 32, 8, 2
+SHAPE = dict(num_layers=L, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, seq_length=S)
 
 
-def _trace_backward():
+def _schedules():
+    """One TP=2 world: forward event trace and backward all-reduces of a ladder and a desync-2x model."""
     from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
     from megatron_ext.transformer import comm
 
     Utils.initialize_model_parallel(2, 1)
+    out = {}
     try:
-        model = build_gpt_model(**SHAPE, ladder_residual=True)
-        b = synthetic_gpt_batch(2, SHAPE["seq_length"], SHAPE["vocab_size"])
-        loss = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]).mean()
-        comm.TRACE = []
-        loss.backward()
-        return list(comm.TRACE)
+        b = synthetic_gpt_batch(B, S, SHAPE["vocab_size"])
+        for name, kw in (("ladder", dict(ladder_residual=True)), ("desync2x", dict(desync_residual="2x"))):
+            model = build_gpt_model(**SHAPE, **kw)
+            fwd, bwd = [], []
+            hook_modules([m for layer in model.decoder.layers for m in (layer.self_attention, layer.mlp)], fwd)
+            with record_all_reduces(fwd):
+                loss = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]).mean()
+            comm.TRACE = []
+            with record_all_reduces(bwd):
+                loss.backward()
+            out[name] = dict(forward=fwd, backward=[e for e in bwd if e[0] == "launch"], grad_trace=comm.TRACE)
+            comm.TRACE = None
+        return out
     finally:
         comm.TRACE = None
         Utils.destroy_model_parallel()
 
 
-def test_backward_reduction_of_module_k_overlaps_module_k_plus_1(spawn):
-    trace = spawn(_trace_backward, 2)[0]
+@pytest.fixture(scope="module")
+def schedules():
+    return run_distributed(_schedules, 2)[0]
+
+
+def test_forward_reduction_of_module_m_is_waited_after_module_m_plus_1(schedules):
+    """Algorithm 1: launch(m) < compute(m+1) < wait(m) < compute(m+2). Waiting at once fails this."""
+    trace = schedules["ladder"]["forward"]
+    pos = {e[:2]: i for i, e in enumerate(trace) if e[0] in ("pre", "post")}
+    modules = 2 * L
+    for m in range(modules):
+        end = pos.get(("pre", m + 1), len(trace))
+        launches = [e for e in trace[pos[("post", m)]:end] if e[0] == "launch"]  # last: + loss all-reduces
+        assert launches and launches[0][3], f"module {m}: expected an async all-reduce, got {launches}"
+        assert m + 1 == modules or len(launches) == 1, f"module {m}: {launches}"
+        wait = trace.index(("wait", launches[0][1]))
+        if m + 1 < modules:
+            assert wait > pos[("post", m + 1)], f"module {m}'s reduction waited before module {m + 1} ran: {trace}"
+        if m + 2 < modules:
+            assert wait < pos[("pre", m + 2)], f"module {m + 2} ran before module {m}'s reduction was waited"
+
+
+def test_backward_reduction_of_module_k_overlaps_module_k_plus_1(schedules):
+    trace = schedules["ladder"]["grad_trace"]
     pos = {ev: i for i, ev in enumerate(trace)}
-    modules = 2 * SHAPE["num_layers"]
+    modules = 2 * L
     for k in range(modules):
         assert pos[("grad_launch", k)] < pos[("grad_wait", k)] < pos[("module_backward", k)]
         if k + 1 < modules:
             # module k+1's backward runs while module k's output-gradient all-reduce is in flight
             assert pos[("grad_launch", k)] < pos[("module_backward", k + 1)] < pos[("grad_wait", k)], trace
+
+
+def test_backward_has_no_per_module_blocking_all_reduce(schedules):
+    """Closed form at TP=2 (numels): the output layer's async input-grad all-reduce (S*B*H); per module what the
+    wiring needs; then ONE blocking all-reduce of the block-input gradient plus every deferred parameter
+    gradient (norm weight+bias: 4H per layer; desync also the two row-parallel biases: 2H per layer)."""
+    act = S * B * H
+    ladder = schedules["ladder"]["backward"]
+    assert ladder == ([("launch", 0, act, True)] + [("launch", i, act, True) for i in range(1, 2 * L + 1)]
+                      + [("launch", 2 * L + 1, act + 4 * H * L, False)])
+    desync = schedules["desync2x"]["backward"]  # 2x: each layer's MLP reduces, in forward and backward alike
+    assert desync == ([("launch", 0, act, True)] + [("launch", i, act, False) for i in range(1, L + 1)]
+                      + [("launch", L + 1, act + 6 * H * L, False)])
 
 
 def _sequence_parallel_rejected():
@@ -44,12 +92,15 @@ def _sequence_parallel_rejected():
     try:
         with pytest.raises(ValueError, match="sequence-parallel"):
             build_gpt_model(**SHAPE, ladder_residual=True, sequence_parallel=True)
+        with pytest.raises(ValueError, match="distribute-saved-activations"):
+            build_gpt_model(**SHAPE, desync_residual="4x", recompute_granularity="full", recompute_method="block",
+                            recompute_num_layers=1, distribute_saved_activations=True)
         return True
     finally:
         Utils.destroy_model_parallel()
 
 
-def test_sequence_parallel_is_rejected_clearly(spawn):
+def test_unsupported_parallel_options_are_rejected_clearly(spawn):
     assert spawn(_sequence_parallel_rejected, 2) == [True, True]
 
 
