@@ -5,8 +5,11 @@ Every op has a torch reference (:mod:`.reference`, the specification and the CPU
 documented in :mod:`.layout` ([Note: qgZ swizzle layout]).
 
 Codes: INT8 codes are ``torch.int8``; INT4 codes are ``torch.uint8`` bytes with two signed nibbles, the even element
-in bits 4-7. Scales are fp32, one per ``group_size`` elements: ``scale = absmax / (2^(b-1) - 1)`` (so +absmax is
-exact), 0 for an all-zero group. Codes are padded to whole groups; the last group is zero-padded.
+in bits 4-7. Scales are fp32, one per ``group_size`` elements: ``scale = absmax / (2^(b-1) - 1)``, 0 for an all-zero
+group, so the largest element gets the code +-(2^(b-1) - 1) and is never clipped (DeepSpeed's ``absmax / 2^(b-1)``
+clips it by a whole step); it dequantizes to ``fl(fl(absmax / qmax) * qmax)``, which is absmax or one of its fp32
+neighbours (not always absmax itself: 63.5625 at INT8 comes back as 63.562504). Codes are padded to whole groups;
+the last group is zero-padded.
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     Returns ``(q, mins, maxs)``: ``q`` uint8 with ``numel`` codes (no padding), ``mins``/``maxs`` fp32, one per chunk
     (over the real elements only). ``scale = 255/(max-min+1e-7)``, ``ub = rint(max*scale)``, ``lb = ub-255``,
     ``q = min(rint(x*scale), ub) - lb`` (clamped to [0, 255] against fp32 rounding), all in fp32.
+
+    Overflow (ByteGrad's convention, kept): a chunk where ``max*scale`` overflows fp32 -- in practice a constant chunk
+    with ``|x| > FLT_MAX / 2.55e9 ~ 1.33e29`` (the 1e-7 makes ``scale = 2.55e9``) -- has ``lb = +-inf``; its codes are
+    0 and it dequantizes to ``+-inf`` (the sign of ``max``): the overflow stays visible (an fp16 run's loss scaler
+    skips the step; the gradient norm becomes inf) instead of turning into a silently wrong finite value.
     """
     return _impl(x.device.type).quantize_minmax_uint8(x, chunk_size)
 

@@ -58,23 +58,47 @@ def check_bits_group(bits: int, group_size: int) -> None:
         raise ValueError(f"INT4 packs two codes per byte: group_size must be even, got {group_size}")
 
 
+def check_contiguous(t: torch.Tensor, name: str) -> None:
+    """Every kernel reads flat memory: a strided view would silently be read as the wrong elements."""
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (got shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+            "the kernels read flat memory and would silently use the wrong elements: call .contiguous() first")
+
+
 def check_input(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    if not x.is_contiguous():
-        raise ValueError(
-            f"{name} must be contiguous (got shape {tuple(x.shape)}, strides {tuple(x.stride())}); "
-            "the kernels read flat memory and would silently quantize the wrong elements: call .contiguous() first")
+    check_contiguous(x, name)
 
 
 def check_codes(codes: torch.Tensor, bits: int, name: str = "codes") -> None:
     want = torch.int8 if bits == 8 else torch.uint8
     if codes.dtype != want:
         raise TypeError(f"{name} for {bits}-bit codes must be {want}, got {codes.dtype}")
-    if not codes.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (strides {tuple(codes.stride())})")
+    check_contiguous(codes, name)
+
+
+def check_minmax_codes(q: torch.Tensor, name: str = "q") -> None:
+    if q.dtype != torch.uint8:
+        raise TypeError(f"{name} (min-max codes) must be torch.uint8, got {q.dtype}")
+    check_contiguous(q, name)
+
+
+# Triton kernels index with int32 (program ids, aranges and the offsets built from them): an offset >= 2^31 would
+# wrap around silently and read or write the wrong memory. Every Triton launcher checks its extent first.
+INT32_OFFSET_LIMIT = 1 << 31
+
+
+def check_int32_offsets(extent: int, what: str) -> None:
+    """Raise unless every offset below ``extent`` (one past the largest a kernel forms) fits in int32."""
+    if extent > INT32_OFFSET_LIMIT:
+        raise ValueError(
+            f"{what} needs offsets up to {extent - 1}, beyond the Triton kernels' int32 indexing (max "
+            f"{INT32_OFFSET_LIMIT - 1}): use smaller buckets (--ddp-bucket-size) or the torch backend "
+            "(MX_KERNELS=torch)")
 
 
 def codes_dtype(bits: int) -> torch.dtype:

@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_input, codes_dtype, num_groups,
-                     qmax, swizzle_layout)
+from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_input,
+                     check_minmax_codes, codes_dtype, num_groups, qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
 _TINY = 2.0 ** -126  # smallest normal fp32
@@ -110,15 +110,22 @@ def _dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, bits: int, out
         out.copy_(f32)
 
 
-def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def check_dequantize_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int) -> int:
+    """Validate ``dequantize_symmetric``'s arguments (both backends); returns the number of groups."""
     check_bits_group(bits, group_size)
     check_codes(codes, bits)
-    g = group_size
-    groups = num_groups(numel, g)
-    if scales.numel() < groups or codes.numel() * 8 // bits < groups * g:
-        raise ValueError(f"{numel} elements need {groups} groups of {g}: got {scales.numel()} scales and "
+    check_contiguous(scales, "scales")
+    groups = num_groups(numel, group_size)
+    if scales.numel() < groups or codes.numel() * 8 // bits < groups * group_size:
+        raise ValueError(f"{numel} elements need {groups} groups of {group_size}: got {scales.numel()} scales and "
                          f"{codes.numel()} code bytes")
+    return groups
+
+
+def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    check_dequantize_args(codes, scales, bits, group_size, numel)
+    g = group_size
     scales = scales.view(-1).float()
     codes = codes.view(-1)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
@@ -175,9 +182,11 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     return codes, scales
 
 
-def _check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> tuple[int, int]:
+def check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> tuple[int, int]:
+    """Validate the ``[k, bytes]`` chunks and ``[k, groups]`` scales of the reduce ops (both backends)."""
     check_bits_group(bits, group_size)
     check_codes(chunks, bits, "chunks")
+    check_contiguous(scales, "scales")
     if chunks.dim() != 2 or scales.dim() != 2 or scales.shape[0] != chunks.shape[0]:
         raise ValueError(f"chunks must be [k, bytes] and scales [k, groups]; got {tuple(chunks.shape)} and "
                          f"{tuple(scales.shape)}")
@@ -186,8 +195,8 @@ def _check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_s
     if groups * group_size * bits // 8 != nbytes:
         raise ValueError(f"{groups} groups of {group_size} {bits}-bit codes are {groups * group_size * bits // 8} "
                          f"bytes per chunk, got {nbytes}")
-    if scales.dtype != torch.float32 or not scales.is_contiguous():
-        raise ValueError("scales must be contiguous float32")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales must be float32, got {scales.dtype}")
     return k, groups
 
 
@@ -205,7 +214,7 @@ def _reduce_block(chunks: torch.Tensor, scales: torch.Tensor, bits: int, g0: int
 
 def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    k, groups = _check_chunks(chunks, scales, bits, group_size)
+    k, groups = check_chunks(chunks, scales, bits, group_size)
     codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
     per_block = max(1, _BLOCK // group_size)
@@ -220,7 +229,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                       numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k, groups = _check_chunks(chunks, scales, bits, group_size)
+    k, groups = check_chunks(chunks, scales, bits, group_size)
     total = groups * group_size
     numel = total if numel is None else numel
     if numel > total:
@@ -309,16 +318,15 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
         if not exact:
             torch.minimum(y, u_, out=y)
         y.sub_(l_)
-        if not exact:
-            y.clamp_(0.0, 255.0)
+        if not exact:  # nan (inf - inf: an overflowing chunk, see quantize_minmax_uint8's docstring) -> code 0
+            y.nan_to_num_(nan=0.0).clamp_(0.0, 255.0)
         q[start:stop].view(shape).copy_(y)
     return q, mins, maxs
 
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if q.dtype != torch.uint8 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous uint8, got {q.dtype}")
+    check_minmax_codes(q)
     if q.numel() < numel or mins.numel() < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(numel, chunk_size)} chunks of {chunk_size}: got "
                          f"{q.numel()} codes and {mins.numel()} mins")

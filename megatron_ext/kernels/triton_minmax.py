@@ -39,6 +39,7 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, n
     ub = lb + 255.0
     v = tl.load(x_ptr + c * chunk_size + offs, mask=ok, other=0.0).to(tl.float32)
     y = tl.minimum(rint(v * scale), ub) - lb
+    y = tl.where(y == y, y, 0.0)  # nan (inf - inf, an overflowing chunk) -> code 0, as the reference
     y = tl.minimum(tl.maximum(y, 0.0), 255.0)
     tl.store(q_ptr + c * chunk_size + offs, y.to(tl.uint8), mask=ok)
 

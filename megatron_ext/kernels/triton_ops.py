@@ -7,7 +7,8 @@ import triton
 from . import reference as _ref
 from . import triton_minmax as _mm
 from . import triton_symmetric as _sym
-from .layout import (cdiv, check_bits_group, check_input, codes_dtype, num_groups, qmax, swizzle_layout)
+from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, check_minmax_codes, codes_dtype,
+                     num_groups, qmax, swizzle_layout)
 
 # FMA contraction would change fp32 rounding (x*scale + 2^23 in rint, acc + code*scale): keep it off so the GPU
 # results equal the torch reference bit for bit. The interpreter ignores the option.
@@ -22,9 +23,20 @@ def _tile(bits: int, group_size: int) -> tuple[int, int]:
     return cols, triton.next_power_of_2(gpp) if gpp & (gpp - 1) else gpp
 
 
+def _tiled_extent(groups: int, bits: int, group_size: int) -> int:
+    """One past the largest element offset the symmetric kernels form over ``groups`` groups, masked lanes of the
+    last tile included (they run past the end by up to GPP - 1 groups and COLS columns)."""
+    cols, gpp = _tile(bits, group_size)
+    return cdiv(groups, gpp) * gpp * group_size + 2 * cols
+
+
 def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: int, rpn: int, gpc: int,
                      total_groups: int, bits: int, group_size: int, codes: torch.Tensor, scales: torch.Tensor):
     cols, gpp = _tile(bits, group_size)
+    # unmasked source offsets p*part + s*stage + e stay below W*part plus one chunk (masked lanes never dereference
+    # theirs); output offsets are tiled
+    check_int32_offsets(max(_tiled_extent(total_groups, bits, group_size), nodes * rpn * part + gpc * group_size),
+                        "quantize")
     grid = (cdiv(total_groups, gpp),)
     _sym.swizzle_quantize_kernel[grid](x, codes, scales, numel, part, stage, total_groups,
                                        NODES=nodes, RPN=rpn, GPC=gpc, GROUP=group_size, COLS=cols, GPP=gpp,
@@ -60,6 +72,7 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
                    out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None):
     k, groups = chunks.shape[0], scales.shape[1]
     cols, gpp = _tile(bits, group_size)
+    check_int32_offsets(k * _tiled_extent(groups, bits, group_size), "dequantize/reduce")  # chunk i at i*groups*...
     requant = out is None
     dummy = out if out is not None else out_scales
     grid = (cdiv(groups, gpp),)
@@ -71,13 +84,8 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    groups = num_groups(numel, group_size)
-    check_bits_group(bits, group_size)
-    _ref.check_codes(codes, bits)
+    groups = _ref.check_dequantize_args(codes, scales, bits, group_size, numel)
     nbytes = groups * group_size * bits // 8
-    if scales.numel() < groups or codes.numel() < nbytes:
-        raise ValueError(f"{numel} elements need {groups} groups of {group_size}: got {scales.numel()} scales and "
-                         f"{codes.numel()} code bytes")
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if groups:
         sc = scales.reshape(-1)[:groups].float().contiguous().view(1, groups)
@@ -87,7 +95,7 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
 
 def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, groups = _ref._check_chunks(chunks, scales, bits, group_size)
+    _, groups = _ref.check_chunks(chunks, scales, bits, group_size)
     codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
     if groups:
@@ -97,7 +105,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                       numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    _, groups = _ref._check_chunks(chunks, scales, bits, group_size)
+    _, groups = _ref.check_chunks(chunks, scales, bits, group_size)
     total = groups * group_size
     numel = total if numel is None else numel
     if numel > total:
@@ -109,7 +117,10 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
 
 
 def _minmax_grid(numel: int, chunk_size: int) -> tuple[int, int]:
-    return cdiv(numel, chunk_size), cdiv(min(chunk_size, max(numel, 1)), _MINMAX_BLOCK)
+    """(chunks, blocks per chunk); checks that the offsets c*chunk_size + blk*BLOCK + i fit in int32."""
+    nchunks, nblk = cdiv(numel, chunk_size), cdiv(min(chunk_size, max(numel, 1)), _MINMAX_BLOCK)
+    check_int32_offsets(max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK, "min-max quantization")
+    return nchunks, nblk
 
 
 def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,8 +145,7 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if q.dtype != torch.uint8 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous uint8, got {q.dtype}")
+    check_minmax_codes(q)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
     if q.numel() < numel or mins.numel() < nchunks:
         raise ValueError(f"{numel} elements need {nchunks} chunks of {chunk_size}: got {q.numel()} codes and "

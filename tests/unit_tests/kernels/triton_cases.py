@@ -17,6 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from megatron_ext.kernels import reference as ref  # noqa: E402
 
+from . import contract_cases  # noqa: E402
+
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
@@ -125,14 +127,108 @@ def test_non_contiguous_rejected(tri):
         tri.swizzle_quantize(x, 8, 8, 2, 2, 1)
     with pytest.raises(ValueError, match="contiguous"):
         tri.quantize_minmax_uint8(x, 8)
+    contract_cases.run_non_contiguous_rejected(tri)  # the same errors as the torch path (test_reference)
 
 
-def test_dispatch_selects_triton(tri):
-    """The public functions reach the Triton launchers when forced (CPU tensors run interpreted)."""
+def test_round_half_to_even_ties(tri):
+    """Exact .5 ties, hand-written codes: plain quantize, the fused swizzle and the fused requantize."""
+    contract_cases.run_symmetric_ties(tri)
+    contract_cases.run_swizzle_ties(tri)
+    contract_cases.run_requantize_ties(tri)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, interpreting max*scale -> inf and inf - inf
+def test_minmax_overflowing_constant_chunk(tri):
+    contract_cases.run_minmax_overflow(tri)
+
+
+def test_production_group_size_2048(tri):
+    """qwZ/qgZ default group (comm quant_group_size=2048): lengths that are not a multiple of it, every op."""
+    g = 2048
+    for bits in (8, 4):
+        for numel, dtype in ((2 * g + 777, torch.float32), (g - 3, torch.bfloat16)):
+            x = _data(numel, dtype, numel + bits)
+            want = ref.quantize_symmetric(x, bits=bits, group_size=g)
+            got = tri.quantize_symmetric(x, bits=bits, group_size=g)
+            _same(got[0], want[0])
+            _same(got[1], want[1])
+            kw = dict(bits=bits, group_size=g, numel=numel, dtype=dtype)
+            _same(tri.dequantize_symmetric(*want, **kw), ref.dequantize_symmetric(*want, **kw))
+        x = _data(3 * g + 5, torch.float32, bits)  # 2 nodes x 1 rank x 2 stages: four padded chunks of one group
+        for a, b in zip(tri.swizzle_quantize(x, bits, g, 2, 1, 2), ref.swizzle_quantize(x, bits, g, 2, 1, 2)):
+            _same(a, b)
+        qs = [ref.quantize_symmetric(_data(2 * g, torch.float32, 10 + i), bits=bits, group_size=g) for i in range(3)]
+        chunks, scales = torch.stack([c for c, _ in qs]), torch.stack([s for _, s in qs])
+        for a, b in zip(tri.dequantize_reduce_quantize(chunks, scales, bits, g),
+                        ref.dequantize_reduce_quantize(chunks, scales, bits, g)):
+            _same(a, b)
+        kw = dict(bits=bits, group_size=g, numel=2 * g - 1000)
+        _same(tri.dequantize_reduce(chunks, scales, **kw), ref.dequantize_reduce(chunks, scales, **kw))
+
+
+def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
+    """Each launcher refuses before launching when its offsets would pass the int32 limit (lowered here so that a
+    small tensor trips it; the limit itself is tested in test_reference)."""
+    from megatron_ext.kernels import layout
+    x = torch.randn(4096)
+    codes, scales = ref.quantize_symmetric(x, bits=8, group_size=64)
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 1024)
+    calls = [lambda: tri.quantize_symmetric(x, bits=8, group_size=64),
+             lambda: tri.swizzle_quantize(x, 4, 64, 2, 2, 1),
+             lambda: tri.dequantize_symmetric(codes, scales, bits=8, group_size=64, numel=4096),
+             lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64),
+             lambda: tri.dequantize_reduce(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64),
+             lambda: tri.quantize_minmax_uint8(x, 1024),
+             lambda: tri.dequantize_minmax_uint8(q, mins, maxs, 1024, 4096)]
+    monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 4000)
+    for call in calls:
+        with pytest.raises(ValueError, match="int32"):
+            call()
+    monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)  # a limit above the extents: every call runs
+    for call in calls:
+        call()
+
+
+class _LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel: counts ``kernel[grid](...)`` launches and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_dispatch_selects_triton(tri, monkeypatch):
+    """The public functions launch the Triton kernels when forced (CPU tensors run interpreted), and only then."""
     from megatron_ext import kernels as K
+    from megatron_ext.kernels import triton_minmax, triton_symmetric
+    spies = {}
+    for mod, name in ((triton_symmetric, "swizzle_quantize_kernel"), (triton_symmetric, "reduce_kernel"),
+                      (triton_minmax, "partial_minmax_kernel"), (triton_minmax, "minmax_quantize_kernel"),
+                      (triton_minmax, "minmax_dequantize_kernel")):
+        spies[name] = _LaunchSpy(getattr(mod, name))
+        monkeypatch.setattr(mod, name, spies[name])
     x = _data(300, torch.float32, 1)
-    with K.use_backend("triton"):
-        got = K.quantize_symmetric(x, bits=4, group_size=32)
-    want = ref.quantize_symmetric(x, bits=4, group_size=32)
-    _same(got[0], want[0])
-    _same(got[1], want[1])
+    codes, scales = ref.quantize_symmetric(x, bits=4, group_size=32)
+    chunks, sc2 = codes[:64].view(2, 32), scales[:4].view(2, 2)
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 100)
+    ops = [("swizzle_quantize_kernel", lambda: K.quantize_symmetric(x, bits=4, group_size=32)),
+           ("swizzle_quantize_kernel", lambda: K.swizzle_quantize(x, 4, 32, 2, 2, 1)),
+           ("reduce_kernel", lambda: K.dequantize_symmetric(codes, scales, bits=4, group_size=32, numel=300)),
+           ("reduce_kernel", lambda: K.dequantize_reduce_quantize(chunks, sc2, 4, 32)),
+           ("reduce_kernel", lambda: K.dequantize_reduce(chunks, sc2, bits=4, group_size=32)),
+           ("minmax_quantize_kernel", lambda: K.quantize_minmax_uint8(x, 100)),
+           ("minmax_dequantize_kernel", lambda: K.dequantize_minmax_uint8(q, mins, maxs, 100, 300))]
+    for kernel, call in ops:
+        with K.use_backend("torch"):
+            want = call()
+        assert all(s.launches == 0 for s in spies.values()), kernel  # the torch path never touches Triton
+        with K.use_backend("triton"):
+            got = call()
+        assert spies[kernel].launches >= 1, kernel
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            _same(a, b)
+        for s in spies.values():
+            s.launches = 0

@@ -1,0 +1,122 @@
+"""Cases every kernel backend must meet exactly: hand-written codes at rounding ties, and the bad-input contract.
+
+Not collected (no ``test_`` prefix): ``test_reference.py`` runs them on the torch reference and ``triton_cases.py`` on
+the Triton kernels (interpreted), so both backends are held to the same hand-written numbers and the same errors.
+Each ``run_*`` takes a backend module (``reference`` or ``triton_ops``: same functions, same signatures).
+
+Ties: every input below is chosen so that ``x / scale`` is *exactly* ``k + 1/2`` (scales 1, 2, 3 and 0.5 make the
+divisions exact in fp32), positive and negative, at small codes and next to +-qmax. Round half to even sends
+0.5 -> 0, 1.5 -> 2, 2.5 -> 2, 125.5 -> 126, 126.5 -> 126, 6.5 -> 6; rounding half away from zero (C's ``round``)
+would give 1, 2, 3, 126, 127, 7 and fails these cases.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# INT8, groups of 16. Group 0: absmax 127 -> scale 1. Group 1: absmax 381 -> scale 3 (every x is 3 * (k + 1/2)).
+INT8_TIE_X = [127.0, -127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 125.5, -125.5, 126.5, -126.5, 3.5, -3.5, 0.25, -100.0,
+              -381.0, 1.5, -1.5, 4.5, -4.5, 7.5, -7.5, 376.5, -376.5, 379.5, -379.5, 10.5, -10.5, 0.0, 0.0, 3.0]
+INT8_TIE_CODES = [127, -127, 0, 0, 2, -2, 2, -2, 126, -126, 126, -126, 4, -4, 0, -100,
+                  -127, 0, 0, 2, -2, 2, -2, 126, -126, 126, -126, 4, -4, 0, 0, 1]
+INT8_TIE_SCALES = [1.0, 3.0]
+
+# INT4, groups of 8. Group 0: absmax 7 -> scale 1. Group 1: absmax 21 -> scale 3.
+INT4_TIE_X = [7.0, 0.5, -0.5, 1.5, -2.5, 2.5, 6.5, -6.5,
+              -21.0, 1.5, 4.5, -4.5, 7.5, -7.5, 19.5, -19.5]
+# codes [7, 0, 0, 2, -2, 2, 6, -6] and [-7, 0, 2, -2, 2, -2, 6, -6]; even element in the high nibble, -2 = 0xE,
+# -6 = 0xA, -7 = 0x9
+INT4_TIE_BYTES = [0x70, 0x02, 0xE2, 0x6A, 0x90, 0x2E, 0x2E, 0x6A]
+INT4_TIE_SCALES = [1.0, 3.0]
+
+
+def run_symmetric_ties(impl) -> None:
+    """quantize_symmetric: INT8 and INT4 ties against the hand-written codes."""
+    codes, scales = impl.quantize_symmetric(torch.tensor(INT8_TIE_X), bits=8, group_size=16)
+    assert codes.tolist() == INT8_TIE_CODES and scales.tolist() == INT8_TIE_SCALES
+    codes, scales = impl.quantize_symmetric(torch.tensor(INT4_TIE_X), bits=4, group_size=8)
+    assert codes.tolist() == INT4_TIE_BYTES and scales.tolist() == INT4_TIE_SCALES
+
+
+def run_swizzle_ties(impl) -> None:
+    """swizzle_quantize, 2 nodes x 2 ranks x 2 stages: eight tie groups, one per stage chunk, land in slot order.
+
+    Slice ``i`` (of 8, ``i = p * S + s``) is the base tie group times ``(-1)^i * 2^i``: its scale is ``2^i`` times the
+    base scale (exact) and its codes are the base codes times ``(-1)^i`` (half to even is symmetric). Output slot
+    ``k`` holds slice ``[0, 4, 2, 6, 1, 5, 3, 7][k]`` (stage 0: partitions 0, 2, 1, 3; then stage 1).
+    """
+    slot_slice = [0, 4, 2, 6, 1, 5, 3, 7]
+    for bits, base_x, group in ((8, INT8_TIE_X[:16], 16), (4, INT4_TIE_X[:8], 8)):
+        base = torch.tensor(base_x)
+        x = torch.cat([base * ((-1) ** i * 2.0 ** i) for i in range(8)])
+        codes, scales = impl.swizzle_quantize(x, bits, group, 2, 2, 2)
+        assert tuple(codes.shape[:2]) == (2, 4) and tuple(scales.shape) == (2, 4, 1)
+        for k, i in enumerate(slot_slice):
+            sign = (-1) ** i
+            if bits == 8:
+                want = [sign * c for c in INT8_TIE_CODES[:16]]
+                got = codes.view(8, -1)[k].tolist()
+            else:
+                want = [sign * c for c in (7, 0, 0, 2, -2, 2, 6, -6)]
+                b = codes.view(8, -1)[k].view(torch.int8)
+                got = torch.stack([b >> 4, (b.view(torch.uint8) << 4).view(torch.int8) >> 4], -1).view(-1).tolist()
+            assert got == want, (bits, k, got, want)
+            assert scales.view(8)[k].item() == 2.0 ** i, (bits, k)  # base scale 1
+
+
+def run_requantize_ties(impl) -> None:
+    """dequantize_reduce_quantize over k = 2 chunks with scales 1 and 1/2: the fp32 sums c0 + c1/2 are exact ties."""
+    # INT8: sum = [127, -127, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 125.5, -125.5, 126.5, -126.5, 3.5, -3.5, 0, -100]
+    c0 = [127, -127, 0, 0, 1, -1, 2, -2, 125, -125, 126, -126, 3, -3, 0, -100]
+    c1 = [0, 0, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 0, 0]
+    chunks = torch.tensor([c0, c1], dtype=torch.int8)
+    scales = torch.tensor([[1.0], [0.5]])
+    codes, out_scales = impl.dequantize_reduce_quantize(chunks, scales, 8, 16)
+    assert codes.tolist() == [127, -127, 0, 0, 2, -2, 2, -2, 126, -126, 126, -126, 4, -4, 0, -100]
+    assert out_scales.tolist() == [1.0]
+    total = impl.dequantize_reduce(chunks, scales, bits=8, group_size=16)
+    assert total.tolist() == [a + b / 2 for a, b in zip(c0, c1)]
+    # INT4: c0 = [7, 0, 0, 1, -2, 2, 6, -6], c1 = [0, 1, -1, 1, -1, 1, 1, -1]
+    # sum = [7, 0.5, -0.5, 1.5, -2.5, 2.5, 6.5, -6.5] -> codes [7, 0, 0, 2, -2, 2, 6, -6]
+    chunks = torch.tensor([[0x70, 0x01, 0xE2, 0x6A], [0x01, 0xF1, 0xF1, 0x1F]], dtype=torch.uint8)
+    codes, out_scales = impl.dequantize_reduce_quantize(chunks, scales, 4, 8)
+    assert codes.tolist() == [0x70, 0x02, 0xE2, 0x6A] and out_scales.tolist() == [1.0]
+
+
+def run_non_contiguous_rejected(impl) -> None:
+    """Strided codes / scales / chunks / q: the same clear ValueError on every backend (never a raw view error or
+    silently reordered data), and a dtype error that names the expected dtype."""
+    x = torch.randn(64)
+    codes, scales = impl.quantize_symmetric(x, bits=8, group_size=8)  # 8 scales
+    scales_2d = scales.view(4, 2).t()  # 2-D, non-contiguous, all 8 scales present
+    with pytest.raises(ValueError, match=r"scales must be contiguous .*strides"):
+        impl.dequantize_symmetric(codes, scales_2d, bits=8, group_size=8, numel=64)
+    with pytest.raises(ValueError, match=r"codes must be contiguous"):
+        impl.dequantize_symmetric(torch.stack([codes, codes], 1).view(-1)[::2], scales, bits=8, group_size=8,
+                                  numel=64)
+    chunks = torch.stack([codes, codes])  # [2, 64]
+    sc2 = torch.stack([scales, scales])  # [2, 8]
+    bad_sc2 = torch.stack([scales, scales], 1).t()  # same values, non-contiguous
+    bad_chunks = torch.stack([codes, codes], 1).t()
+    for fn in (lambda c, s: impl.dequantize_reduce_quantize(c, s, 8, 8),
+               lambda c, s: impl.dequantize_reduce(c, s, bits=8, group_size=8)):
+        with pytest.raises(ValueError, match=r"scales must be contiguous .*strides"):
+            fn(chunks, bad_sc2)
+        with pytest.raises(ValueError, match=r"chunks must be contiguous .*strides"):
+            fn(bad_chunks, sc2)
+    q, mins, maxs = impl.quantize_minmax_uint8(x, 16)
+    with pytest.raises(ValueError, match=r"q must be contiguous .*strides"):
+        impl.dequantize_minmax_uint8(torch.stack([q, q], 1).view(-1)[::2], mins, maxs, 16, 64)
+    with pytest.raises(TypeError, match=r"must be torch.uint8, got torch.int8"):
+        impl.dequantize_minmax_uint8(q.view(torch.int8), mins, maxs, 16, 64)
+
+
+def run_minmax_overflow(impl) -> None:
+    """A constant chunk with |x| > FLT_MAX / 2.55e9 (~1.33e29) overflows max*scale: codes 0, dequantized +-inf with
+    the sign of x (ByteGrad's formula, documented in quantize_minmax_uint8); |x| = 1e29 still round-trips."""
+    x = torch.tensor([2e29] * 4 + [-2e29] * 4 + [1e29] * 4 + [-1e29] * 4)
+    q, mins, maxs = impl.quantize_minmax_uint8(x, 4)
+    assert q[:8].tolist() == [0] * 8
+    y = impl.dequantize_minmax_uint8(q, mins, maxs, 4, 16)
+    assert y[:8].tolist() == [float("inf")] * 4 + [float("-inf")] * 4
+    assert torch.allclose(y[8:], x[8:], rtol=1e-6)
