@@ -28,7 +28,7 @@ Sequence parallelism is rejected: both schemes rely on an all-reduce of a full-s
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F

@@ -51,7 +51,8 @@ def _module(params, i, kind, x_per_rank: List[torch.Tensor], heads, k):
     pre = P.format(i)
     if kind == "attn":
         xs = [_ln(x, params, pre + "input_layernorm") for x in x_per_rank]
-        return [_attn_partial(xs[j], params, i, heads, j, k) for j in range(k)], params[pre + "self_attention.linear_proj.bias"]
+        parts = [_attn_partial(xs[j], params, i, heads, j, k) for j in range(k)]
+        return parts, params[pre + "self_attention.linear_proj.bias"]
     xs = [_ln(x, params, pre + "pre_mlp_layernorm") for x in x_per_rank]
     return [_mlp_partial(xs[j], params, i, j, k) for j in range(k)], params[pre + "mlp.linear_fc2.bias"]
 

@@ -1,7 +1,6 @@
 """Ladder / Desync blocks against the hand-written reference (eq. 2, section 5) at TP = 1, 2, 4 on gloo."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from unit_tests.test_utilities import Utils

@@ -3,7 +3,6 @@ later (Algorithm 1), backward reductions overlapped, and no per-module blocking 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from unit_tests.dist_harness import run_distributed
 from unit_tests.test_utilities import Utils
