@@ -35,7 +35,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer only: ids 0..V-1, EOD is V (Megatron-LM's rule)")
     g.add_argument("--train-tokenizer-vocab-size", type=int, default=None,
                    help="train a byte-level BPE of this size on the input (saved as {output_prefix}_tokenizer.json)")
     g.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
@@ -48,6 +49,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--train-tokenizer-vocab-size conflicts with --tokenizer-type (train one, or load one)")
     if args.train_tokenizer_vocab_size is None and args.tokenizer_type is None:
         p.error("give --tokenizer-type (with its files) or --train-tokenizer-vocab-size")
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        print(f"WARNING: --vocab-size {args.vocab_size} is ignored: only --tokenizer-type NullTokenizer reads it",
+              file=sys.stderr)
     return args
 
 

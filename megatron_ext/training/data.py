@@ -61,6 +61,8 @@ def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: in
                     raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
                                             "make one with tools/preprocess_data.py)")
         split = usable_split(_prefixes(data_prefix), split, num_samples)
+    else:
+        split = ",".join(f"{w:g}" for w in parse_split(split))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=None if mock else get_blend_from_list(data_prefix),
         split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
@@ -69,20 +71,47 @@ def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: in
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
 
 
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+def parse_split(split: str) -> List[float]:
+    """``--split`` as three non-negative weights (train, validation, test); missing trailing entries are 0.
+
+    Megatron-LM's rule (``99,1`` means ``99,1,0``), but strict: megatron-core's own parser keeps only the digits of
+    each entry (``-1`` becomes ``1``) and divides by zero for ``0,0,0``, so bad values are an error naming the flag
+    here, raised while the flags are validated, before any process group exists.
+    """
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    if not 1 <= len(parts) <= len(SPLIT_NAMES):
+        raise ValueError(f"--split {split!r}: expected 1 to 3 comma-separated weights (train,validation,test)")
+    weights = []
+    for p in parts:
+        try:
+            w = float(p)
+        except ValueError:
+            raise ValueError(f"--split {split!r}: {p!r} is not a number") from None
+        if not (w >= 0.0 and w != float("inf")):
+            raise ValueError(f"--split {split!r}: weights must be finite and non-negative, got {p!r}")
+        weights.append(w)
+    weights += [0.0] * (len(SPLIT_NAMES) - len(weights))
+    if weights[0] == 0.0:
+        raise ValueError(f"--split {split!r} gives the train split no data")
+    return weights
+
+
 def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str:
-    """``split`` with the weight of any split that would get no documents set to 0.
+    """``split`` (as three weights) with the weight of any split that would get no documents set to 0.
 
     megatron-core's GPTDataset loops forever computing epochs for a split with zero tokens, which a small corpus
     hits easily (``969,30,1`` of 300 documents leaves the test split empty). An empty split that the run needs
     (train, or valid with ``--eval-iters`` > 0) is an error naming ``--split``.
     """
-    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
-                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    weights = [float(x) for x in split.replace("/", ",").split(",")]
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    names = ("train", "validation", "test")
+    weights = parse_split(split)
+    total = sum(weights)
+    matrix = convert_split_vector_to_split_matrix([w / total for w in weights])
     for prefix in prefixes:
         n = len(IndexedDataset(prefix))
         for i, bounds in enumerate(matrix):
@@ -91,7 +120,7 @@ def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str
             a, b = bounds
             if int(round(b * n)) - int(round(a * n)) == 0:
                 if i == 0 or (i == 1 and num_samples[1] > 0):
-                    raise ValueError(f"--split {split} leaves the {names[i]} split of {prefix} ({n} documents) "
+                    raise ValueError(f"--split {split} leaves the {SPLIT_NAMES[i]} split of {prefix} ({n} documents) "
                                      f"empty; choose another --split" + (" or --eval-iters 0" if i == 1 else ""))
                 weights[i] = 0.0
     return ",".join(f"{w:g}" for w in weights)

@@ -9,6 +9,7 @@ pipeline stage, which owns the loss), like Megatron-LM's ``print_rank_last``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from functools import partial
@@ -96,7 +97,12 @@ def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iter
 
 
 class IntervalStats:
-    """What a log line averages over: losses, time, skipped/nan counts since the last line."""
+    """What a log line averages over: losses, time, skipped/nan counts since the last line.
+
+    Like Megatron-LM's ``training_log``, the lm loss averages only iterations whose update was applied: an
+    iteration skipped for an fp16 overflow counts as skipped (and as nan if its loss was not finite), not in the
+    average.
+    """
 
     def __init__(self) -> None:
         self.reset()
@@ -109,6 +115,35 @@ class IntervalStats:
         self.nan = 0
         self.grad_norm: Optional[float] = None
         self.t0 = time.perf_counter()
+
+    def add(self, loss: Optional[float], applied: bool, grad_norm: Optional[float]) -> None:
+        """One iteration: ``loss`` is None off the last pipeline stage; ``applied`` is False for a skipped step."""
+        self.iters += 1
+        if not applied:
+            self.skipped += 1
+        if loss is not None:
+            if not math.isfinite(loss):
+                self.nan += 1
+            elif applied:
+                self.loss_sum += loss
+                self.loss_n += 1
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+
+    @property
+    def lm_loss(self) -> Optional[float]:
+        return self.loss_sum / self.loss_n if self.loss_n else None
+
+
+@contextlib.contextmanager
+def ledger_paused(ledger) -> Iterator[None]:
+    """Keep evaluation and checkpoint traffic out of the per-step bytes of the training log."""
+    was = ledger.enabled
+    ledger.enabled = False
+    try:
+        yield
+    finally:
+        ledger.enabled = was
 
 
 def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
@@ -131,6 +166,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
 
     history: Dict[int, float] = {}
     evals: Dict[int, float] = {}
+    logged: Dict[int, Dict[str, Any]] = {}  # each log line's values by iteration (lm loss on the last stage only)
     stats = IntervalStats()
     model.ledger.reset()
     iteration = start_iteration
@@ -140,19 +176,10 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
         loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
         iteration += 1
         consumed_train_samples += args.global_batch_size
-        stats.iters += 1
-        if not ok:
-            stats.skipped += 1
-            total_skipped += 1
-        if loss is not None:
-            if math.isfinite(loss):
-                stats.loss_sum += loss
-                stats.loss_n += 1
-                history[iteration] = loss
-            else:
-                stats.nan += 1
-        if grad_norm is not None:
-            stats.grad_norm = grad_norm
+        stats.add(loss, ok, grad_norm)
+        total_skipped += 0 if ok else 1
+        if loss is not None and math.isfinite(loss):
+            history[iteration] = loss
 
         if iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - stats.t0) / stats.iters
@@ -160,7 +187,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             intra = summary.get("intra", 0) / stats.iters
             inter = summary.get("inter", 0) / stats.iters
             lr = optimizer.param_groups[0]["lr"]
-            lm = stats.loss_sum / stats.loss_n if stats.loss_n else None
+            lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
             print_rank_last(format_train_line(
                 iteration=iteration, train_iters=args.train_iters, consumed_samples=consumed_train_samples,
@@ -171,11 +198,14 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
                                    "loss-scale": scale, "iteration-time": elapsed,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
+            logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "intra_bytes": intra,
+                                 "inter_bytes": inter}
             model.ledger.reset()
             stats.reset()
 
         if args.eval_iters > 0 and iteration % args.eval_interval == 0 and valid_iter is not None:
-            val = evaluate(args, fb, model, optimizer, valid_iter)
+            with ledger_paused(model.ledger):
+                val = evaluate(args, fb, model, optimizer, valid_iter)
             consumed_valid_samples += args.eval_iters * args.global_batch_size
             if val is not None:
                 evals[iteration] = val
@@ -184,11 +214,12 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             stats.t0 = time.perf_counter()  # keep eval time out of the next line's ms/iteration
 
         if save_fn is not None and args.save_interval and iteration % args.save_interval == 0:
-            save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+            with ledger_paused(model.ledger):
+                save_fn(iteration, consumed_train_samples, consumed_valid_samples)
             stats.t0 = time.perf_counter()
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     tb.close()
-    return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped,
+    return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples}

@@ -7,7 +7,8 @@ a byte-level BPE is either trained locally (:func:`train_bpe`) or read from GPT-
 Tokenizer types use Megatron-LM's ``--tokenizer-type`` names:
 ``GPT2BPETokenizer`` (``--vocab-file`` + ``--merge-file``), ``HuggingFaceTokenizer`` (``--tokenizer-model``
 pointing at a ``tokenizer.json``, e.g. the one :func:`train_bpe` writes) and ``NullTokenizer``
-(``--vocab-size``; ids are whitespace-separated integers, used with ``--mock-data``).
+(``--vocab-size V``: ids are space-separated integers below V, EOD is V; used with ``--mock-data``).
+``--vocab-size`` is read by NullTokenizer only, as in Megatron-LM.
 """
 from __future__ import annotations
 
@@ -74,19 +75,25 @@ class ByteLevelBPE(_Base):
 
 
 class NullTokenizer(_Base):
-    """Ids in, ids out (Megatron-LM's NullTokenizer): the EOD id is ``vocab_size - 1``."""
+    """Ids in, ids out, exactly as Megatron-LM's NullTokenizer (megatron-core's ``null`` tokenizer library).
+
+    ``--vocab-size V`` names the ids ``0 .. V-1``; the EOD id is ``V`` itself, so the vocabulary is ``V + 1``
+    (megatron-core's rule, which this class delegates to).
+    """
 
     def __init__(self, vocab_size: int) -> None:
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as CoreNullTokenizer
+
         super().__init__("null")
-        if vocab_size is None or vocab_size < 2:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size >= 2")
-        self._vocab_size = int(vocab_size)
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        self._core = CoreNullTokenizer(vocab_size)
 
     def tokenize(self, text: str) -> List[int]:
-        return [int(x) for x in text.split()]
+        return self._core.text_to_ids(text)
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return " ".join(str(int(i)) for i in ids)
+        return self._core.ids_to_text([int(i) for i in ids])
 
     @property
     def vocab(self) -> dict:
@@ -94,11 +101,11 @@ class NullTokenizer(_Base):
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size
+        return self._core.vocab_size
 
     @property
     def eod(self) -> int:
-        return self._vocab_size - 1
+        return self._core.eod
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, save_path: str) -> ByteLevelBPE:

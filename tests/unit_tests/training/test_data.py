@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import pytest
 import torch
 
 from megatron_ext.training.data import MicroBatchIterator, train_valid_test_num_samples
@@ -66,3 +67,36 @@ def test_flop_count_matches_hand_count():
     per_layer = 2 * (3 * h * h + h * h) + 2 * 2 * s * h / 2 + 2 * 2 * h * f  # fwd GEMMs per token, causal attention
     expected = 3 * b * s * (L * per_layer + 2 * h * V)
     assert abs(num_floating_point_operations(a, b) - expected) < 1e-6 * expected
+
+
+def test_two_value_split_means_missing_entries_are_zero(text_dataset):
+    """``--split 99,1`` / ``1,1`` (valid in Megatron-LM) used to index past the raw weights (IndexError)."""
+    from megatron_ext.training.data import usable_split
+
+    prefix, _ = text_dataset
+    assert usable_split([prefix], "90,10", [100, 10, 0]) == "90,10,0"
+    assert usable_split([prefix], "1,1", [100, 10, 0]) == "1,1,0"
+    assert usable_split([prefix], "1", [100, 0, 0]) == "1,0,0"
+    # 1% of 49 documents is none: dropped when no evaluation needs it, an error naming --split when one does
+    assert usable_split([prefix], "99,1", [100, 0, 0]) == "99,0,0"
+    with pytest.raises(ValueError, match="--split 99,1 leaves the validation split"):
+        usable_split([prefix], "99,1", [100, 10, 0])
+
+
+def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
+    """Megatron-LM excludes skipped (fp16 overflow) iterations from the lm-loss average; TFLOP/s of a CPU run is
+    small but not 0.000."""
+    from megatron_ext.training.logging_utils import format_train_line
+    from megatron_ext.training.loop import IntervalStats
+
+    stats = IntervalStats()
+    stats.add(9.0, False, None)          # overflow: skipped, its loss is not averaged
+    stats.add(float("inf"), False, None)
+    stats.add(3.0, True, 1.5)
+    stats.add(5.0, True, 2.5)
+    assert (stats.iters, stats.skipped, stats.nan, stats.lm_loss, stats.grad_norm) == (4, 2, 1, 4.0, 2.5)
+    line = format_train_line(iteration=4, train_iters=10, consumed_samples=32, elapsed_ms=120.0,
+                             tflops_per_rank=0.000123456, tokens_per_sec_per_rank=1000.0, lr=1e-3,
+                             global_batch_size=8, lm_loss=stats.lm_loss, loss_scale=1.0, grad_norm=2.5, skipped=2,
+                             nan_iters=1, intra_bytes=0, inter_bytes=0)
+    assert "(TFLOP/s/GPU): 0.000123 |" in line and "lm loss: 4.000000E+00" in line
