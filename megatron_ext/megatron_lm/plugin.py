@@ -9,7 +9,10 @@ plug-in changes nothing for runs that do not ask for it. A user adds two lines t
     import megatron_ext.megatron_lm as mxlm; mxlm.install()            # after the imports
     pretrain(..., extra_args_provider=mxlm.add_args)                    # or mxlm.chain(your_provider)
 
-Limits (from Megatron-LM's side): the ODO has no ``sharded_state_dict``, so use ``--ckpt-format torch`` (each rank
+Limits: ``--hpz-partition-size``, ``--ladder-residual``, ``--ladder-residual-layers`` and ``--desync-residual`` are
+rejected by name when parsed (the checkout builds its own model; the ladder options work in
+``python -m megatron_ext.training.pretrain_gpt``; hpZ is not implemented yet).
+From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so use ``--ckpt-format torch`` (each rank
 saves its own optimizer shard; resume at the same DP size) or megatron_ext's own pretrain_gpt for reshardable
 checkpoints.
 """
@@ -19,14 +22,37 @@ import argparse
 import importlib
 from typing import Any, Callable, Dict, Optional
 
-from megatron_ext.training.arguments import add_megatron_ext_args
+from megatron_ext.training.arguments import ArgumentError, add_megatron_ext_args, check_megatron_lm_args
 
 _ORIGINALS: Dict[str, Any] = {}
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``extra_args_provider`` for Megatron-LM's ``pretrain``: adds this project's flags."""
-    return add_megatron_ext_args(parser)
+    """``extra_args_provider`` for Megatron-LM's ``pretrain``: adds this project's flags, checked when parsed.
+
+    [Note: validation before initialisation]
+    Megatron-LM has no hook to validate extra flags, and its ``validate_args`` does not know ours. So the parser's
+    ``parse_known_args`` (which ``parse_args`` calls too) is wrapped to run :func:`check_megatron_lm_args` on the
+    result: a flag the plug-in cannot honour (``--hpz-partition-size``, ``--ladder-residual``,
+    ``--ladder-residual-layers``, ``--desync-residual``) or a bad backend combination exits with argparse's usage
+    message naming it, on every rank alike, before ``torch.distributed`` is initialised.
+    """
+    add_megatron_ext_args(parser)
+    parse_known = parser.parse_known_args
+    if getattr(parse_known, "_megatron_ext", False):
+        return parser
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extra = parse_known(args, namespace)
+        try:
+            check_megatron_lm_args(ns)
+        except ArgumentError as e:
+            parser.error(str(e))
+        return ns, extra
+
+    parse_known_args._megatron_ext = True  # type: ignore[attr-defined]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    return parser
 
 
 def chain(provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None
@@ -48,12 +74,19 @@ def _enabled(args: Any) -> bool:
 
 
 def overlap_config_from_megatron_args(args: Any):
-    """OverlapConfig from Megatron-LM's parsed args (its own names plus ours from :func:`add_args`)."""
+    """OverlapConfig from Megatron-LM's parsed args (its own names plus ours from :func:`add_args`).
+
+    Raises ValueError naming the flag for what the plug-in cannot honour (see :func:`check_megatron_lm_args`).
+    """
     import megatron_ext as mx
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.training.arguments import ArgumentError, dp_ranks_per_node
+    from megatron_ext.training.arguments import dp_ranks_per_node
 
+    try:
+        check_megatron_lm_args(args)
+    except ArgumentError as e:
+        raise ValueError(str(e)) from None
     dp = ps.get_data_parallel_world_size()
     view = argparse.Namespace(ranks_per_node=getattr(args, "ranks_per_node", None), world_size=args.world_size,
                               tensor_model_parallel_size=args.tensor_model_parallel_size, data_parallel_size=dp)

@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", action="store_true",
+                   help="on --load, take the LR/weight-decay schedule from these flags, not from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-lr-scheduler", action="store_true",
+                   help="on --load, take the LR/weight-decay schedule from the checkpoint, not from these flags "
+                   "(default: neither, and a schedule flag that differs from the checkpoint is an error)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -285,6 +290,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
               f"({args.lr_decay_iters})")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict: choose one")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         _fail("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     if args.ddp_bucket_size is None:
@@ -305,6 +312,19 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         _fail("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with)")
     if not args.data_path and not args.mock_data and args.tokenizer_type is not None:
         _fail("--tokenizer-type without --data-path: the default corpus brings its own tokenizer")
+    if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
+        _fail(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1 (got {args.vocab_size})")
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        # Megatron-LM accepts the flag and ignores it for every other tokenizer; say so instead of staying silent.
+        print(f"WARNING: --vocab-size {args.vocab_size} is ignored: only --tokenizer-type NullTokenizer reads it; "
+              f"the vocabulary size comes from the tokenizer ({args.tokenizer_type or 'the default corpus'})",
+              file=sys.stderr)
+    try:
+        from .data import parse_split
+
+        parse_split(args.split)
+    except ValueError as e:
+        _fail(str(e))
 
     # Checkpoints.
     if args.save_interval is not None and not args.save:
@@ -327,23 +347,66 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
 
 
 def _validate_backends(args: argparse.Namespace) -> None:
-    from megatron_ext.comm import available_grad_reduce, available_param_gather
-
-    if args.grad_reduce not in available_grad_reduce():
-        _fail(f"--grad-reduce {args.grad_reduce} is not implemented in this build "
-              f"(available: {', '.join(available_grad_reduce())})")
-    if args.param_gather not in available_param_gather():
-        _fail(f"--param-gather {args.param_gather} is not implemented in this build "
-              f"(available: {', '.join(available_param_gather())})")
-    if args.qgz_bits is not None and args.grad_reduce != "qgz":
-        _fail(f"--qgz-bits is only meaningful with --grad-reduce qgz (got --grad-reduce {args.grad_reduce})")
-    if args.quant_group_size is not None and args.grad_reduce != "qgz" and args.param_gather != "qwz":
-        _fail("--quant-group-size is only meaningful with --grad-reduce qgz or --param-gather qwz")
-    if args.quant_group_size is not None and args.quant_group_size <= 0:
-        _fail(f"--quant-group-size must be positive, got {args.quant_group_size}")
+    check_backend_flags(args)
     args.qgz_bits = 4 if args.qgz_bits is None else args.qgz_bits
     args.quant_group_size = 2048 if args.quant_group_size is None else args.quant_group_size
     args.dp_ranks_per_node = dp_ranks_per_node(args)
+
+
+def check_backend_flags(args: argparse.Namespace) -> None:
+    """The communication-backend flags on their own (shared with the Megatron-LM plug-in). Raises ArgumentError."""
+    from megatron_ext.comm import available_grad_reduce, available_param_gather
+
+    grad_reduce = getattr(args, "grad_reduce", "plain")
+    param_gather = getattr(args, "param_gather", "plain")
+    qgz_bits, group = getattr(args, "qgz_bits", None), getattr(args, "quant_group_size", None)
+    if grad_reduce not in available_grad_reduce():
+        _fail(f"--grad-reduce {grad_reduce} is not implemented in this build "
+              f"(available: {', '.join(available_grad_reduce())})")
+    if param_gather not in available_param_gather():
+        _fail(f"--param-gather {param_gather} is not implemented in this build "
+              f"(available: {', '.join(available_param_gather())})")
+    if qgz_bits is not None and grad_reduce != "qgz":
+        _fail(f"--qgz-bits is only meaningful with --grad-reduce qgz (got --grad-reduce {grad_reduce})")
+    if group is not None and grad_reduce != "qgz" and param_gather != "qwz":
+        _fail("--quant-group-size is only meaningful with --grad-reduce qgz or --param-gather qwz")
+    if group is not None and group <= 0:
+        _fail(f"--quant-group-size must be positive, got {group}")
+    rpn = getattr(args, "ranks_per_node", None)
+    if rpn is not None and rpn <= 0:
+        _fail(f"--ranks-per-node must be positive, got {rpn}")
+
+
+# Flags of add_megatron_ext_args that only megatron_ext's own pretrain_gpt can honour: the Megatron-LM plug-in swaps
+# the optimizer and DDP wrapper, but the checkout's pretrain_gpt.py builds its own GPTModel and optimizer state.
+NOT_IN_MEGATRON_LM = {
+    "hpz_partition_size": ("--hpz-partition-size", "parameter sharding (ZeRO-3/hpZ) is not implemented"),
+    "ladder_residual": ("--ladder-residual", "the checkout's model provider builds a standard GPTModel; train with "
+                        "python -m megatron_ext.training.pretrain_gpt, or build "
+                        "megatron_ext.transformer.ladder_gpt.LadderGPTModel in your own model provider"),
+    "ladder_residual_layers": ("--ladder-residual-layers", "see --ladder-residual"),
+    "desync_residual": ("--desync-residual", "see --ladder-residual"),
+}
+
+
+def check_megatron_lm_args(args: argparse.Namespace) -> None:
+    """This project's flags as given to a Megatron-LM checkout (the plug-in). Raises ArgumentError naming the flag.
+
+    Rejects what the plug-in cannot honour (``NOT_IN_MEGATRON_LM``), our flags given without
+    ``--use-overlapped-distributed-optimizer`` (they would be ignored), and bad backend flag combinations.
+    """
+    for dest, (flag, reason) in NOT_IN_MEGATRON_LM.items():
+        if getattr(args, dest, None) not in (None, False):
+            _fail(f"{flag} is not supported by the Megatron-LM plug-in (megatron_ext.megatron_lm): {reason}")
+    if not getattr(args, "use_overlapped_distributed_optimizer", False):
+        for dest, flag, default in (("odo_accumulate", "--odo-accumulate", "auto"), ("grad_reduce", "--grad-reduce",
+                                    "plain"), ("param_gather", "--param-gather", "plain"),
+                                    ("qgz_bits", "--qgz-bits", None), ("quant_group_size", "--quant-group-size", None),
+                                    ("ranks_per_node", "--ranks-per-node", None)):
+            if getattr(args, dest, default) != default:
+                _fail(f"{flag} needs --use-overlapped-distributed-optimizer (without it Megatron-LM's own optimizer "
+                      "runs and the flag would be ignored)")
+    check_backend_flags(args)
 
 
 def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:

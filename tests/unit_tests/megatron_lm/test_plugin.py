@@ -1,11 +1,14 @@
 """The Megatron-LM plug-in, against stand-ins for ``megatron.training`` (no Megatron-LM checkout is available offline:
 the pip package ships only megatron.core). What is tested: the flags parse through an extra_args_provider, install()
 rebinds DDP / get_megatron_optimizer / unwrap_model's wrapper list, the flag switches between the original and the
-ODO, isinstance checks against Megatron-LM's DDP name keep working, and the ODO built this way trains a step."""
+ODO, isinstance checks against Megatron-LM's DDP name keep working, the ODO built this way trains a step, and flags the
+plug-in cannot honour (hpZ, Ladder/Desynced Residual, bad backend combinations) are rejected by name when parsed."""
 from __future__ import annotations
 
 import argparse
 import types
+
+import pytest
 
 
 def test_add_args_and_chain():
@@ -122,3 +125,55 @@ def test_launch_injects_flags_into_the_scripts_pretrain(tmp_path, monkeypatch):
         assert mod.DDP is not _OriginalDDP and mod.get_megatron_optimizer.original is not None
     finally:
         plugin.uninstall()
+
+
+def _megatron_lm_parse(argv):
+    """Parse like Megatron-LM's parse_args does: its own parser, our add_args as the extra_args_provider."""
+    import megatron_ext.megatron_lm as mxlm
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")  # one of Megatron-LM's own
+    return mxlm.add_args(parser).parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--ladder-residual"], ["--ladder-residual", "not supported by the Megatron-LM plug-in"]),
+    (["--ladder-residual-layers", "2"], ["--ladder-residual-layers", "not supported"]),
+    (["--desync-residual", "2x"], ["--desync-residual", "not supported"]),
+    (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not supported"]),
+    (["--qgz-bits", "8"], ["--qgz-bits", "--grad-reduce"]),
+    (["--grad-reduce", "plain", "--quant-group-size", "256"], ["--quant-group-size"]),
+    (["--grad-reduce", "qgz", "--quant-group-size", "0"], ["--quant-group-size must be positive"]),
+])
+def test_flags_the_plugin_cannot_honour_are_rejected_when_parsed(capsys, argv, names):
+    with pytest.raises(SystemExit) as e:
+        _megatron_lm_parse(["--use-overlapped-distributed-optimizer"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for n in names:
+        assert n in err, err
+
+
+def test_our_flags_without_the_odo_flag_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        _megatron_lm_parse(["--grad-reduce", "qgz"])
+    assert "--grad-reduce needs --use-overlapped-distributed-optimizer" in capsys.readouterr().err
+    a = _megatron_lm_parse(["--use-overlapped-distributed-optimizer", "--grad-reduce", "qgz", "--qgz-bits", "8",
+                            "--quant-group-size", "512", "--use-distributed-optimizer"])
+    assert (a.grad_reduce, a.qgz_bits, a.quant_group_size) == ("qgz", 8, 512)
+    assert not _megatron_lm_parse([]).use_overlapped_distributed_optimizer  # a run that does not ask is untouched
+
+
+def test_overlap_config_rejects_what_install_cannot_honour():
+    """Args that reach the DDP switch without add_args's parse-time check (e.g. registered by the user's own
+    provider) are rejected there too, before any collective."""
+    from megatron_ext.megatron_lm import overlap_config_from_megatron_args
+
+    args = argparse.Namespace(use_overlapped_distributed_optimizer=True, ladder_residual=True, world_size=2,
+                              tensor_model_parallel_size=1)
+    with pytest.raises(ValueError, match="--ladder-residual is not supported by the Megatron-LM plug-in"):
+        overlap_config_from_megatron_args(args)
+    args = argparse.Namespace(use_overlapped_distributed_optimizer=True, grad_reduce="plain", qgz_bits=8,
+                              world_size=2, tensor_model_parallel_size=1)
+    with pytest.raises(ValueError, match="--qgz-bits"):
+        overlap_config_from_megatron_args(args)

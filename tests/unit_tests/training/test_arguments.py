@@ -84,3 +84,44 @@ def test_unimplemented_backend_rejected_by_flag_name(capsys, monkeypatch):
     assert "--grad-reduce qgz is not implemented" in err
     err = _error(capsys, ["--param-gather", "qwz"])
     assert "--param-gather qwz is not implemented" in err
+
+
+@pytest.mark.parametrize("split", ["99,1", "1,1", "100", "969, 30, 1", "98/2/0"])
+def test_split_with_fewer_than_three_weights_is_valid(split):
+    from megatron_ext.training.data import parse_split
+
+    assert parse_split(parse_args(BASE + ["--split", split], world_size=1).split) == [
+        float(w) for w in split.replace("/", ",").split(",")] + [0.0] * (3 - len(split.replace("/", ",").split(",")))
+
+
+@pytest.mark.parametrize("split, reason", [("1,2,3,4", "1 to 3"), ("a,1", "not a number"), ("-1,1", "non-negative"),
+                                           ("0,1,0", "train split no data"), ("nan", "non-negative")])
+def test_bad_split_rejected_before_any_process_group(capsys, split, reason):
+    err = _error(capsys, [f"--split={split}"], world_size=1)
+    assert "--split" in err and reason in err, err
+
+
+def test_null_tokenizer_needs_vocab_size_and_vocab_size_warns_elsewhere(capsys):
+    err = _error(capsys, ["--mock-data", "--tokenizer-type", "NullTokenizer"])
+    assert "--vocab-size" in err and "NullTokenizer" in err
+    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "100"],
+               world_size=1)
+    assert "WARNING: --vocab-size 100 is ignored" in capsys.readouterr().err
+    parse_args(BASE + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], world_size=1)
+    assert "--vocab-size" not in capsys.readouterr().err
+
+
+def test_scheduler_flags_megatron_names_and_conflict(capsys):
+    a = parse_args(BASE + ["--override-opt_param-scheduler"], world_size=1)
+    assert a.override_opt_param_scheduler and not a.use_checkpoint_opt_param_scheduler
+    a = parse_args(BASE + ["--use-checkpoint-opt_param-scheduler"], world_size=1)
+    assert a.use_checkpoint_opt_param_scheduler and not a.override_opt_param_scheduler
+    err = _error(capsys, ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+    assert "--override-opt_param-scheduler" in err and "--use-checkpoint-opt_param-scheduler" in err
+
+
+def test_ladder_and_desync_flags_reach_the_args():
+    a = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--desync-residual", "2x"], world_size=2)
+    assert a.desync_residual == "2x" and not a.ladder_residual
+    a = parse_args(BASE + ["--ladder-residual", "--ladder-residual-layers", "1"], world_size=2)
+    assert a.ladder_residual and a.ladder_residual_layers == 1
