@@ -21,20 +21,40 @@ loading maps ``optim.pt`` (``mmap``), so each rank pages in only the slices it o
 All ranks write into ``iter_XXXXXXX.tmp``; the ranks then report their files to rank 0 in one collective, so a rank
 that died mid-save makes the collective fail on the others and nothing below happens. Rank 0 writes the manifest,
 renames the directory into place and only then replaces the tracker file (write-to-temp + ``os.replace``). A crash
-at any point leaves the previous checkpoint and tracker untouched; a leftover ``.tmp`` is removed by the next save.
+at any point leaves the previous checkpoint and tracker untouched.
+
+Re-saving an iteration that already exists (a resumed run passing it again) cannot swap two directories in one
+step, so it keeps this invariant instead: at every instant ``iter_N`` or ``iter_N.old`` holds a complete checkpoint
+of iteration N. The old directory is renamed to ``.old`` (never deleted) before the new one is renamed into place,
+and removed only afterwards; :func:`find_checkpoint` falls back to ``iter_N.old`` when ``iter_N`` is missing. The next
+save cleans up after crashed ones: it removes every ``.tmp`` and every ``.old`` whose ``iter_N`` exists, and renames
+an ``.old`` whose ``iter_N`` is missing back into place (it is the only copy of that checkpoint).
+
+[Note: durability]
+Every file is fsynced after it is written, and so is the directory it was created in; rank 0 fsyncs the checkpoint
+directory after the manifest and the save directory after each rename. So once the tracker names an iteration,
+that checkpoint survives a power loss on a POSIX local filesystem; on network filesystems it is as durable as their
+fsync/close-to-open semantics make it.
 
 [Note: loading]
-Every rank validates the tracker, the manifest and the file sizes before reading, so a missing or damaged checkpoint
-fails on all ranks with the same message (no rank hangs in a collective). TP/PP sizes must match the saving run;
-the DP size may differ (the RNG streams are then re-seeded instead of restored, since ranks do not map one to one).
+Every rank reads its files and checks everything that could fail before anything is applied: the tracker, manifest
+and file sizes; the saved flags that fix the model's shape (Megatron-LM's ``check_checkpoint_args``:
+:data:`MODEL_FLAGS`); every model tensor's name and shape; the optimizer type and every parameter's optimizer state;
+and the LR schedule (Megatron-LM's ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``;
+with neither, a schedule flag that differs from the checkpoint is an error). The ranks then agree in one all-reduce,
+and if any rank failed every rank raises CheckpointError with the first failing rank's message, so no rank applies a
+partial checkpoint or waits in a collective for a peer that gave up. TP/PP sizes must match the saving run; the DP
+size may differ (the RNG streams are then re-seeded instead of restored, since ranks do not map one to one).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -87,11 +107,13 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 
 def _fsync_save(obj: Any, path: str) -> None:
+    """torch.save, then fsync the file and the directory that holds its name (see the durability note)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    _fsync_dir(os.path.dirname(path))
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -128,6 +150,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     optimizer.force_param_sync()
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
+        remove_stale(save_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
@@ -182,24 +205,65 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): replace the old one
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(save_dir)
-        tracker_tmp = os.path.join(save_dir, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(save_dir, TRACKER))
-        _fsync_dir(save_dir)
+        publish_checkpoint(save_dir, iteration)
     dist.barrier()
     return final
+
+
+def publish_checkpoint(save_dir: str, iteration: int) -> str:
+    """Rank 0: move the complete ``iter_N.tmp`` into place as ``iter_N`` and point the tracker at it.
+
+    A re-save of an existing ``iter_N`` keeps ``iter_N`` or ``iter_N.old`` complete at every instant (see the
+    atomicity note); the tracker is replaced last, with write-to-temp + ``os.replace``.
+    """
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp, old = final + ".tmp", final + ".old"
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)  # iter_N is complete, so a leftover .old is not needed
+        os.rename(final, old)
+        _fsync_dir(save_dir)
+        os.rename(tmp, final)
+        _fsync_dir(save_dir)
+    else:
+        os.rename(tmp, final)
+        _fsync_dir(save_dir)
+    shutil.rmtree(old, ignore_errors=True)  # the replaced version, or the fallback of an interrupted re-save
+    tracker_tmp = os.path.join(save_dir, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, os.path.join(save_dir, TRACKER))
+    _fsync_dir(save_dir)
+    return final
+
+
+_LEFTOVER = re.compile(r"iter_(\d{7})\.(tmp|old)")
+
+
+def remove_stale(save_dir: str) -> None:
+    """Rank 0, before a save: clean up after crashed saves (see the atomicity note).
+
+    ``.tmp`` directories are never a complete, published checkpoint and are removed. An ``iter_N.old`` is removed
+    when ``iter_N`` exists; otherwise it is the only (complete) copy of iteration N and is renamed back into place.
+    """
+    if not os.path.isdir(save_dir):
+        return
+    for name in sorted(os.listdir(save_dir)):
+        m = _LEFTOVER.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(save_dir, name)
+        final = os.path.join(save_dir, iter_dir_name(int(m.group(1))))
+        if m.group(2) == "old" and not os.path.isdir(final):
+            os.rename(path, final)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.unlink(os.path.join(save_dir, TRACKER + ".tmp"))
+    except FileNotFoundError:
+        pass
+    _fsync_dir(save_dir)
 
 
 def _fsync_dir(path: str) -> None:
@@ -240,6 +304,8 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
     ckpt = os.path.join(load_dir, iter_dir_name(iteration))
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        ckpt += ".old"  # a re-save of this iteration was interrupted between its two renames (atomicity note)
     manifest_path = os.path.join(ckpt, "manifest.json")
     if not os.path.isdir(ckpt):
         raise CheckpointError(f"--load {load_dir}: the tracker names iteration {iteration} but {ckpt} is missing")
@@ -269,33 +335,37 @@ def _load(path: str, mmap: bool = False) -> Any:
         raise CheckpointError(f"corrupt checkpoint file {path}: {type(e).__name__}: {e}") from None
 
 
-def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True) -> Dict[str, Any]:
+def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[argparse.Namespace] = None,
+                    load_optim: bool = True, load_rng: bool = True) -> Dict[str, Any]:
     """Load ``ckpt`` (from :func:`find_checkpoint`) into model/ODO/scheduler; returns ``common.pt``'s dict.
 
-    Every rank first reads and checks its files without touching the model; the ranks then agree (one all-reduce)
-    that all of them succeeded before anything is applied, so a file that is damaged on one rank fails the load on
-    every rank instead of leaving the others waiting in a collective.
+    Collective over the world. Every rank reads its files and checks that they fit this run (see the loading
+    note; ``args`` are this run's flags, compared with the saved ones) without touching the model; the ranks then
+    agree that all of them succeeded before anything is applied, and otherwise all raise CheckpointError.
     """
     error: Optional[str] = None
+    loaded = None
     try:
         loaded = _read_checkpoint(ckpt, load_optim, load_rng)
+        problems = _check_fits(loaded, model, optimizer, scheduler, args, load_optim)
+        if problems:
+            error = f"{ckpt} does not fit this run: " + "; ".join(problems)
     except CheckpointError as e:
-        error, loaded = str(e), None
-    ok = torch.tensor([0.0 if error else 1.0],
-                      device=torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if error:
-        raise CheckpointError(error)
-    if ok.item() < 1.0:
-        raise CheckpointError(f"{ckpt}: another rank could not read its part of the checkpoint (see its error)")
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure here must reach the agreement, not strand the peers
+        error = f"{ckpt}: {type(e).__name__}: {e}"
+    _agree(error)
     common, model_state, optim_state, rng_state = loaded
-    try:
-        _unwrap(model).load_state_dict(model_state, strict=True)
-    except RuntimeError as e:  # same on every rank of a TP/PP position; shapes come from the flags
-        raise CheckpointError(f"{ckpt}: the saved model does not match this model (different flags?): {e}") from None
+    _unwrap(model).load_state_dict(model_state, strict=True)
     if load_optim:
+        # The optimizer's param groups carry max_lr/min_lr, which the scheduler reads before its own values and the
+        # optimizer state brings back from the checkpoint; under --override-opt_param-scheduler this run's bounds
+        # must win (Megatron-LM issue #1138), so they are put back before the scheduler recomputes the LR.
+        bounds = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(optim_state)
+        if scheduler is not None and getattr(scheduler, "override_opt_param_scheduler", False):
+            for g, b in zip(optimizer.param_groups, bounds):
+                g.update(b)
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
     else:
@@ -304,6 +374,46 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, load_optim: bool 
         set_rng_state(rng_state)
     optimizer.force_param_sync()
     return common
+
+
+def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Namespace], load_optim: bool
+                ) -> List[str]:
+    from .checkpoint_compat import (check_checkpoint_args, check_model_state, check_optimizer_state,
+                                    check_scheduler_state)
+
+    common, model_state, optim_state, _ = loaded
+    saved_args = common.get("args") or {}
+    problems: List[str] = []
+    if args is not None:
+        problems += check_checkpoint_args(saved_args, args)
+        if problems:  # the shapes below would only repeat these
+            return problems + ["resume with the saving run's values of these flags"]
+    problems += [f"model: {p}" for p in check_model_state(model_state, _unwrap(model))]
+    if load_optim:
+        problems += [f"optimizer: {p}" for p in check_optimizer_state(optim_state, optimizer)]
+        if scheduler is not None and common.get("scheduler") is not None:
+            sched = check_scheduler_state(common["scheduler"], scheduler, saved_args.get("global_batch_size"),
+                                          getattr(args, "global_batch_size", None))
+            if sched:
+                problems.append("the learning-rate schedule differs from the checkpoint's (" + "; ".join(sched) +
+                                "): pass --override-opt_param-scheduler to use this run's flags, or "
+                                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
+    return problems
+
+
+def _agree(error: Optional[str]) -> None:
+    """All ranks learn whether any rank failed; then every rank raises the first failing rank's message."""
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
+    ok = torch.tensor([0.0 if error else 1.0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() >= 1.0:
+        return
+    errors: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if error:
+        raise CheckpointError(error)
+    rank, first = next((r, e) for r, e in enumerate(errors) if e)
+    raise CheckpointError(f"{first} (found by rank {rank}; no rank loaded anything)")
 
 
 def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):

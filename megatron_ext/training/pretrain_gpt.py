@@ -67,7 +67,8 @@ def _build_optimizer(args: argparse.Namespace, model):
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
         lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant")
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return opt, sched
 
 
@@ -112,7 +113,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         init_model_parallel(args)
         tokenizer, (train_ds, valid_ds, _test_ds) = _build_data(args)
-        args.vocab_size = tokenizer.vocab_size
+        # --vocab-size stays what the user gave (NullTokenizer's ids before EOD, as in Megatron-LM).
+        args.tokenizer_vocab_size = tokenizer.vocab_size
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
         _print_args(args)
@@ -122,14 +124,14 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         n_params = sum(p.numel() for p in module.parameters())
         print_rank_0(f"> GPT stage 0: {n_params / 1e6:.2f}M parameters on rank 0 (TP={args.tensor_model_parallel_size}"
                      f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}), vocab "
-                     f"{args.vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} micro-batches "
-                     f"per step")
+                     f"{args.tokenizer_vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} "
+                     "micro-batches per step")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
         if args.load:
             ckpt = _find_checkpoint_or_fail(args)
             if ckpt is not None:
-                common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler,
+                common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=not args.no_load_optim,
                                                        load_rng=not args.no_load_rng)
                 iteration = common["iteration"]

@@ -72,3 +72,110 @@ def test_missing_file(tmp_path):
     os.unlink(os.path.join(d, "mp_rank_00_000", "model.pt"))
     with pytest.raises(CheckpointError, match="model.pt is missing"):
         find_checkpoint(str(tmp_path))
+
+
+# ---- re-saving an existing iteration: a crash between the two renames ----------------------------------------
+
+
+def _staged(root, iteration, content):
+    """A complete ``iter_N.tmp`` (as save_checkpoint leaves it just before publishing) holding ``content``."""
+    tmp = os.path.join(root, f"iter_{iteration:07d}.tmp")
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "payload.txt"), "w") as f:
+        f.write(content)
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump({"iteration": iteration, "files": {"payload.txt": len(content)}}, f)
+
+
+def _payload(ckpt):
+    with open(os.path.join(ckpt, "payload.txt")) as f:
+        return f.read()
+
+
+def test_resave_crash_between_renames_keeps_tracker_target_loadable(tmp_path, monkeypatch):
+    from megatron_ext.training.checkpointing import publish_checkpoint, remove_stale
+
+    root = str(tmp_path)
+    _staged(root, 4, "first")
+    publish_checkpoint(root, 4)
+    _staged(root, 4, "second!")
+    real_rename = os.rename
+
+    def crash_on_tmp(src, dst):  # the process dies right before moving the new version into place
+        if src.endswith(".tmp") and not dst.endswith(".tmp"):
+            raise OSError("simulated crash")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_tmp)
+    with pytest.raises(OSError, match="simulated crash"):
+        publish_checkpoint(root, 4)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert (tmp_path / TRACKER).read_text() == "4"
+    ckpt = find_checkpoint(root)  # iter_0000004 is gone for now; its previous version is complete
+    assert ckpt is not None and _payload(ckpt) == "first"
+
+    # The next save (of another iteration) puts the only copy back in place and removes the crashed .tmp.
+    remove_stale(root)
+    assert sorted(os.listdir(root)) == ["iter_0000004", TRACKER]
+    assert _payload(find_checkpoint(root)) == "first"
+
+
+def test_resave_replaces_and_next_save_removes_leftovers(tmp_path):
+    from megatron_ext.training.checkpointing import publish_checkpoint, remove_stale
+
+    root = str(tmp_path)
+    _staged(root, 2, "two")
+    publish_checkpoint(root, 2)
+    _staged(root, 2, "two again")
+    publish_checkpoint(root, 2)
+    assert _payload(find_checkpoint(root)) == "two again"
+    assert sorted(os.listdir(root)) == ["iter_0000002", TRACKER]
+    # leftovers of crashed saves: an unpublished .tmp, a redundant .old, a tracker temp file
+    _staged(root, 6, "never published")
+    os.makedirs(os.path.join(root, "iter_0000002.old"))
+    (tmp_path / (TRACKER + ".tmp")).write_text("6")
+    remove_stale(root)
+    assert sorted(os.listdir(root)) == ["iter_0000002", TRACKER]
+    assert _payload(find_checkpoint(root)) == "two again"
+
+
+# ---- does a checkpoint fit this run? (checked on every rank before anything is loaded) -------------------------
+
+
+def test_checkpoint_args_mismatch_names_the_flags():
+    import argparse
+
+    from megatron_ext.training.checkpoint_compat import check_checkpoint_args
+
+    saved = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, kv_channels=None,
+                 group_query_attention=False, num_query_groups=None, seq_length=64, max_position_embeddings=64,
+                 position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+                 tokenizer_type="HuggingFaceTokenizer", padded_vocab_size=512, tensor_model_parallel_size=1,
+                 pipeline_model_parallel_size=2, ladder_residual=False, desync_residual=None, lr=1e-3)
+    same = argparse.Namespace(**{**saved, "kv_channels": 16, "lr": 5e-4})  # 16 = 64 / 4, the default; lr is free
+    assert check_checkpoint_args(saved, same) == []
+    other = argparse.Namespace(**{**saved, "hidden_size": 32, "swiglu": True, "normalization": "RMSNorm",
+                                  "desync_residual": "2x", "padded_vocab_size": 640})
+    problems = "; ".join(check_checkpoint_args(saved, other))
+    for flag in ("--hidden-size: checkpoint 64, this run 32", "--swiglu", "--normalization", "--desync-residual",
+                 "--make-vocab-size-divisible-by", "--kv-channels"):
+        assert flag in problems, problems
+    assert "--num-layers" not in problems
+
+
+def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():
+    import types
+
+    from megatron_ext.training.checkpoint_compat import check_scheduler_state
+
+    saved = dict(max_lr=2e-3, min_lr=1e-4, lr_warmup_steps=16, lr_decay_steps=40, lr_decay_style="cosine",
+                 start_wd=0.01, end_wd=0.01, wd_incr_steps=48, wd_incr_style="constant", num_steps=24)
+    run = dict(saved, max_lr=1e-3, lr_warmup_steps=32, start_wd=0.1, end_wd=0.1)
+    del run["num_steps"]
+    sched = types.SimpleNamespace(override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False, **run)
+    problems = check_scheduler_state(saved, sched, saved_gbs=8, gbs=8)
+    assert problems == ["--lr: checkpoint 0.002, this run 0.001",
+                        "--lr-warmup-iters: checkpoint 2 iterations, this run 4 iterations",
+                        "--weight-decay: checkpoint 0.01, this run 0.1"], problems
+    for side in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        assert check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), side: True})) == []

@@ -111,3 +111,67 @@ def _load_error(argv):
     except CheckpointError as e:
         return str(e)
     return "no error"
+
+
+def test_save_syncs_params_and_step_bytes_exclude_eval_and_save(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """With --overlap-param-gather the step ends with the qwZ all-gather in flight, and qwZ writes the gathered
+    weights only when it is waited for: a save that did not force the param sync would store stale shards, and a
+    --no-load-optim resume (weights from model.pt) would then not continue where the straight run does. The straight
+    run also evaluates and saves every iteration: the bytes-per-step of its log lines stay the same."""
+    qwz = ["--param-gather", "qwz", "--quant-group-size", "256", "--ranks-per-node", "1"]
+    base = tiny_model_flags + _data_flags(text_dataset) + qwz + ["--global-batch-size", "4", "--train-iters", "3",
+                                                                 "--lr-decay-iters", "10"]
+    straight = base + ["--eval-interval", "1", "--eval-iters", "1", "--save", str(tmp_path / "a"),
+                       "--save-interval", "1"]
+    first = base + ["--save", str(tmp_path / "b"), "--no-save-optim", "--exit-interval", "2"]
+    second = base + ["--load", str(tmp_path / "b"), "--no-load-optim"]
+    a, b, c = spawn(_runs, 2, [straight, first, second], timeout=200)[-1]
+    assert sorted(b["losses"]) == [1, 2] and sorted(c["losses"]) == [3]
+    assert c["losses"][3] == a["losses"][3]  # the saved weights are the synced (dequantized) ones, bit for bit
+    per_step = {(v["intra_bytes"], v["inter_bytes"]) for v in a["log"].values()}
+    assert len(a["log"]) == 3 and len(per_step) == 1 and sum(per_step.pop()) > 0, a["log"]
+
+
+def _load_errors(base, ckpt):
+    """Save at PP=2, then load with another optimizer, another --ffn-hidden-size, and a model file whose last-stage
+    tensor has another shape; each load must fail on both stages with the same clear error."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    pretrain(base + ["--save", ckpt])
+    errors = [_load_error(base + ["--load", ckpt, "--optimizer", "sgd"]),
+              _load_error(base + ["--load", ckpt, "--ffn-hidden-size", "128"])]
+    if dist.get_rank() == 0:
+        d = os.path.join(ckpt, "iter_0000001")
+        path = os.path.join(d, "mp_rank_00_001", "model.pt")
+        state = torch.load(path, weights_only=False)
+        w = state[TAMPERED]
+        state[TAMPERED] = torch.zeros(w.shape[0] + 1, *w.shape[1:], dtype=w.dtype)
+        torch.save(state, path)
+        with open(os.path.join(d, "manifest.json")) as f:
+            manifest = json.load(f)
+        manifest["files"]["mp_rank_00_001/model.pt"] = os.path.getsize(path)
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            json.dump(manifest, f)
+    dist.barrier()
+    errors.append(_load_error(base + ["--load", ckpt]))
+    return errors
+
+
+TAMPERED = "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def test_load_errors_are_agreed_by_every_stage(spawn, text_dataset, tiny_model_flags, tmp_path):
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--pipeline-model-parallel-size", "2",
+                                                           "--global-batch-size", "2", "--train-iters", "1",
+                                                           "--lr-warmup-iters", "0"]
+    results = spawn(_load_errors, 2, base, str(tmp_path / "ckpt"), timeout=150)
+    for rank, (optim, args, model) in enumerate(results):
+        assert "--optimizer" in optim and "--no-load-optim" in optim, (rank, optim)
+        assert "--ffn-hidden-size: checkpoint 256, this run 128" in args, (rank, args)
+        assert f"{TAMPERED}: checkpoint shape (257, 64), this model (256, 64)" in model, (rank, model)
+    assert "found by rank 1" in results[0][2]  # stage 0's own files were fine; it fails with stage 1's reason

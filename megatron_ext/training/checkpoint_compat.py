@@ -1,0 +1,164 @@
+"""Does a checkpoint fit this run? Checks run on every rank before anything is loaded (see checkpointing.py).
+
+Each check returns a list of problems (empty when the checkpoint fits), worded with the flag a user would change, so
+that ``load_checkpoint`` can agree across ranks first and then fail everywhere with the same message.
+
+* :func:`check_checkpoint_args`: the flags that fix the model's shape, like Megatron-LM's ``check_checkpoint_args``
+  (which compares layers, hidden size, heads, positions, padded vocabulary, tokenizer type and TP/PP sizes) plus
+  the ones megatron_ext adds or Megatron-LM leaves to a later shape error (FFN size, KV channels, query groups,
+  position embedding, normalization, SwiGLU, bias, tied embeddings, Ladder/Desynced Residual).
+* :func:`check_scheduler_state`: Megatron-LM's ``--override-opt_param-scheduler`` /
+  ``--use-checkpoint-opt_param-scheduler`` semantics (megatron-core's ``OptimizerParamScheduler._check_and_set``),
+  with errors that name the flag instead of an assertion deep inside ``load_state_dict``.
+* :func:`check_model_state` / :func:`check_optimizer_state`: what ``load_state_dict(strict=True)`` and the ODO's
+  ``load_state_dict`` would reject, found without applying anything.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+# (name in the saved args, flag to name in the error). Compared on their effective values (see _effective).
+MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("kv_channels", "--kv-channels"),
+    ("num_query_groups", "--num-query-groups"),
+    ("seq_length", "--seq-length"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("normalization", "--normalization"),
+    ("swiglu", "--swiglu"),
+    ("disable_bias_linear", "--disable-bias-linear"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("tokenizer_type", "--tokenizer-type"),
+    ("tokenizer_vocab_size", "the tokenizer's vocabulary size (--tokenizer-model/--vocab-file/--vocab-size)"),
+    ("padded_vocab_size", "the padded vocabulary size (--make-vocab-size-divisible-by)"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("ladder_residual", "--ladder-residual"),
+    ("ladder_residual_layers", "--ladder-residual-layers"),
+    ("desync_residual", "--desync-residual"),
+)
+
+# (scheduler attribute = state-dict key, flag, converts a value to what the user typed). Steps are samples.
+SchedulerField = Tuple[str, str, Optional[Callable[[Any, Optional[int]], str]]]
+
+
+def _steps(value: Any, gbs: Optional[int]) -> str:
+    if gbs and isinstance(value, int) and value % gbs == 0:
+        return f"{value // gbs} iterations"
+    return f"{value} samples"
+
+
+SCHEDULER_FIELDS: Tuple[SchedulerField, ...] = (
+    ("max_lr", "--lr", None),
+    ("min_lr", "--min-lr", None),
+    ("lr_warmup_steps", "--lr-warmup-iters", _steps),
+    ("lr_decay_steps", "--lr-decay-iters (default --train-iters)", _steps),
+    ("lr_decay_style", "--lr-decay-style", None),
+    ("start_wd", "--weight-decay", None),
+    ("end_wd", "--weight-decay", None),
+    ("wd_incr_steps", "--train-iters (the weight-decay schedule length)", _steps),
+    ("wd_incr_style", "the weight-decay increment style", None),
+)
+
+
+def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Values as the model sees them: defaults that depend on other flags resolved, so ``--kv-channels 16`` equals
+    leaving it out when 16 is hidden size / heads."""
+    out = dict(d)
+    if d.get("hidden_size") and d.get("num_attention_heads"):
+        out["kv_channels"] = d.get("kv_channels") or d["hidden_size"] // d["num_attention_heads"]
+        out["num_query_groups"] = (d.get("num_query_groups") if d.get("group_query_attention")
+                                   else d["num_attention_heads"])
+    return out
+
+
+def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """Flags that fix the model's shape and differ between the saving run (``saved``) and this one.
+
+    Names missing from ``saved`` (older checkpoints) are not compared.
+    """
+    old, new = _effective(saved), _effective(vars(args))
+    problems = []
+    for name, flag in MODEL_FLAGS:
+        if name in saved and old.get(name) != new.get(name):
+            problems.append(f"{flag}: checkpoint {old.get(name)!r}, this run {new.get(name)!r}")
+    return problems
+
+
+def check_scheduler_state(saved: Dict[str, Any], scheduler, saved_gbs: Optional[int] = None,
+                          gbs: Optional[int] = None) -> List[str]:
+    """Schedule values that differ, unless the scheduler was told which side wins (then megatron-core's
+    ``load_state_dict`` takes this run's values or the checkpoint's, as in Megatron-LM)."""
+    if getattr(scheduler, "override_opt_param_scheduler", False) or getattr(
+            scheduler, "use_checkpoint_opt_param_scheduler", False):
+        return []
+    problems: List[str] = []
+    for key, flag, show in SCHEDULER_FIELDS:
+        if key not in saved or not hasattr(scheduler, key):
+            continue
+        ours, theirs = getattr(scheduler, key), saved[key]
+        if ours != theirs:
+            fmt = show or (lambda v, _g: repr(v))
+            msg = f"{flag}: checkpoint {fmt(theirs, saved_gbs)}, this run {fmt(ours, gbs)}"
+            if msg not in problems and not any(p.startswith(flag + ":") for p in problems):
+                problems.append(msg)
+    return problems
+
+
+def check_model_state(saved: Dict[str, Any], model: torch.nn.Module) -> List[str]:
+    """What ``model.load_state_dict(saved, strict=True)`` would reject: missing/unexpected names, other shapes."""
+    expected = model.state_dict(keep_vars=True)
+    problems = []
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if missing:
+        problems.append(f"missing from the checkpoint: {_some(missing)}")
+    if unexpected:
+        problems.append(f"not in this model: {_some(unexpected)}")
+    for k, v in expected.items():
+        w = saved.get(k)
+        if torch.is_tensor(v) and torch.is_tensor(w) and tuple(v.shape) != tuple(w.shape):
+            problems.append(f"{k}: checkpoint shape {tuple(w.shape)}, this model {tuple(v.shape)}")
+    return problems
+
+
+def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
+    """What the ODO's ``load_state_dict`` would reject (another optimizer type, a parameter or state missing, a
+    size that differs), found by taking every slice this rank would load without copying it."""
+    from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, state_slice
+    from megatron_ext.optimizer.distributed_optimizer import _state_keys
+
+    if not isinstance(saved, dict) or saved.get("format") != CANONICAL_FORMAT:
+        fmt = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+        return [f"not a canonical optimizer state (format {fmt!r})"]
+    inner = getattr(optimizer, "inner", None)
+    ours = type(inner).__name__ if inner is not None else None
+    if ours is not None and saved.get("optimizer") != ours:
+        return [f"the optimizer state is for {saved.get('optimizer')}, this run builds {ours} (--optimizer); "
+                "resume with --no-load-optim to start a fresh optimizer from the saved weights"]
+    keys = ["master"] + (_state_keys(inner) if inner is not None else [])
+    problems = []
+    for pc in getattr(optimizer, "pieces", []):
+        entry = saved["params"].get(pc.name)
+        if entry is not None and entry.get("numel") != pc.param.numel():
+            problems.append(f"{pc.name}: optimizer state for {entry.get('numel')} elements, this model has "
+                            f"{pc.param.numel()}")
+            continue
+        for key in keys:
+            try:
+                state_slice(saved, pc.name, key, pc.start, pc.end)
+            except (KeyError, ValueError) as e:
+                problems.append(str(e).strip("'\""))
+                break
+    return problems
+
+
+def _some(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
