@@ -1,6 +1,9 @@
 """End-to-end pretrain_gpt on CPU gloo worlds: TP x DP and PP x DP on preprocess_data output, loss falling."""
 from __future__ import annotations
 
+import math
+import os
+
 import pytest
 
 
@@ -42,3 +45,36 @@ def test_ladder_residual_tp2_first_loss_equals_tp1(spawn, text_dataset, tiny_mod
                                                            "--ladder-residual"]
     tp1, tp2 = spawn(_first_losses, 2, [base, base + ["--tensor-model-parallel-size", "2"]], timeout=120)[-1]
     assert abs(tp1 - tp2) < 1e-5 * abs(tp1), (tp1, tp2)
+
+
+def _default_corpus_runs(argvs, cache_dir):
+    """pretrain_gpt without --data-path, on a small default corpus (the real builder, fewer stdlib bytes than the
+    demo's 6 MB so the test stays fast), recording the Ladder/Desync options each built GPT received."""
+    import megatron_ext.training.corpus as corpus
+    import megatron_ext.training.model as model_mod
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    build_corpus, build_model = corpus.build_default_corpus, model_mod.build_model
+    corpus.build_default_corpus = lambda: build_corpus(cache_dir, vocab_size=300, max_bytes=150_000)
+    built = []
+
+    def recording_build_model(args):
+        module = build_model(args)
+        lad = module.ladder
+        built.append((lad.ladder, lad.ladder_layers, lad.desync, lad.num_ladder_layers(args.num_layers)))
+        return module
+
+    model_mod.build_model = recording_build_model
+    return [(pretrain(a)["losses"], built[-1]) for a in argvs]
+
+
+def test_default_corpus_with_desync_and_partial_ladder(spawn, tiny_model_flags, tmp_path):
+    base = tiny_model_flags + ["--tensor-model-parallel-size", "2", "--global-batch-size", "2", "--train-iters", "2"]
+    runs = spawn(_default_corpus_runs, 2, [base + ["--desync-residual", "2x"],
+                                           base + ["--ladder-residual", "--ladder-residual-layers", "1"]],
+                 str(tmp_path / "cache"), timeout=150)[-1]
+    (desync_losses, desync), (ladder_losses, ladder) = runs
+    assert desync == (False, None, "2x", 0) and ladder == (True, 1, None, 1)
+    for losses in (desync_losses, ladder_losses):
+        assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values()), losses
+    assert os.listdir(tmp_path / "cache")[0].startswith("stdlib-corpus-")
