@@ -13,7 +13,8 @@ Files, one job each:
 * ``initialize.py``    process group, megatron-core parallel state, seeds
 * ``loop.py``          train_step / evaluate / train on megatron-core's forward-backward schedules
 * ``logging_utils.py`` Megatron-style log lines, FLOP count, TensorBoard
-* ``checkpointing.py`` atomic, reshardable checkpoints
+* ``checkpointing.py`` atomic, reshardable checkpoints; loads agreed by all ranks before anything is applied
+* ``checkpoint_compat.py`` does a checkpoint fit this run (model flags, shapes, optimizer state, LR schedule)
 * ``pretrain_gpt.py``  wires the above together
 
 [Note: what runs on CPU/gloo, and the limits]

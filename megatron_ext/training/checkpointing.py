@@ -54,7 +54,7 @@ import os
 import random
 import re
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy
 import torch
