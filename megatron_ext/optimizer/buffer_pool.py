@@ -8,7 +8,7 @@ pooled buffers still accumulate unfinished buckets) forces an extra buffer; that
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List
 
 import torch
 

@@ -34,7 +34,8 @@ class OverlapConfig:
         if self.buffer_pool_size < 1:
             raise ValueError(f"buffer_pool_size must be >= 1, got {self.buffer_pool_size}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node (--ranks-per-node) must be a positive integer, got {self.ranks_per_node!r}")
+            raise ValueError("ranks_per_node (--ranks-per-node) must be a positive integer, "
+                             f"got {self.ranks_per_node!r}")
         if self.shard_alignment < 1:
             raise ValueError(f"shard_alignment must be >= 1, got {self.shard_alignment}")
         self.backend_options()  # validates the quantizer knobs

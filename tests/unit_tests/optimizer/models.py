@@ -79,10 +79,12 @@ def reference_training(dp: int, micro_batches: int, steps: int, lr: float, weigh
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
-def odo_train_step(model, opt, step: int, rank: int, micro_batches: int):
+def odo_train_step(model, opt, step: int, rank: int, micro_batches: int, use_no_sync: bool = True):
+    """One step; ``use_no_sync=False`` synchronises every micro-batch (megatron's schedules without a no_sync_func,
+    i.e. Megatron-LM without --overlap-grad-reduce)."""
     for i in range(micro_batches):
         x, y = batch(step, rank, i)
-        ctx = model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext()
+        ctx = model.no_sync() if use_no_sync and i < micro_batches - 1 else contextlib.nullcontext()
         with ctx:
             loss = torch.nn.functional.mse_loss(model(x), y) / micro_batches
             opt.scale_loss(loss).backward()

@@ -27,8 +27,8 @@ def _train_all_cases(optimizer):
             assert ok
             norms.append(norm)
         model.force_param_sync()
-        results[(bucket, policy, overlap)] = ({n: p.detach().clone() for n, p in model.module.named_parameters()}, norms,
-                                     len(model.buckets))
+        params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        results[(bucket, policy, overlap)] = (params, norms, len(model.buckets))
     return results
 
 
@@ -60,3 +60,44 @@ def test_sgd_matches_single_process(spawn):
     for case in CASES:
         for n, ref in ref_params.items():
             torch.testing.assert_close(per_rank[0][case][0][n], ref, rtol=1e-5, atol=1e-6, msg=f"{case} {n}")
+
+
+def _train(dp_cases, steps, use_no_sync=True):
+    results = {}
+    for bucket, policy, overlap in dp_cases:
+        model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=bucket, accumulate=policy,
+                                                                overlap_grad_reduce=overlap))
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD,
+                                                                clip_grad=CLIP), model)
+        for step in range(steps):
+            assert odo_train_step(model, opt, step, dist.get_rank(), MICRO, use_no_sync=use_no_sync)[0]
+        model.force_param_sync()
+        results[(bucket, policy, overlap)] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return results
+
+
+SYNCED_CASES = [(500, "local", True), (500, "local", False), (10**6, "local", True), (500, "shard", True),
+                (500, "auto", True)]
+
+
+def test_every_micro_batch_synced_matches_single_process(spawn):
+    # Without no_sync() every micro-batch is synchronised (megatron's schedules when no_sync_func is unset); the
+    # local policy must then reduce each micro-batch's gradient exactly once, like shard.
+    dp, steps = 2, 3
+    per_rank = spawn(_train, dp, SYNCED_CASES, steps, use_no_sync=False)
+    ref_params, _ = reference_training(dp, MICRO, steps, LR, WD, CLIP)
+    for case in SYNCED_CASES:
+        for n, ref in ref_params.items():   # same tolerance and reason as the DP 2-4 test above
+            torch.testing.assert_close(per_rank[0][case][n], ref, rtol=1e-5, atol=1e-6, msg=f"{case} {n}")
+            assert torch.equal(per_rank[0][case][n], per_rank[1][case][n])
+
+
+@pytest.mark.parametrize("dp,policy", [(5, "shard"), (6, "local")])
+def test_plain_fp32_matches_single_process_at_dp_5_and_6(spawn, dp, policy):
+    # DP sizes that divide none of the awkward parameter sizes (1, 7, 93, 651, 1023): padding does all the work.
+    steps, case = 3, (500, policy, True)
+    per_rank = spawn(_train, dp, [case], steps)
+    ref_params, _ = reference_training(dp, MICRO, steps, LR, WD, CLIP)
+    for n, ref in ref_params.items():
+        torch.testing.assert_close(per_rank[0][case][n], ref, rtol=1e-5, atol=1e-6, msg=f"dp={dp} {n}")
+        assert all(torch.equal(per_rank[0][case][n], r[case][n]) for r in per_rank[1:])

@@ -34,8 +34,9 @@ def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False):
         fwd_bwd = get_forward_backward_func()
         losses = []
         for step in range(STEPS):
-            batches = [synthetic_gpt_batch(MBS, SEQ, VOCAB, seed=dp_rank * micro + i)  # same data each step: loss must fall
-                       for i in range(micro)]
+            model.ledger.reset()
+            # same data each step: the loss must fall
+            batches = [synthetic_gpt_batch(MBS, SEQ, VOCAB, seed=dp_rank * micro + i) for i in range(micro)]
             out = fwd_bwd(forward_step_func=gpt_forward_step, data_iterator=iter(batches), model=[model],
                           num_microbatches=micro, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
             ok, norm, _ = opt.step()
@@ -48,7 +49,7 @@ def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False):
             losses.append(local.item() / dp)
         model.force_param_sync()
         tied_weight = gpt.shared_embedding_or_output_weight().detach().clone() if tied else None
-        return losses, len(model.buckets), tied_weight
+        return losses, len(model.buckets), tied_weight, model.ledger.summary()
     finally:
         Utils.destroy_model_parallel()
 
@@ -59,8 +60,8 @@ def _both():
 
 def test_gpt_trains_with_odo_and_tp1_equals_tp2(spawn):
     (tp1, tp2) = spawn(_both, 2)[0]
-    losses1, nb1, _ = tp1
-    losses2, _, _ = tp2
+    losses1, nb1, _, _ = tp1
+    losses2, _, _, _ = tp2
     assert nb1 > 1
     assert losses1[-1] < losses1[0], losses1
     # TP=2 splits the matmuls (and sums partial products in another order): equal to fp32 rounding.
@@ -68,9 +69,8 @@ def test_gpt_trains_with_odo_and_tp1_equals_tp2(spawn):
 
 
 def _pp2_tied():
-    from megatron.core import parallel_state as ps
-    losses, _, tied = _train(tp=1, global_micro_batches=4, pp=2, tied=True)
-    return losses, tied
+    losses, _, tied, ledger = _train(tp=1, global_micro_batches=4, pp=2, tied=True)
+    return losses, tied, ledger
 
 
 def test_pipeline_tied_embeddings_stay_identical(spawn):
@@ -85,3 +85,80 @@ def test_pipeline_tied_embeddings_stay_identical(spawn):
     last_stage = [r[1] for r in per_rank[2:]]
     for a, b in zip(first_stage, last_stage):
         assert torch.equal(a, b)
+    # Ledger of one step: the tied gradient's all-reduce over the 2-rank embedding group (fp32, VOCAB x 32),
+    # and the grad-norm all-reduce ([norm^2, failed], float64) over the 2-rank model-parallel group; in an
+    # all-reduce of B bytes over P ranks a rank sends 2B/P to each of its P-1 peers (all on one node here).
+    for _, _, ledger in per_rank:
+        tied_bytes = VOCAB * 32 * 4
+        assert ledger["mp_grad_all_reduce"] == {"calls": 1, "intra": tied_bytes, "inter": 0, "total": tied_bytes}
+        assert ledger["mp_scalar_all_reduce"] == {"calls": 1, "intra": 16, "inter": 0, "total": 16}
+
+
+def _per_token_batch(seed: int):
+    from megatron_ext.models.gpt import synthetic_gpt_batch
+    b = synthetic_gpt_batch(MBS, SEQ, VOCAB, seed=seed)
+    g = torch.Generator().manual_seed(seed + 99)
+    b["loss_mask"] = (torch.rand(MBS, SEQ, generator=g) > 0.4).float()   # a different token count per batch
+    return b
+
+
+def _token_loss_sum(model, b):
+    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+    return (out.float().reshape(-1) * b["loss_mask"].reshape(-1)).sum()
+
+
+def _per_token_forward_step(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+
+    def loss_func(output_tensor):
+        mask = b["loss_mask"].reshape(-1)
+        loss_sum = (output_tensor.float().reshape(-1) * mask).sum()
+        return loss_sum, mask.sum().to(torch.int), {"lm loss": loss_sum.detach()}
+    return out, loss_func
+
+
+def _per_token_grads():
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_ext.models.gpt import build_gpt_model
+
+    Utils.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        dp, dp_rank, micro = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), 2
+        kw = dict(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ)
+        gpt = build_gpt_model(**kw, calculate_per_token_loss=True)
+        model = mx.OverlappedDDP(gpt, mx.OverlapConfig(bucket_size=4000), dp_group=ps.get_data_parallel_group())
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+        cfg = gpt.config
+        cfg.no_sync_func, cfg.finalize_model_grads_func = model.no_sync, finalize_model_grads
+        cfg.grad_scale_func = opt.scale_loss
+        mine = [_per_token_batch(dp_rank * micro + i) for i in range(micro)]
+        get_forward_backward_func()(forward_step_func=_per_token_forward_step, data_iterator=iter(mine),
+                                    model=[model], num_microbatches=micro, seq_length=SEQ, micro_batch_size=MBS,
+                                    forward_only=False)
+        # Single-process reference: the mean token loss over the whole global batch.
+        ref = build_gpt_model(**kw)
+        ref.load_state_dict(model.state_dict())
+        every = [_per_token_batch(s) for s in range(dp * micro)]
+        loss = sum(_token_loss_sum(ref, b) for b in every) / sum(b["loss_mask"].sum() for b in every)
+        loss.backward()
+        ref_grad = {n: p.grad.reshape(-1) for n, p in ref.named_parameters()}
+        return [(pc.name, pc.grad.clone(), ref_grad[pc.name][pc.start:pc.end].clone()) for pc in opt.pieces]
+    finally:
+        Utils.destroy_model_parallel()
+
+
+def test_per_token_loss_sums_over_dp_like_megatron(spawn):
+    # calculate_per_token_loss: megatron-core's DDP sums gradients over DP and finalize_model_grads divides by
+    # the global token count. Backends average, so without the ODO's factor-P compensation every gradient
+    # would be 1/DP of the reference. Tolerance: the reference sums the same 4 micro-batches' fp32 gradients
+    # in another order, a few ulps of the largest term; 1e-5 of the largest gradient leaves ~100x margin.
+    per_rank = spawn(_per_token_grads, 2)
+    scale = max(r.abs().max().item() for pieces in per_rank for _, _, r in pieces)
+    for pieces in per_rank:
+        for name, got, ref in pieces:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * scale, msg=name)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
 
 import megatron_ext as mx
+from megatron_ext.optimizer.group_collectives import DP_SCALAR
 
 from .models import make_mlp, make_model, odo_train_step, reference_training
 
@@ -52,11 +53,15 @@ def test_plain_volumes_equal_closed_form(spawn, bucket_size):
         ag = summary["all_gather"]  # fp32 params: the same volume
         assert ag["calls"] == len(padded)
         assert (ag["intra"], ag["inter"]) == (rs["intra"], rs["inter"])
+        # The grad-norm all-reduce ([norm^2, sync failed] in float64, 16 bytes): 2 * 16 / dp to each peer.
+        sc = summary[DP_SCALAR]
+        assert (sc["calls"], sc["intra"], sc["inter"]) == (1, 2 * 16 // dp * (rpn - 1), 2 * 16 // dp * (dp - rpn))
+        assert set(summary) == {"reduce_scatter", "all_gather", DP_SCALAR, "total"}, "every collective is counted"
 
 
-def _pool_run(pool_size, factory):
+def _pool_run(pool_size, factory, overlap=True):
     model = mx.OverlappedDDP(factory(), mx.OverlapConfig(bucket_size=100, buffer_pool_size=pool_size,
-                                                         accumulate="shard"))
+                                                         accumulate="shard", overlap_grad_reduce=overlap))
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1,
                                                             clip_grad=0.05), model)
     for step in range(3):
@@ -66,14 +71,17 @@ def _pool_run(pool_size, factory):
             {n: p.detach().clone() for n, p in model.module.named_parameters()})
 
 
-@pytest.mark.parametrize("pool_size", [1, 2])
-def test_buffer_alternation_bounds_live_buffers(spawn, pool_size):
-    per_rank = spawn(_pool_run, 2, pool_size, make_mlp)
+@pytest.mark.parametrize("pool_size,overlap", [(1, True), (2, True), (2, False)])
+def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
+    per_rank = spawn(_pool_run, 2, pool_size, make_mlp, overlap)
     ref, _ = reference_training(2, 3, 3, 1e-2, 0.1, 0.05, factory=make_mlp)
     for stats, nbuckets, order, params in per_rank:
         assert nbuckets >= 6  # far more buckets than buffers
         assert order == sorted(order)
-        assert stats["peak"] == pool_size and stats["overflows"] == 0, stats
+        # Overlap on: the pool is used up to its size. Off: each bucket's reduce-scatter is waited for as soon as
+        # it is launched, so buffers never pile up either (one is enough for an in-order backward).
+        assert (stats["peak"] == pool_size if overlap else stats["peak"] <= pool_size), stats
+        assert stats["overflows"] == 0, stats
         assert stats["live"] == 0
         # Adam's update m / (sqrt(v) + eps) is O(lr) whatever the gradient's size; for an element whose
         # gradient nearly cancels across samples, fp32 reassociation (reduce-scatter vs one big batch) changes

@@ -1,4 +1,6 @@
 """Overlapped param gather never exposes stale weights; bad configuration fails before any collective."""
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,6 +45,14 @@ def test_param_gather_overlaps_forward_without_stale_reads(spawn):
     assert torch.equal(per_rank[0][4], per_rank[1][4])
 
 
+class _FusedWgradNet(torch.nn.Linear):
+    """Stands in for a megatron-core model whose TransformerConfig asks for the fused wgrad GEMM."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+        self.config = types.SimpleNamespace(gradient_accumulation_fusion=True)
+
+
 def _expect_error(kind):
     cfgs = {
         "bucket": lambda: mx.OverlapConfig(bucket_size=0),
@@ -50,6 +60,9 @@ def _expect_error(kind):
         "grad_reduce": lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(grad_reduce="magic")),
         "param_gather": lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(param_gather="magic")),
         "ranks_per_node": lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(ranks_per_node=2)),
+        "fusion": lambda: mx.OverlappedDDP(_FusedWgradNet(), mx.OverlapConfig()),
+        # gloo serves cpu and cuda: parameters elsewhere (here: meta) are refused before the first broadcast
+        "device": lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3, device="meta"), mx.OverlapConfig()),
         "optimizer": lambda: mx.OverlappedDistributedOptimizer(
             OptimizerConfig(optimizer="lion", lr=1.0),
             mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig())),
@@ -68,9 +81,110 @@ def _expect_error(kind):
 
 @pytest.mark.parametrize("kind,flag", [("bucket", "--ddp-bucket-size"), ("accumulate", "--odo-accumulate"),
                                        ("grad_reduce", "--grad-reduce"), ("param_gather", "--param-gather"),
-                                       ("ranks_per_node", "--ranks-per-node"), ("optimizer", "--optimizer")])
+                                       ("ranks_per_node", "--ranks-per-node"), ("optimizer", "--optimizer"),
+                                       ("fusion", "--gradient-accumulation-fusion"),
+                                       ("device", "parameters live on meta")])
 def test_bad_configuration_names_the_flag(spawn, kind, flag):
     world = 3  # ranks_per_node=2 does not divide 3
     for msg, total in spawn(_expect_error, world, kind):
         assert msg is not None and flag in msg, msg
         assert total == world
+
+
+class _ParentReadsChildren(torch.nn.Module):
+    """Reads child ``a``'s weight by attribute, and child ``b``'s parameters by iteration, before either runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 8)
+        self.probe = lambda where, tensors: None
+
+    def forward(self, x):
+        wa = self.a.weight                          # attribute read: guarded at the moment of the read
+        self.probe("a.weight", [wa])
+        reg = sum(p.sum() for p in self.b.parameters())   # iteration: found by the first-forward audit
+        self.probe("b.parameters()", list(self.b.parameters()))
+        return self.c(self.b(self.a(x @ wa.t()))) + 1e-3 * reg
+
+
+def _reads_outside_owner_are_never_stale():
+    torch.manual_seed(0)
+    net = _ParentReadsChildren()
+    model = mx.OverlappedDDP(net, mx.OverlapConfig(bucket_size=72))   # one bucket per Linear (64 + 8)
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0), model)
+    bucket_of = {id(p): model.param_buffer.locate(p)[0].index for p in net.parameters()}
+    c_bucket = bucket_of[id(net.c.weight)]   # looked up now: reading net.c.weight later would wait for it
+    stale, c_pending = [], []
+
+    def probe(where, tensors):
+        stale.extend(where for t in tensors if bucket_of[id(t)] in model.param_sync._work)
+        c_pending.append(c_bucket in model.param_sync._work)
+
+    net.probe = probe
+    x = torch.randn(2, 8)
+    for _ in range(3):   # each forward after the first runs while the previous step's gathers are in flight
+        model(x).sum().backward()
+        model.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        lazy = model(x)
+        model.force_param_sync()
+        synced = model(x)
+    return stale, c_pending, torch.equal(lazy, synced), len(model.buckets)
+
+
+def test_reads_outside_the_owner_never_see_a_stale_weight(spawn):
+    for stale, c_pending, same, nbuckets in spawn(_reads_outside_owner_are_never_stale, 2):
+        assert nbuckets == 3
+        assert stale == [], f"weights read while their all-gather was in flight: {stale}"
+        assert same, "forward with lazily waited gathers must equal forward after a forced sync"
+        # Overlap is kept for what is not read early: c's weight is still in flight during both reads in every
+        # forward that follows a step (the first forward has nothing in flight; the last one follows a sync).
+        assert c_pending == [False] * 2 + [True] * 6 + [False] * 2, c_pending
+
+
+class _NestedBackwardNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.last = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.first(x)))
+
+
+def _late_gradient_fails_on_every_rank():
+    torch.manual_seed(0)
+    net = _NestedBackwardNet()
+    model = mx.OverlappedDDP(net, mx.OverlapConfig(bucket_size=16))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = model(x)
+    if dist.get_rank() == 1:
+        # A nested backward runs when x's gradient is computed, i.e. after last.weight's bucket was launched:
+        # last.weight receives a second gradient that can no longer be reduced.
+        extra = (net.last.weight ** 2).sum()
+        x.register_hook(lambda g: extra.backward())
+    out.sum().backward()
+    model.finish_grad_sync()
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        opt.step()
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    model.force_param_sync()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    t = torch.ones(1)
+    dist.all_reduce(t)   # the world is still healthy
+    return msg, unchanged, t.item()
+
+
+def test_late_gradient_fails_every_rank_without_a_hang(spawn):
+    (msg0, unchanged0, n0), (msg1, unchanged1, n1) = spawn(_late_gradient_fails_on_every_rank, 2, timeout=120)
+    assert n0 == n1 == 2 and unchanged0 and unchanged1
+    assert msg0 is not None and "another rank" in msg0, msg0
+    assert msg1 is not None and "'last.weight'" in msg1 and "after its bucket's reduce-scatter" in msg1, msg1
