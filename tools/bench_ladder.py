@@ -4,14 +4,16 @@
 Runs gloo worlds of CPU processes (TP=2 and TP=4 by default) and, for each batch size, times a megatron-core GPT
 (local spec) built by ``megatron_ext.models.build_gpt_model``:
 
-* prefill: a no-grad forward over ``--seq`` tokens;
-* decode:  a no-grad forward of one new token per sequence (the per-token compute and the 2 x layers all-reduces
-  of one decode step; megatron's KV-cache path is not used, so attention over the cached prefix is omitted);
-* train:   forward + backward of the LM loss over ``--seq`` tokens (no optimizer step).
+* prefill: a no-grad forward over ``--seq`` prompt tokens under megatron-core's ``StaticInferenceContext``
+  (fills the KV cache; only the last position's logits are computed, as in megatron's generation loop);
+* decode:  ``--decode-steps`` single-token forwards right after that prefill, each reading and extending the KV
+  cache (median per-step latency);
+* train:   one training step: forward + backward of the LM loss over ``--seq`` tokens + an Adam step.
 
-"upper bound" is the standard model with every tensor-parallel all-reduce replaced by a no-op (wrong numbers,
-right compute: the time a perfect overlap could reach). Prints a table with speedups over standard and the fraction
-of the upper bound's gain that ladder captures, and writes JSON.
+"upper bound" is the standard model with every ``torch.distributed.all_reduce`` replaced by a no-op (wrong
+numbers, right compute: the time a perfect overlap could reach). The inference logits' all-gather over TP
+(``runtime_gather_output``, the same for every variant) is kept. Prints a table with speedups over standard and
+the fraction of the upper bound's gain that ladder captures, and writes JSON.
 
     python tools/bench_ladder.py --tp 2 4 --batch 1 4 16 --out bench_ladder.json
 """
@@ -22,11 +24,12 @@ import contextlib
 import datetime
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,8 @@ VARIANTS = {
     "desync4x": {"desync_residual": "4x"},
     "upper_bound": {},  # standard with communication removed
 }
+# ladder_no_bwd_overlap differs from ladder only in backward: timed for training only.
+INFERENCE_VARIANTS = [name for name in VARIANTS if name != "ladder_no_bwd_overlap"]
 
 
 class _DoneWork:
@@ -64,7 +69,14 @@ def no_tp_communication() -> Iterator[None]:
         dist.all_reduce = real
 
 
-def _timed(fn: Callable[[], None], comm_free: bool) -> float:
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, pos: torch.Tensor,
+                mask: torch.Tensor) -> None:
+    model(tokens, pos, mask, labels=tokens).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _timed(fn: Callable[[], Any], comm_free: bool) -> float:
     dist.barrier()
     with (no_tp_communication() if comm_free else contextlib.nullcontext()):
         t0 = time.perf_counter()
@@ -72,11 +84,12 @@ def _timed(fn: Callable[[], None], comm_free: bool) -> float:
         return time.perf_counter() - t0
 
 
-def _bench_world(rank: int, world: int, store: str, args: argparse.Namespace, queue) -> None:
+def _bench_world(rank: int, world: int, store: str, args: argparse.Namespace, results_q) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     from megatron.core import parallel_state as ps
+    from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_ext.compat import causal_attention_mask, enable_cpu_compat
@@ -87,59 +100,78 @@ def _bench_world(rank: int, world: int, store: str, args: argparse.Namespace, qu
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
     shape = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                 ffn_hidden_size=4 * args.hidden, vocab_size=args.vocab, seq_length=args.seq)
+                 ffn_hidden_size=4 * args.hidden, vocab_size=args.vocab, seq_length=args.seq + args.decode_steps)
     models = {name: build_gpt_model(**shape, **kw) for name, kw in VARIANTS.items()}
+    optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-5) for name, m in models.items()}
     results: Dict[str, Dict[str, Dict[str, float]]] = {name: {} for name in VARIANTS}
+    total = args.seq + args.decode_steps
     for b in args.batch:
-        tokens = torch.randint(0, args.vocab, (b, args.seq))
-        pos = torch.arange(args.seq).expand(b, -1)
-        mask, mask1 = causal_attention_mask(args.seq), causal_attention_mask(1)
-
-        def phases(model):
-            def prefill() -> None:
-                with torch.no_grad():
-                    model(tokens, pos, mask)
-
-            def decode() -> None:
-                with torch.no_grad():
-                    model(tokens[:, :1], pos[:, :1], mask1)
-
-            def train() -> None:
-                model(tokens, pos, mask, labels=tokens).mean().backward()
-                model.zero_grad(set_to_none=True)
-            return {"prefill": prefill, "decode": decode, "train": train}
-
-        fns = {name: phases(m) for name, m in models.items()}
-        for phase, reps in (("prefill", args.reps), ("decode", 3 * args.reps), ("train", args.reps)):
-            for name, m in models.items():
-                m.train(phase == "train")
-            samples: Dict[str, List[float]] = {name: [] for name in VARIANTS}
-            # Variants interleaved rep by rep, so load drift on a shared machine hits them all alike.
-            for rep in range(reps + 2):
-                for name in VARIANTS:
-                    t = _timed(fns[name][phase], name == "upper_bound")
+        tokens = torch.randint(0, args.vocab, (b, total))
+        pos = torch.arange(total).expand(b, -1)
+        mask = causal_attention_mask(args.seq)
+        samples: Dict[str, Dict[str, List[float]]] = {name: {"prefill": [], "decode": [], "train": []}
+                                                      for name in VARIANTS}
+        # Variants interleaved rep by rep, so load drift on a shared machine hits them all alike; 2 warm-up reps.
+        for rep in range(args.reps + 2):
+            for name, model in models.items():
+                comm_free = name == "upper_bound"
+                if name in INFERENCE_VARIANTS:
+                    model.eval()
+                    ctx = StaticInferenceContext(b, total)
+                    with torch.no_grad():
+                        t_prefill = _timed(lambda: model(tokens[:, :args.seq], pos[:, :args.seq], mask,
+                                                         inference_context=ctx, runtime_gather_output=True),
+                                           comm_free)
+                        ctx.increment_sequence_len_offset(args.seq)
+                        ctx.enable_decode_mode()
+                        t_decode = []
+                        for t in range(args.seq, total):
+                            t_decode.append(_timed(lambda: model(tokens[:, t:t + 1], pos[:, t:t + 1], None,
+                                                                 inference_context=ctx, runtime_gather_output=True),
+                                                   comm_free))
+                            ctx.increment_sequence_len_offset(1)
                     if rep >= 2:
-                        samples[name].append(t)
-            for name in VARIANTS:
-                t = torch.tensor([statistics.median(samples[name])])
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                results[name].setdefault(str(b), {})[phase] = float(t)
+                        samples[name]["prefill"].append(t_prefill)
+                        samples[name]["decode"].extend(t_decode)
+                model.train()
+                t_train = _timed(lambda: _train_step(model, optimizers[name], tokens[:, :args.seq],
+                                                     pos[:, :args.seq], mask), comm_free)
+                if rep >= 2:
+                    samples[name]["train"].append(t_train)
+        for name in VARIANTS:
+            for phase, values in samples[name].items():
+                if values:
+                    t = torch.tensor([statistics.median(values)])
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    results[name].setdefault(str(b), {})[phase] = float(t)
     if rank == 0:
-        queue.put(results)
+        results_q.put(results)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 
 def run_world(tp: int, args: argparse.Namespace) -> Dict:
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    results_q = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="bench_ladder_"), "store")
-    procs = [ctx.Process(target=_bench_world, args=(r, tp, store, args, queue)) for r in range(tp)]
+    procs = [ctx.Process(target=_bench_world, args=(r, tp, store, args, results_q)) for r in range(tp)]
     for p in procs:
         p.start()
-    out = queue.get(timeout=args.timeout)
-    for p in procs:
-        p.join()
+    deadline = time.monotonic() + args.timeout
+    try:
+        while True:  # a rank that dies must not leave the parent waiting for the whole timeout
+            try:
+                out = results_q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"TP={tp} world failed (exit codes {failed}) or timed out")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     return out
 
 
@@ -152,6 +184,8 @@ def summarise(all_results: Dict[str, Dict]) -> List[Dict]:
                 ub = res["upper_bound"][b][phase]
                 row = {"tp": int(tp), "batch": int(b), "phase": phase}
                 for v in VARIANTS:
+                    if phase not in res[v][b]:
+                        continue
                     row[f"{v}_ms"] = res[v][b][phase] * 1e3
                     row[f"{v}_speedup"] = std / res[v][b][phase]
                 gain = std / ub - 1.0
@@ -182,7 +216,8 @@ def main(argv: List[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=32, help="prompt / training sequence length")
+    ap.add_argument("--decode-steps", type=int, default=8, help="KV-cache decode steps after each prefill")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout", type=float, default=1800)
