@@ -354,7 +354,7 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
         error = str(e)
     except Exception as e:  # noqa: BLE001 - any failure here must reach the agreement, not strand the peers
         error = f"{ckpt}: {type(e).__name__}: {e}"
-    _agree(error)
+    agree_on_error(error)
     common, model_state, optim_state, rng_state = loaded
     _unwrap(model).load_state_dict(model_state, strict=True)
     if load_optim:
@@ -401,7 +401,7 @@ def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Nam
     return problems
 
 
-def _agree(error: Optional[str]) -> None:
+def agree_on_error(error: Optional[str]) -> None:
     """All ranks learn whether any rank failed; then every rank raises the first failing rank's message."""
     device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
     ok = torch.tensor([0.0 if error else 1.0], device=device)

@@ -129,7 +129,12 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
         if args.load:
-            ckpt = _find_checkpoint_or_fail(args)
+            ckpt, error = None, None
+            try:
+                ckpt = _find_checkpoint_or_fail(args)
+            except checkpointing.CheckpointError as e:
+                error = str(e)
+            checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
             if ckpt is not None:
                 common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=not args.no_load_optim,

@@ -179,3 +179,4 @@ def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():
                         "--weight-decay: checkpoint 0.01, this run 0.1"], problems
     for side in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         assert check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), side: True})) == []
+

@@ -175,3 +175,24 @@ def test_load_errors_are_agreed_by_every_stage(spawn, text_dataset, tiny_model_f
         assert "--ffn-hidden-size: checkpoint 256, this run 128" in args, (rank, args)
         assert f"{TAMPERED}: checkpoint shape (257, 64), this model (256, 64)" in model, (rank, model)
     assert "found by rank 1" in results[0][2]  # stage 0's own files were fine; it fails with stage 1's reason
+
+
+def _agree(errors):
+    import torch.distributed as dist
+
+    from megatron_ext.training.checkpointing import CheckpointError, agree_on_error
+
+    try:
+        agree_on_error(errors[dist.get_rank()])
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_one_rank_failing_stops_every_rank(spawn):
+    """The agreement behind --load (finding and loading): no rank goes on while a peer has given up."""
+    assert spawn(_agree, 2, [None, None], timeout=60) == [None, None]
+    ok_rank, failed_rank = spawn(_agree, 2, [None, "--load /x: the tracker names iteration 4 but ... is missing"],
+                                 timeout=60)
+    assert failed_rank == "--load /x: the tracker names iteration 4 but ... is missing"
+    assert ok_rank == failed_rank + " (found by rank 1; no rank loaded anything)"
