@@ -13,6 +13,16 @@ value too).
 Both return a :class:`Work` whose ``wait()`` completes the operation; until then neither tensor may be touched.
 Backends choose the alignment a shard must have (``shard_alignment``, in elements); the optimizer pads buckets
 to it. Backends record every byte they send in the ledger.
+
+[Note: advancing multi-phase work]
+A hierarchical operation has dependent phases (qgZ: intra-node hop, then inter-node hop; ByteGrad: reduce to the
+leader, leaders' all-to-all, leaders' all-gather, broadcast). Only the first is launched when the operation is
+created; ``Work.advance()`` finishes the current phase (a blocking wait on its handles) and launches the next, so
+the caller can put the later hops in flight while it still computes (the ODO advances its in-flight buckets each
+time it launches a new one, during backward). ``wait()`` advances until done. Every rank must call ``advance()``
+at the same points of its program (never depending on timing, e.g. on polling a handle), because each phase
+issues collectives on shared groups in the same order on every rank. Results do not depend on when, or whether,
+``advance()`` is called.
 """
 from __future__ import annotations
 
@@ -51,16 +61,30 @@ class Work(abc.ABC):
     """Handle of an asynchronous backend operation."""
 
     @abc.abstractmethod
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Complete the operation (every remaining phase); idempotent."""
+
+    def advance(self) -> None:
+        """Finish the current phase (blocking wait on its handles) and launch the next one.
+
+        No-op when the operation is done or has a single phase (this default). See [Note: advancing multi-phase
+        work]: call it at the same program point on every rank.
+        """
+        return None
 
 
 class CompletedWork(Work):
+    """An operation that finished at launch (one rank, empty bucket)."""
+
     def wait(self) -> None:
         return None
 
 
 class TorchWork(Work):
-    """A torch.distributed handle, optionally followed by a local epilogue run once on ``wait()``."""
+    """A torch.distributed handle, optionally followed by a local epilogue run once on ``wait()``.
+
+    Single-phase: ``advance()`` is the inherited no-op (the epilogue is local work that ``wait()`` runs).
+    """
 
     def __init__(self, handle, epilogue: Optional[Callable[[], None]] = None) -> None:
         self._handle = handle
@@ -80,27 +104,30 @@ class TorchWork(Work):
 class StagedWork(Work):
     """Several dependent phases; each phase is a callable returning the handles the next phase must wait for.
 
-    The first phase is launched at construction; ``wait()`` drives the remaining ones. Hierarchical backends use
-    this so that the first hop overlaps computation and the rest run when the result is needed.
+    The first phase is launched at construction; ``advance()`` waits for the current phase's handles and launches
+    the next one; ``wait()`` advances until every phase has run and its handles are complete.
     """
 
     def __init__(self, phases: List[Callable[[], List]]) -> None:
         self._phases = list(phases)
         self._pending: List = []
         self._done = False
-        if self._phases:
-            self._pending = self._phases.pop(0)() or []
+        self.advance()
 
-    def wait(self) -> None:
+    def advance(self) -> None:
         if self._done:
             return
-        while True:
-            for h in self._pending:
-                h.wait()
-            if not self._phases:
-                break
+        for h in self._pending:
+            h.wait()
+        self._pending = []
+        if self._phases:
             self._pending = self._phases.pop(0)() or []
-        self._done = True
+        if not self._phases and not self._pending:
+            self._done = True
+
+    def wait(self) -> None:
+        while not self._done:
+            self.advance()
 
 
 class _Backend(abc.ABC):
@@ -117,6 +144,9 @@ class _Backend(abc.ABC):
         return 1
 
     def _warn_once(self, msg: str) -> None:
+        """Log ``msg`` once per job: only DP rank 0 of the group logs, and only once per process."""
+        if self.topology.rank != 0:
+            return
         key = (type(self).__name__, msg)
         if key not in _WARNED:
             _WARNED.add(key)

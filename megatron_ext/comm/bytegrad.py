@@ -23,7 +23,7 @@ over the group the cross-node volume is ``2*N*(N-1)*row ~= 2*(N-1)*B`` bytes (UI
 bf16 gradients.
 
 One node (``N == 1``): there is no inter-node hop; ByteGrad runs in its flat (non-hierarchical) form, every rank
-a leader of a one-rank "node" (logged once). One rank per node (``D == 1``): the intra-node steps vanish.
+a leader of a one-rank "node" (logged once per job). One rank per node (``D == 1``): the intra-node steps vanish.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .backend import CompletedWork, GradReduce, StagedWork, Work, register_grad_reduce
+from .backend import BackendOptions, CompletedWork, GradReduce, StagedWork, Work, register_grad_reduce
+from .ledger import CommLedger
+from .topology import Topology
 
 
 def _round_up(x: int, m: int) -> int:
@@ -93,7 +95,17 @@ def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.fl
 
 @register_grad_reduce("bytegrad")
 class ByteGradGradReduce(GradReduce):
-    """Hierarchical min-max UINT8 reduce-scatter; see the module note."""
+    """Hierarchical min-max UINT8 reduce-scatter; see the module note.
+
+    The work has five phases (reduce to the leader, leaders' all-to-all, average + leaders' all-gather, broadcast,
+    copy-out); the first is launched at once, each ``advance()`` completes one and launches the next.
+    """
+
+    def __init__(self, topology: Topology, ledger: CommLedger, options: BackendOptions) -> None:
+        super().__init__(topology, ledger, options)
+        topo = self.topology
+        if topo.num_nodes == 1 and topo.size > 1:
+            self._warn_once(f"bytegrad on a single node ({topo.size} ranks): using the flat (non-hierarchical) form")
 
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
         topo = self.topology
@@ -106,16 +118,15 @@ class ByteGradGradReduce(GradReduce):
             return CompletedWork()
         if n == 0:
             return CompletedWork()
-        if topo.num_nodes == 1:
-            self._warn_once(f"bytegrad on a single node ({P} ranks): using the flat (non-hierarchical) form")
+        if topo.num_nodes == 1:   # flat form (announced at construction)
             nodes, D, intra_group, leader_group, leader = P, 1, None, topo.group, True
-            leader_rank, leader_global = topo.rank, topo.global_rank(topo.rank)
+            leader_global = topo.global_rank(topo.rank)
         else:
             nodes, D = topo.num_nodes, topo.ranks_per_node
             intra_group = topo.intra_group if D > 1 else None
             leader = topo.local_rank == 0
             leader_group = topo.inter_group if leader else None
-            leader_rank, leader_global = topo.node, topo.global_rank(topo.node * D)
+            leader_global = topo.global_rank(topo.node * D)
         # Which leader-group peers share this rank's node (flat form: all of them; hierarchical: none).
         leader_peers_intra = nodes - 1 if topo.num_nodes == 1 else 0
         leader_peers_inter = 0 if topo.num_nodes == 1 else nodes - 1
@@ -179,7 +190,6 @@ class ByteGradGradReduce(GradReduce):
             out_shard.copy_(st.pop("result")[r * n:(r + 1) * n])
             return []
 
-        del leader_rank
         return StagedWork([reduce_phase, all_to_all_phase, average_gather_phase, broadcast_phase, finish])
 
 

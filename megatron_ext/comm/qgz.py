@@ -17,20 +17,25 @@ generalised reordering). Per stage:
    written to ``out_shard``.
 
 Stages are pipelined: the intra-node all-to-alls of all stages are launched at once (they overlap the caller's
-backward), and in ``wait()`` the inter-node all-to-all of stage ``s`` is in flight while stage ``s+1``'s intra-node
-exchange completes and is requantized, so both link classes are busy at the same time (seed 000, 4.1.2).
+backward); the first ``advance()`` (or ``wait()``) then completes them in stage order, launching stage ``s``'s
+inter-node all-to-all while stage ``s+1``'s intra-node exchange completes and is requantized, so both link classes
+are busy at the same time (seed 000, 4.1.2); the second ``advance()`` finishes the inter-node hops. The ODO
+advances in-flight buckets whenever it launches a new one, so the inter-node hop overlaps backward too.
 
-Awkward sizes are padded, never sent to a fallback: ``sub`` is split into ``G = ceil(sub/group)`` balanced groups of
-``g = round_up(ceil(sub/G), 2)`` elements (at most ``quant_group_size``, even so INT4 codes pack whole bytes) and
-``sub_pad = G*g``. Each all-to-all chunk is one byte row ``[codes | pad to 4 | fp32 scales]``:
-``row_intra = round_up(N*sub_pad*bits/8, 4) + 4*N*G`` sent to each of the ``D-1`` local peers and
-``row_inter = round_up(sub_pad*bits/8, 4) + 4*G`` sent to each of the ``N-1`` remote peers, per stage. So per
+Awkward sizes are padded, never sent to a fallback: with ``g_max`` = ``quant_group_size`` rounded down to an even
+number (at least 2: INT4 codes pack two per byte), ``sub`` is split into ``G = ceil(sub/g_max)`` balanced groups of
+``g = round_up(ceil(sub/G), 2) <= g_max`` elements and ``sub_pad = G*g``; then ``ceil(sub/g) == G`` holds for every
+size (``g*(G-1) <= g_max*(G-1) < sub``), so the kernels' layout and the rows agree. Each all-to-all chunk is one
+byte row ``[codes | pad to 4 | fp32 scales]``: ``row_intra = round_up(N*sub_pad*bits/8, 4) + 4*N*G`` sent to
+each of the ``D-1`` local peers and ``row_inter = round_up(sub_pad*bits/8, 4) + 4*G`` sent to each of the ``N-1``
+remote peers, per stage. So per
 bucket a rank sends ``S*(D-1)*row_intra`` intra-node and ``S*(N-1)*row_inter`` inter-node bytes; summed over the
 ``P`` ranks the cross-node volume is ``(N-1)*P*S*row_inter ~= (N-1) * P*n*bits/8`` (M/4 for INT4 and M/2 for INT8
 with M the bf16 bucket bytes and N = 2), plus scales and padding.
 
 One node (``N == 1``): the inter-node hop vanishes and the intra-node all-to-all is followed directly by the
-final dequantize-reduce (one-hop form, logged once). One rank per node (``D == 1``): the intra-node hop vanishes.
+final dequantize-reduce (one-hop form, logged once per job). One rank per node (``D == 1``): the intra-node hop
+vanishes and the inter-node hop is launched at once.
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .backend import CompletedWork, GradReduce, Work, register_grad_reduce
+from .backend import BackendOptions, CompletedWork, GradReduce, Work, register_grad_reduce
+from .ledger import CommLedger
+from .topology import Topology
 
 
 def _round_up(x: int, m: int) -> int:
@@ -47,10 +54,17 @@ def _round_up(x: int, m: int) -> int:
 
 
 def qgz_geometry(n: int, stages: int, group_size: int) -> Tuple[int, int, int, int, int]:
-    """``(stages, sub, groups_per_sub, group, sub_pad)`` for an ``n``-element shard (see the module note)."""
+    """``(stages, sub, groups_per_sub, group, sub_pad)`` for an ``n``-element shard (see the module note).
+
+    The group is even and at most ``group_size`` (rounded down to even, at least 2), and ``ceil(sub/group)`` equals
+    ``groups_per_sub`` for every ``n`` -- also for odd ``--quant-group-size``.
+    """
+    if group_size < 1:
+        raise ValueError(f"quant_group_size (--quant-group-size) must be >= 1, got {group_size}")
     stages = max(1, min(stages, n))
     sub = -(-n // stages)
-    groups = -(-sub // group_size)
+    g_max = max(2, group_size - group_size % 2)
+    groups = max(1, -(-sub // g_max))
     g = _round_up(-(-sub // groups), 2)
     return stages, sub, groups, g, groups * g
 
@@ -100,6 +114,12 @@ class QgzGradReduce(GradReduce):
         # Equal, even sub-slices per stage; the rest of the padding is done (and counted) by the backend itself.
         return 2 * self.options.qgz_pipeline_stages
 
+    def __init__(self, topology: Topology, ledger: CommLedger, options: BackendOptions) -> None:
+        super().__init__(topology, ledger, options)
+        topo = self.topology
+        if topo.num_nodes == 1 and topo.size > 1:
+            self._warn_once(f"qgz on a single node ({topo.size} ranks): using the one-hop intra-node all-to-all form")
+
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
         topo = self.topology
         n = out_shard.numel()
@@ -110,13 +130,20 @@ class QgzGradReduce(GradReduce):
             return CompletedWork()
         if n == 0:
             return CompletedWork()
-        if topo.num_nodes == 1:
-            self._warn_once(f"qgz on a single node ({topo.size} ranks): using the one-hop intra-node all-to-all form")
         return _QgzWork(self, bucket, out_shard)
 
 
 class _QgzWork(Work):
-    """Drives the stages of one bucket: intra-node hops launched at construction, the rest pipelined in wait()."""
+    """Drives the stages of one bucket through three phases (see the module note).
+
+    ``_INTRA``: the first hop of every stage is in flight (launched at construction). ``advance()`` -> ``_INTER``:
+    the intra-node hops are completed in stage order, each followed by its requantization and the launch of that
+    stage's inter-node hop. ``advance()`` -> ``_DONE``: the inter-node hops are completed and reduced into
+    ``out_shard``. On one node the second phase writes the result; with one rank per node construction launches
+    the inter-node hops directly.
+    """
+
+    _INTRA, _INTER, _DONE = range(3)
 
     def __init__(self, backend: QgzGradReduce, bucket: torch.Tensor, out_shard: torch.Tensor) -> None:
         from megatron_ext.kernels import swizzle_quantize
@@ -130,15 +157,16 @@ class _QgzWork(Work):
         S, sub, G, g, sub_pad = qgz_geometry(n, opts.qgz_pipeline_stages, opts.quant_group_size)
         self.N, self.D, self.P, self.n = N, D, P, n
         self.S, self.sub, self.G, self.g, self.sub_pad = S, sub, G, g, sub_pad
-        self._done = False
 
         # 1. swizzle + quantize: codes[s, b*N + a] = sub-slice s of partition a*D + b, padded to sub_pad elements.
         codes, scales = swizzle_quantize(bucket.contiguous(), bits, g, N, D, S)
-        assert codes.shape[-1] == sub_pad * bits // 8 and scales.shape[-1] == G, (codes.shape, scales.shape)
+        if codes.shape[-1] != sub_pad * bits // 8 or scales.shape[-1] != G:
+            raise RuntimeError(f"qgz: kernel layout {tuple(codes.shape)}/{tuple(scales.shape)} disagrees with the "
+                               f"geometry (sub_pad={sub_pad}, groups={G}) for shard {n}, stages {S}, group {g}")
         self.code_dtype = codes.dtype
 
         self._intra: List[Optional[Tuple[object, torch.Tensor]]] = [None] * S
-        self._inter_send: List[Optional[torch.Tensor]] = [None] * S
+        self._inter: List[Tuple[int, object, torch.Tensor]] = []
         for s in range(S):
             if D > 1:   # 2. intra-node all-to-all: row b' (N sub-slices) to local peer b'
                 send = _pack_rows(codes[s], scales[s], D)
@@ -146,8 +174,16 @@ class _QgzWork(Work):
                 self.ledger.record("qgz_intra_all_to_all", intra=(D - 1) * send.shape[1])
                 h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=topo.intra_group, async_op=True)
                 self._intra[s] = (h, recv)
-            else:       # one rank per node: straight to the inter-node hop
-                self._inter_send[s] = _pack_rows(codes[s], scales[s], N)
+            else:       # one rank per node: the inter-node hop is the first hop
+                self._launch_inter(s, _pack_rows(codes[s], scales[s], N))
+        self._phase = self._INTRA if D > 1 else self._INTER
+
+    def _launch_inter(self, s: int, send: torch.Tensor) -> None:
+        # 4. inter-node all-to-all (same local index on every node): sub-slice a' to node a'
+        recv = torch.empty_like(send)
+        self.ledger.record("qgz_inter_all_to_all", inter=(self.N - 1) * send.shape[1])
+        h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.topo.inter_group, async_op=True)
+        self._inter.append((s, h, recv))
 
     def _finish_stage(self, s: int, total: torch.Tensor) -> None:
         lo = s * self.sub
@@ -155,36 +191,40 @@ class _QgzWork(Work):
         if hi > lo:
             self.out[lo:hi].copy_(total[:hi - lo].mul_(1.0 / self.P))   # the one and only averaging
 
-    def wait(self) -> None:
-        if self._done:
-            return
+    def _complete_intra(self) -> None:
         from megatron_ext.kernels import dequantize_reduce, dequantize_reduce_quantize
 
-        N, D, S, g, sub_pad, bits = self.N, self.D, self.S, self.g, self.sub_pad, self.bits
-        inter: List[Tuple[int, object, torch.Tensor]] = []
-        for s in range(S):
-            if D > 1:
-                h, recv = self._intra[s]
-                self._intra[s] = None
-                h.wait()
-                c, sc = _unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
-                if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
-                    self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
-                    continue
-                # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums)
-                c2, sc2 = dequantize_reduce_quantize(c, sc, bits, g)
-                send = _pack_rows(c2, sc2, N)
-            else:
-                send = self._inter_send[s]
-                self._inter_send[s] = None
-            # 4. inter-node all-to-all (same local index on every node): sub-slice a' to node a'
-            recv = torch.empty_like(send)
-            self.ledger.record("qgz_inter_all_to_all", inter=(N - 1) * send.shape[1])
-            h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.topo.inter_group, async_op=True)
-            inter.append((s, h, recv))
+        N, D, g, sub_pad, bits = self.N, self.D, self.g, self.sub_pad, self.bits
+        for s in range(self.S):
+            h, recv = self._intra[s]
+            self._intra[s] = None
+            h.wait()
+            c, sc = _unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
+            if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
+                self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
+                continue
+            # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums)
+            c2, sc2 = dequantize_reduce_quantize(c, sc, bits, g)
+            self._launch_inter(s, _pack_rows(c2, sc2, N))
+
+    def _complete_inter(self) -> None:
+        from megatron_ext.kernels import dequantize_reduce
+
+        inter, self._inter = self._inter, []
         for s, h, recv in inter:
             h.wait()
             # 5. dequantize + reduce over the N node partial sums
-            c, sc = _unpack_rows(recv, N, sub_pad * bits // 8, self.code_dtype)
-            self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
-        self._done = True
+            c, sc = _unpack_rows(recv, self.N, self.sub_pad * self.bits // 8, self.code_dtype)
+            self._finish_stage(s, dequantize_reduce(c, sc, bits=self.bits, group_size=self.g, dtype=torch.float32))
+
+    def advance(self) -> None:
+        if self._phase == self._INTRA:
+            self._complete_intra()
+            self._phase = self._DONE if self.N == 1 else self._INTER
+        elif self._phase == self._INTER:
+            self._complete_inter()
+            self._phase = self._DONE
+
+    def wait(self) -> None:
+        while self._phase != self._DONE:
+            self.advance()

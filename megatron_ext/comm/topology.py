@@ -4,13 +4,25 @@ Nodes are contiguous blocks of ``ranks_per_node`` ranks of the DP group (the lay
 On one machine, a ``ranks_per_node`` smaller than the group size simulates several nodes, so every hierarchical
 path runs in tests. Subgroups are created eagerly and collectively at construction, on every rank, in the same
 order (``torch.distributed.new_group`` is itself a collective over the default group).
+
+[Note: ranks_per_node counts DP-group ranks]
+``ranks_per_node`` is the number of *this DP group's* ranks on one node, not the number of processes per node: with
+TP x DP a node of R processes holds only R / TP members of each DP group. Callers holding a physical per-node count
+convert it first -- :func:`dp_ranks_per_node` does so from the group's global ranks (megatron_ext's pretrain_gpt
+converts ``--ranks-per-node`` likewise). A value larger than the group, or one that does not divide it, is an error
+(it cannot describe how this group sits on nodes). Left unset, it is derived from torchrun's ``LOCAL_WORLD_SIZE``;
+when that places the group unevenly (or interleaved) on nodes, the group is treated as one node and DP rank 0 says
+so in the log; without ``LOCAL_WORLD_SIZE`` the group is one node.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 class Topology:
@@ -25,10 +37,14 @@ class Topology:
         self.rank = dist.get_rank(self.group)
         self.global_ranks: List[int] = dist.get_process_group_ranks(self.group)
         if ranks_per_node is None:
-            ranks_per_node = default_ranks_per_node(self.global_ranks)
-        if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
+            ranks_per_node = self._default_ranks_per_node()
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
             raise ValueError(f"ranks_per_node (--ranks-per-node) must be a positive integer, got {ranks_per_node!r}")
-        ranks_per_node = min(ranks_per_node, self.size)
+        if ranks_per_node > self.size:
+            raise ValueError(
+                f"ranks_per_node (--ranks-per-node)={ranks_per_node} is larger than the data-parallel group "
+                f"({self.size} ranks): it counts the DP group's ranks per node, not processes per node; pass "
+                f"dp_ranks_per_node(group ranks, processes per node), or {self.size} for one node")
         if self.size % ranks_per_node != 0:
             raise ValueError(
                 f"ranks_per_node (--ranks-per-node)={ranks_per_node} does not divide the data-parallel size "
@@ -41,6 +57,19 @@ class Topology:
         self._inter_group: Optional[dist.ProcessGroup] = None
         if create_subgroups:
             self._create_subgroups()
+
+    def _default_ranks_per_node(self) -> int:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if local_world <= 0:
+            return self.size
+        try:
+            return dp_ranks_per_node(self.global_ranks, local_world)
+        except ValueError as e:
+            if self.rank == 0:
+                _log_once(f"{e}; treating the data-parallel group as one node (hierarchical backends use their "
+                          "one-hop form and the ledger counts all traffic as intra-node): pass ranks_per_node "
+                          "(--ranks-per-node) to choose")
+            return self.size
 
     # -- subgroups -------------------------------------------------------------------------------------
     def _create_subgroups(self) -> None:
@@ -97,15 +126,27 @@ def _subgroup(ranks: List[int]) -> dist.ProcessGroup:
     return _SUBGROUPS[key]
 
 
-def default_ranks_per_node(global_ranks: List[int]) -> int:
-    """DP ranks per physical node, from torchrun's LOCAL_WORLD_SIZE (one node when unset or irregular)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if local_world <= 0:
-        return len(global_ranks)
-    nodes = [g // local_world for g in global_ranks]
+def dp_ranks_per_node(global_ranks: Sequence[int], ranks_per_physical_node: int) -> int:
+    """Members of a DP group (its global ranks, in group-rank order) on each node, nodes being contiguous blocks of
+    ``ranks_per_physical_node`` global ranks (torchrun / Slurm). Raises ValueError when the group sits unevenly on
+    nodes or its consecutive ranks interleave nodes (no hierarchical split describes that)."""
+    if ranks_per_physical_node <= 0:
+        raise ValueError(f"ranks per node must be positive, got {ranks_per_physical_node}")
+    nodes = [g // ranks_per_physical_node for g in global_ranks]
     counts = {n: nodes.count(n) for n in nodes}
     per_node = set(counts.values())
     contiguous = all(nodes[i] <= nodes[i + 1] for i in range(len(nodes) - 1))
-    if len(per_node) == 1 and contiguous:
-        return per_node.pop()
-    return len(global_ranks)
+    if len(per_node) != 1 or not contiguous:
+        raise ValueError(
+            f"with {ranks_per_physical_node} ranks per node the data-parallel group {list(global_ranks)} sits on "
+            f"nodes {nodes}: " + ("uneven ranks per node" if len(per_node) != 1 else "its ranks interleave nodes"))
+    return per_node.pop()
+
+
+_LOGGED: set = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        logger.warning(msg)

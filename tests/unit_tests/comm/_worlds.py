@@ -29,13 +29,33 @@ def make_bucket(seed: int, rank: int, numel: int, dtype: torch.dtype = torch.flo
     return x.to(dtype)
 
 
+class _Capture(logging.Handler):
+    """Keeps the messages megatron_ext logs in this rank (to check who announces what, and how often)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def capture_logs() -> _Capture:
+    log = logging.getLogger("megatron_ext")
+    log.setLevel(logging.WARNING)
+    log.propagate = False
+    cap = _Capture()
+    log.addHandler(cap)
+    return cap
+
+
 def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtype_name: str = "float32",
                      grad_cases=None) -> Dict:
     """Rank body: every grad-reduce case on this rank's bucket, then qwZ on this rank's shard of it."""
     from megatron_ext.comm import BackendOptions, CommLedger, Topology, build_grad_reduce, build_param_gather
 
     dtype = getattr(torch, dtype_name)
-    logging.getLogger("megatron_ext").setLevel(logging.ERROR)
+    logs = capture_logs()
     topo = Topology(ranks_per_node=ranks_per_node)
     P, r = topo.size, topo.rank
     bucket = make_bucket(seed, r, P * n, dtype)
@@ -83,6 +103,69 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         backend.all_gather(buf[r * n:(r + 1) * n], buf).wait()    # the shard aliases its slice, as in the ODO
         out["grad"][label] = buf
         out["ledger"][label] = ledger.summary()
+    out["advance"] = advance_in_fifo_order(topo, n, seed, options, dtype, grad_cases or GRAD_CASES)
+    out["topology"] = topology_checks(topo.size)
+    out["logs"] = list(logs.messages)
+    return out
+
+
+def advance_in_fifo_order(topo, n: int, seed: int, options: Dict, dtype: torch.dtype, grad_cases) -> Dict:
+    """Three buckets per case, reduced twice: each waited for at once (reference), and kept in flight the way the
+    ODO drives them -- launch bucket k, then ``advance()`` every earlier in-flight bucket, oldest first, then
+    ``wait()`` all. Records, per bucket launch, the ledger's call counts (they are recorded when a hop launches)."""
+    from megatron_ext.comm import BackendOptions, CommLedger, build_grad_reduce
+
+    K = 3
+    buckets = [make_bucket(seed + 10 + k, topo.rank, topo.size * n, dtype) for k in range(K)]
+    out: Dict = {}
+    for label, name, extra in grad_cases:
+        opts = BackendOptions(**{**options, **extra})
+        backend = build_grad_reduce(name, topo, CommLedger(), opts)
+        ref = []
+        for b in buckets:
+            shard = torch.full((n,), float("nan"), dtype=dtype)
+            backend.reduce_scatter(b, shard).wait()
+            ref.append(shard)
+        ledger = CommLedger()
+        backend = build_grad_reduce(name, topo, ledger, opts)
+        works, shards, calls = [], [], []
+        for b in buckets:
+            shard = torch.full((n,), float("nan"), dtype=dtype)
+            works.append(backend.reduce_scatter(b, shard))
+            shards.append(shard)
+            for w in works[:-1]:
+                w.advance()
+            calls.append({k: e.calls for k, e in ledger.entries().items()})
+        for w in works:
+            w.wait()
+            w.advance()   # no-op once done
+        out[label] = {"ref": ref, "fifo": shards, "calls": calls}
+    return out
+
+
+def topology_checks(P: int) -> Dict:
+    """ranks_per_node semantics: the errors and the defaults from LOCAL_WORLD_SIZE (no subgroups are built)."""
+    import os
+
+    from megatron_ext.comm import Topology
+
+    out: Dict = {}
+    try:
+        Topology(ranks_per_node=2 * P, create_subgroups=False)
+        out["too_large"] = None
+    except ValueError as e:
+        out["too_large"] = str(e)
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"      # regular: nodes of 2
+        out["lws2"] = Topology(create_subgroups=False).num_nodes
+        os.environ["LOCAL_WORLD_SIZE"] = "3"      # irregular for P in {4, 8}: one node, announced by DP rank 0
+        out["lws3"] = Topology(create_subgroups=False).num_nodes
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
     return out
 
 

@@ -14,6 +14,7 @@ from unit_tests.comm import _worlds as W
 from unit_tests.dist_harness import run_distributed
 from megatron_ext.comm.bytegrad import bytegrad_bytes, bytegrad_row_bytes
 from megatron_ext.comm.qgz import qgz_bytes, qgz_geometry
+from megatron_ext.comm.topology import dp_ranks_per_node
 from megatron_ext.comm.qwz import qwz_group, qwz_row_bytes
 
 # name: (world, ranks_per_node, shard numel n, options, dtype)
@@ -23,6 +24,10 @@ CONFIGS = {
                           "float32"),
     "dp4_rpn1_bf16": (4, 1, 333, dict(quant_group_size=32, qgz_pipeline_stages=1), "bfloat16"),
     "dp8_rpn4": (8, 4, 257, dict(quant_group_size=40, qgz_pipeline_stages=2, bytegrad_chunk_size=300), "float32"),
+    # 4 nodes of 2: N > 2 and D > 1 (the requantizing path with several inter-node peers); an odd group size whose
+    # old geometry (group rounded up to even) gave fewer groups than the rows assumed.
+    "dp8_rpn2_odd_group": (8, 2, 1155, dict(quant_group_size=33, qgz_pipeline_stages=2, bytegrad_chunk_size=500),
+                           "float32"),
 }
 SEED = 7
 
@@ -192,3 +197,80 @@ def test_tiny_and_empty_buckets(name):
             assert ((got - exact).abs() <= 0.5 * scale + 1e-6).all(), (label, tiny)
         q = [r["tiny"][("qwz", tiny)] for r in res]
         assert all(torch.equal(b, q[0]) for b in q)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_advance_in_fifo_order_is_bit_identical_and_launches_the_next_hop(name):
+    """In-flight buckets advanced oldest-first at each new launch (the ODO's schedule) give exactly the results of
+    waiting for each at once, and each advance() puts the next hop on the wire: qgZ's inter-node all-to-alls and
+    ByteGrad's leader all-to-all / all-gather are launched before the caller waits (ledger calls are recorded at
+    launch)."""
+    res, _ = world(name)
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    N = P // rpn
+    S = qgz_geometry(n, opts.get("qgz_pipeline_stages", 2), opts.get("quant_group_size", 2048))[0]
+    for r, out in enumerate(res):
+        for label, case in out["advance"].items():
+            for k, (ref, got) in enumerate(zip(case["ref"], case["fifo"])):
+                assert torch.equal(ref, got), f"rank {r} {label} bucket {k}: advance() changed the result"
+            for k, calls in enumerate(case["calls"]):   # after launching bucket k and advancing buckets < k
+                if label.startswith("qgz"):
+                    intra = S * (k + 1) if rpn > 1 else 0
+                    inter = 0 if N == 1 else S * (k + 1) if rpn == 1 else S * k
+                    assert calls.get("qgz_intra_all_to_all", 0) == intra, (r, label, k, calls)
+                    assert calls.get("qgz_inter_all_to_all", 0) == inter, (r, label, k, calls)
+                elif label == "bytegrad" and (N == 1 or r % rpn == 0):    # the leaders' hops
+                    assert calls.get("bytegrad_inter_all_to_all", 0) == k, (r, k, calls)
+                    assert calls.get("bytegrad_inter_all_gather", 0) == max(0, k - 1), (r, k, calls)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_hop_fallback_announced_once_per_job(name):
+    res, _ = world(name)
+    P, rpn, *_ = CONFIGS[name]
+    for backend in ("qgz", "bytegrad"):
+        said = [sum(m.startswith(f"{backend} on a single node") for m in out["logs"]) for out in res]
+        assert said == ([1] + [0] * (P - 1) if rpn == P else [0] * P), (backend, said)
+
+
+@pytest.mark.parametrize("name", ["dp4_rpn2", "dp8_rpn2_odd_group"])
+def test_ranks_per_node_semantics(name):
+    """Larger than the DP group: a clear error naming the flag (no silent clamp to one node). Unset: derived from
+    LOCAL_WORLD_SIZE; an irregular layout becomes one node and DP rank 0 says so, once."""
+    res, _ = world(name)
+    P = CONFIGS[name][0]
+    msg = res[0]["topology"]["too_large"]
+    assert msg is not None and "--ranks-per-node" in msg and "larger than the data-parallel group" in msg
+    for out in res:
+        assert out["topology"]["lws2"] == P // 2
+        assert out["topology"]["lws3"] == 1
+    said = [sum("treating the data-parallel group as one node" in m for m in out["logs"]) for out in res]
+    assert said == [1] + [0] * (P - 1)
+
+
+def test_dp_ranks_per_node_from_physical_layout():
+    assert dp_ranks_per_node(range(8), 4) == 4                    # DP over the whole world
+    assert dp_ranks_per_node([0, 2, 4, 6], 4) == 2                 # TP=2 x DP=4, nodes of 4 processes
+    assert dp_ranks_per_node([0, 2, 4, 6], 8) == 4                 # ... nodes of 8: the group on one node
+    assert dp_ranks_per_node([8, 10, 12, 14], 12) == 2             # PP stage 1 straddling two nodes of 12
+    assert dp_ranks_per_node([1, 5, 9, 13], 2) == 1                # TP=4: one member per node
+    with pytest.raises(ValueError, match="uneven"):
+        dp_ranks_per_node(range(6), 4)
+    with pytest.raises(ValueError, match="interleave"):
+        dp_ranks_per_node([0, 4, 1, 5], 4)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 7, 33, 99, 100, 255, 256, 2048])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_qgz_geometry_agrees_with_kernel_layout_for_any_group_size(group_size, stages):
+    """Odd --quant-group-size used to round the group up to even, leaving fewer groups than the rows assumed
+    (n=9998 with 99, n=65534 with 255). Now: even group <= the flag (at least 2), whole groups covering the
+    sub-slice, and the kernels' chunk equals the backend's padded sub-slice."""
+    from megatron_ext.kernels.layout import swizzle_layout
+
+    for n in (1, 2, 3, 97, 1153, 1155, 4999, 9998, 65534):
+        S, sub, G, g, sub_pad = qgz_geometry(n, stages, group_size)
+        assert g % 2 == 0 and g <= max(2, group_size), (n, g)
+        assert -(-sub // g) == G and sub <= sub_pad == G * g < sub + g, (n, sub, G, g)
+        lay = swizzle_layout(8 * n, 4, g, 4, 2, S)
+        assert lay.stage_numel == sub and lay.chunk_numel == sub_pad, (n, lay)
