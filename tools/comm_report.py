@@ -13,7 +13,8 @@ cross-node bytes per node in units of M, and the ratio to plain. Buckets of equa
 distinct bucket size is run once and multiplied by its count (exact, and fast for large models).
 
 Next to it: seed 000's Table 1 (ZeRO-3: 3M -> 0.75M cross-node per step, ring accounting) and its equivalent for
-the ODO's ZeRO-2 flow (reduce-scatter + all-gather = 2M plain -> qgZ 0.25M + qwZ 0.5M = 0.75M).
+the ODO's ZeRO-2 flow (reduce-scatter + all-gather = 2M plain -> qgZ 0.25M + qwZ 0.5M = 0.75M), with the closed
+forms of this ledger's pairwise accounting, their ring equivalents, and why qgZ measures (N-1)/N of the seed's M/Z.
 
     python tools/comm_report.py --params 20e6 --world 8 --ranks-per-node 4 --json comm_report.json
 """
@@ -180,26 +181,52 @@ def render(rows: List[dict], cfg: dict) -> str:
                    f"{_fmt_bytes(r['per_rank_inter_bytes']):>12} {_fmt_bytes(r['cross_node_bytes_per_node']):>16} "
                    f"{r['cross_node_per_node_over_M']:>7.3f} {r['cross_node_vs_plain']:>9.3f}")
     by = {r["combo"]: r for r in rows}
-    plain = by["plain"]["collectives"]
-    rs_plain = plain.get("reduce_scatter", {}).get("inter", 0) * P / N
-    ag_plain = plain.get("all_gather", {}).get("inter", 0) * P / N
-    qgz = by["qgZ INT4"]["collectives"].get("qgz_inter_all_to_all", {}).get("inter", 0) * P / N
-    qwz = by["qwZ"]["collectives"].get("qwz_all_gather", {}).get("inter", 0) * P / N
     M = cfg["M"]
+
+    def per_node(combo: str, *names: str) -> float:
+        """Measured cross-node bytes per node of the given collectives, in units of M."""
+        colls = by[combo]["collectives"]
+        return sum(colls.get(n, {}).get("inter", 0) for n in names) * P / N / M
+
+    rs, ag = per_node("plain", "reduce_scatter"), per_node("plain", "all_gather")
+    qgz4, qgz8 = per_node("qgZ INT4", "qgz_inter_all_to_all"), per_node("qgZ INT8", "qgz_inter_all_to_all")
+    qwz = per_node("qwZ", "qwz_all_gather")
+    bg = per_node("ByteGrad", "bytegrad_inter_all_to_all", "bytegrad_inter_all_gather")
+    e = torch.finfo(getattr(torch, cfg["dtype"])).bits // 8
+    q8, q4 = 1 / e, 0.5 / e             # INT8 / INT4 codes over the gradient dtype
+    pairwise = D * (N - 1) / N          # plain collective, per node, over M
+    ring = (P - 1) / P                  # the same collective as a ring: each node boundary crossed once
+    to_ring = ring / pairwise
     out += ["",
-            "Seed 000 Table 1 (cross-node volume per step, ring accounting, intra-node ignored):",
-            "  ZeRO-3 : fwd all-gather M + bwd all-gather M + reduce-scatter M = 3M",
-            "  ZeRO++ : qwZ 0.5M + hpZ 0 + qgZ INT4 0.25M = 0.75M",
-            "  ODO (ZeRO-2, this project): reduce-scatter M + all-gather M = 2M plain -> qgZ 0.25M + qwZ 0.5M = 0.75M",
-            "Measured here (cross-node bytes per node / M; pairwise ledger model):",
-            f"  plain  : reduce-scatter {rs_plain / M:.3f} + all-gather {ag_plain / M:.3f} = "
-            f"{(rs_plain + ag_plain) / M:.3f}  (pairwise = D*(N-1)/N per collective; a ring crosses each node "
-            f"boundary once: ~(P-1)/P = {(P - 1) / P:.3f})",
-            f"  qwZ+qgZ: qgZ INT4 {qgz / M:.3f} + qwZ {qwz / M:.3f} = {(qgz + qwz) / M:.3f}  "
-            f"(qgZ = (N-1)/N * M/4 + scales: the seed's M/Z per node; qwZ = plain all-gather / 2 + scales)",
-            f"  ratio qwZ+qgZ / plain: {(qgz + qwz) / max(rs_plain + ag_plain, 1):.3f} "
-            f"(seed, ring baseline: 0.75/2 = 0.375; against the pairwise plain collectives qgZ saves another "
-            f"factor D = {D})"]
+            f"Cross-node bytes per node per step / M (M = {cfg['dtype']} gradient bytes = weight bytes; N = {N} nodes, "
+            f"D = {D} ranks per node, P = {P}):",
+            f"  {'':<24} {'measured':>9} {'closed form (ledger)':>28} {'ring-equivalent':>16} {'seed 000':>10}",
+            f"  {'plain reduce-scatter':<24} {rs:>9.3f} {'D(N-1)/N = ' + f'{pairwise:.3f}':>28} {rs * to_ring:>16.3f} "
+            f"{'M':>10}",
+            f"  {'plain all-gather':<24} {ag:>9.3f} {'D(N-1)/N = ' + f'{pairwise:.3f}':>28} {ag * to_ring:>16.3f} "
+            f"{'M':>10}",
+            f"  {'qwZ all-gather (INT8)':<24} {qwz:>9.3f} {f'D(N-1)/N*{q8:g} = {pairwise * q8:.3f}':>28} "
+            f"{qwz * to_ring:>16.3f} {'0.5M':>10}",
+            f"  {'qgZ INT4 all-to-all':<24} {qgz4:>9.3f} {f'(N-1)/N*{q4:g} = {(N - 1) / N * q4:.3f}':>28} "
+            f"{qgz4:>16.3f} {'M/Z':>10}",
+            f"  {'qgZ INT8 all-to-all':<24} {qgz8:>9.3f} {f'(N-1)/N*{q8:g} = {(N - 1) / N * q8:.3f}':>28} "
+            f"{qgz8:>16.3f} {'':>10}",
+            f"  {'ByteGrad (leaders)':<24} {bg:>9.3f} {f'2(N-1)/N*{q8:g} = {2 * (N - 1) / N * q8:.3f}':>28} "
+            f"{bg:>16.3f} {'':>10}",
+            "  (measured = closed form + fp32 scales and padding)",
+            "Accounting: the ledger counts a reduce-scatter / all-gather as a pairwise exchange -- each of a node's D "
+            "ranks sends B/P to each of the P-D remote ranks, D(N-1)/N * B per node -- while seed 000 counts a ring, "
+            f"which crosses each node boundary once: (P-1)/P * B ~= B. 'ring-equivalent' rescales the pairwise rows "
+            f"by (P-1)/P / (D(N-1)/N) = {to_ring:.3f}. All-to-alls (qgZ, ByteGrad) are pairwise in both models and "
+            "are not rescaled.",
+            "qgZ vs the seed's M/Z: the seed counts everything a node puts into the inter-node all-to-all (M/Z), "
+            f"including the 1/N share addressed to itself; only (N-1)/N of it leaves the node, so qgZ INT4 measures "
+            f"(N-1)/N * M/Z = {(N - 1) / N * q4:.3f}M per node here (+ scales), reaching the seed's M/Z as N grows.",
+            f"ODO (ZeRO-2) step, ring-equivalent: plain reduce-scatter + all-gather = {(rs + ag) * to_ring:.3f}M "
+            f"(seed: 2M); qwZ + qgZ INT4 = {qwz * to_ring:.3f} + {qgz4:.3f} = {qwz * to_ring + qgz4:.3f}M "
+            f"(seed: 0.5M + 0.25M = 0.75M); ratio {(qwz * to_ring + qgz4) / max((rs + ag) * to_ring, 1e-12):.3f} "
+            "(seed: 0.75 / 2 = 0.375; ZeRO-3's 3M -> 0.75M also needs hpZ for the backward all-gather, which the "
+            "ZeRO-2 flow does not have)."]
     return "\n".join(out)
 
 
