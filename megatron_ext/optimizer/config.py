@@ -13,7 +13,7 @@ ACCUMULATE_POLICIES = ("auto", "shard", "local")
 class OverlapConfig:
     bucket_size: int = 40_000_000          # elements per bucket (--ddp-bucket-size); a larger param gets its own
     accumulate: str = "auto"               # --odo-accumulate: shard | local | auto
-    overlap_grad_reduce: bool = True       # launch each bucket's reduce-scatter as soon as its grads are in
+    overlap_grad_reduce: bool = True       # async reduce-scatter per bucket as its grads are in (off: blocking)
     overlap_param_gather: bool = True      # all-gather after step, waited for by forward pre-hooks
     grad_reduce: str = "plain"             # --grad-reduce: plain | qgz | bytegrad
     param_gather: str = "plain"            # --param-gather: plain | qwz

@@ -63,13 +63,16 @@ def _expect_error(kind):
         "fusion": lambda: mx.OverlappedDDP(_FusedWgradNet(), mx.OverlapConfig()),
         # gloo serves cpu and cuda: parameters elsewhere (here: meta) are refused before the first broadcast
         "device": lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3, device="meta"), mx.OverlapConfig()),
+        "dist_ckpt": lambda: mx.OverlappedDistributedOptimizer(
+            OptimizerConfig(optimizer="adam", lr=1.0),
+            mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig())).sharded_state_dict({}),
         "optimizer": lambda: mx.OverlappedDistributedOptimizer(
             OptimizerConfig(optimizer="lion", lr=1.0),
             mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig())),
     }
     try:
         cfgs[kind]()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, NotImplementedError) as e:
         msg = str(e)
     else:
         msg = None
@@ -83,7 +86,8 @@ def _expect_error(kind):
                                        ("grad_reduce", "--grad-reduce"), ("param_gather", "--param-gather"),
                                        ("ranks_per_node", "--ranks-per-node"), ("optimizer", "--optimizer"),
                                        ("fusion", "--gradient-accumulation-fusion"),
-                                       ("device", "parameters live on meta")])
+                                       ("device", "parameters live on meta"),
+                                       ("dist_ckpt", "--ckpt-format torch")])
 def test_bad_configuration_names_the_flag(spawn, kind, flag):
     world = 3  # ranks_per_node=2 does not divide 3
     for msg, total in spawn(_expect_error, world, kind):
