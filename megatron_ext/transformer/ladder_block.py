@@ -80,7 +80,6 @@ class LadderTransformerBlock(TransformerBlock):
         # the ladder keeps megatron's own input-gradient all-reduces (no backward overlap), for the same reason.
         self.partial_grads = (self.tp > 1 and bool(special) and not self.uses_te
                               and (bool(ladder.desync) or ladder.backward_overlap))
-        self.deferred_params: List[torch.nn.Parameter] = []  # grads summed over TP once per backward
         for layer in special:
             self._rewire(layer)
 
@@ -109,9 +108,21 @@ class LadderTransformerBlock(TransformerBlock):
                 mod.disable_grad_reduce = True
                 mod.allreduce_dgrad = False
             for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                self.deferred_params += [p for p in norm_parameters(norm) if p is not None]
+                norm_parameters(norm)  # refuse norms whose gradients deferred_params() could not all reach
+
+    def deferred_params(self) -> List[torch.nn.Parameter]:
+        """Parameters whose per-rank partial gradients are summed over TP once per backward (module note).
+        Looked up at each forward, so parameters replaced after construction are still the ones summed."""
+        if not self.partial_grads:
+            return []
+        params: List[torch.nn.Parameter] = []
+        for layer in list(self.layers)[self.first_special:]:
+            for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+                params += [p for p in norm_parameters(norm) if p is not None]
             if self.ladder.desync:  # desync adds the bias to a partial-gradient residual (ladder: after reduction)
-                self.deferred_params += [m.bias for m in (attn.linear_proj, mlp.linear_fc2) if m.bias is not None]
+                linears = (layer.self_attention.linear_proj, layer.mlp.linear_fc2)
+                params += [m.bias for m in linears if m.bias is not None]
+        return params
 
     # ---- forward -------------------------------------------------------------------------------------------
 
@@ -174,16 +185,17 @@ class LadderTransformerBlock(TransformerBlock):
     def _special_forward(self, segments: List[Segment], r: Tensor, attn_kw: dict,
                          padding_mask: Optional[Tensor]) -> Tensor:
         views: List[Tensor] = []
+        params = self.deferred_params() if torch.is_grad_enabled() else []
         if self.partial_grads and torch.is_grad_enabled():
             # Leaving the region the input gradient becomes full again; the same node sums every deferred
             # parameter gradient (one coalesced all-reduce after the whole block's backward).
-            r, *views = sum_grads_over_tp([r, *self.deferred_params], self.tp_group)
+            r, *views = sum_grads_over_tp([r, *params], self.tp_group)
             # distribute_saved_activations splits a checkpoint's first input in place: it must own its data
             r = make_viewless_tensor(inp=r, requires_grad=True, keep_graph=True)
         if self.ladder.desync:
             for seg in segments:
-                r = self._maybe_checkpoint(seg.checkpointed, self._desync_chunk(self._layers(seg), attn_kw,
-                                                                                padding_mask), r, *views)
+                fn = self._desync_chunk(self._layers(seg), attn_kw, padding_mask, params)
+                r = self._maybe_checkpoint(seg.checkpointed, fn, r, *views)
             # stage/block end: re-synchronise the residual before the final norm / next stage
             if not self.ladder.reduces(2 * self._layers(segments[-1])[-1].layer_number - 1):
                 r = sync_all_reduce(r / self.tp, self.tp_group)
@@ -191,7 +203,7 @@ class LadderTransformerBlock(TransformerBlock):
             pending: List[Tensor] = []
             for i, seg in enumerate(segments):
                 last = i == len(segments) - 1
-                fn = self._ladder_chunk(self._layers(seg), attn_kw, padding_mask, last, len(pending))
+                fn = self._ladder_chunk(self._layers(seg), attn_kw, padding_mask, last, len(pending), params)
                 outs = self._maybe_checkpoint(seg.checkpointed, fn, r, *pending, *views)
                 r, pending = outs[0], list(outs[1:])
         if self.partial_grads:
@@ -206,14 +218,14 @@ class LadderTransformerBlock(TransformerBlock):
     # ---- ladder --------------------------------------------------------------------------------------------
 
     def _ladder_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor], last: bool,
-                      n_carried: int) -> Callable:
+                      n_carried: int, params: List[torch.nn.Parameter]) -> Callable:
         """Run ``layers`` with ladder wiring. Inputs: residual, up to two finished outputs from before the chunk,
         then the deferred-gradient parameter views. The last chunk flushes (adds every pending output: before the
         final norm / at the stage end); others return the residual and their last two outputs, finished (waited)
         but not yet added, so that a recomputed chunk is a pure function of its inputs."""
         def run(r_in: Tensor, *args: Tensor):
             r = r_in
-            subst = self._substitutes(args[n_carried:])
+            subst = _substitutes(params, args[n_carried:])
             queue: Deque[_Pending] = deque()
             for t in args[:n_carried]:
                 queue.append((None, self._carried(t), None))
@@ -263,9 +275,10 @@ class LadderTransformerBlock(TransformerBlock):
 
     # ---- desync --------------------------------------------------------------------------------------------
 
-    def _desync_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor]) -> Callable:
+    def _desync_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor],
+                      params: List[torch.nn.Parameter]) -> Callable:
         def run(r: Tensor, *views: Tensor) -> Tensor:
-            subst = self._substitutes(views)
+            subst = _substitutes(params, views)
             for layer in layers:
                 base = 2 * (layer.layer_number - 1)
                 for j, (norm, fn) in enumerate(self._module_pairs(layer, attn_kw, padding_mask)):
@@ -284,12 +297,6 @@ class LadderTransformerBlock(TransformerBlock):
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
-    def _substitutes(self, views: Sequence[Tensor]) -> _Subst:
-        """Map deferred parameters to their views when building a graph (forward with grad, or recompute)."""
-        if not views or not torch.is_grad_enabled():
-            return None
-        return {id(p): v for p, v in zip(self.deferred_params, views)}
-
     @staticmethod
     def _norm(norm: torch.nn.Module, x: Tensor, subst: _Subst) -> Tensor:
         if subst is None:
@@ -302,3 +309,10 @@ class LadderTransformerBlock(TransformerBlock):
             return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
         # any other norm (apex/megatron FusedLayerNorm, ...) reading self.weight / self.bias
         return torch.func.functional_call(norm, {"weight": w} if b is None else {"weight": w, "bias": b}, (x,))
+
+
+def _substitutes(params: Sequence[torch.nn.Parameter], views: Sequence[Tensor]) -> _Subst:
+    """Map deferred parameters to their views when building a graph (forward with grad, or recompute)."""
+    if not views or not torch.is_grad_enabled():
+        return None
+    return {id(p): v for p, v in zip(params, views)}
