@@ -1,7 +1,9 @@
 """Ladder Residual and Desynced Residual for megatron-core GPT models (seed 002).
 
 Build a model with ``megatron_ext.models.build_gpt_model(..., ladder_residual=True, ladder_residual_layers=N,
-desync_residual="2x"|"4x")``; see ladder_block.py for the wiring and comm.py for the autograd functions.
+desync_residual="2x"|"4x")``. Files: ladder_block.py (the wiring, incl. inference contexts), comm.py (autograd
+functions for the reductions), recompute_plan.py (megatron's full-recompute grouping), support.py (what is
+refused, and why), ladder_gpt.py (the GPTModel and standard-checkpoint conversion), config.py (flags).
 """
 from __future__ import annotations
 
