@@ -135,13 +135,9 @@ def _raw_combo(topo, label, gr, pg, extra, a) -> Dict:
     return {"times_s": times, "ledger": _ledger_over_ranks(ledger, topo)}
 
 
-def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
-    import torch
+def _init_model_parallel() -> None:
+    """megatron-core's parallel state (TP = PP = 1), which build_gpt_model needs; once per process."""
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer import OptimizerConfig
-
-    import megatron_ext as mx
-    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
 
     if not ps.model_parallel_is_initialized():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -150,6 +146,16 @@ def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
         enable_cpu_compat()
         ps.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
+
+    _init_model_parallel()
     torch.manual_seed(1234)
     model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
     ocfg = mx.OverlapConfig(bucket_size=a.bucket_numel, grad_reduce=gr, param_gather=pg,
@@ -181,14 +187,16 @@ def _deepspeed_combo(topo, a) -> Dict:
     """DeepSpeed ZeRO-2 (plain fp32 reduce-scatter/all-gather, its own bucketing) on the same GPT and batch."""
     import deepspeed
     import torch
-    from megatron.core import parallel_state as ps
 
     from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "mx_torch_extensions"))
+    # DeepSpeed compiles a small C++ op on first use: into a writable cache shared by the ranks (the orchestrator
+    # sets it; torch's cpp_extension serialises concurrent builds with a lock file).
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
     os.environ.setdefault("RANK", str(topo.rank))
     os.environ.setdefault("WORLD_SIZE", str(topo.size))
+    _init_model_parallel()
     torch.manual_seed(1234)
     model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
     ds_config = {
@@ -212,9 +220,13 @@ def _deepspeed_combo(topo, a) -> Dict:
         engine.step()
 
     times = _max_over_ranks(_timed_continuous(step, lambda: None, a.iters, a.warmup))
-    del ps
     return {"times_s": times, "ledger": {"total": {"intra": 0, "inter": 0}, "per_node": {"intra": 0, "inter": 0}},
             "note": "DeepSpeed ZeRO-2 is not instrumented by the ledger"}
+
+
+def default_extensions_dir() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "megatron_ext", "torch_extensions")
 
 
 def worker(a) -> None:
@@ -287,7 +299,7 @@ def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
             for r in range(P):
                 node = r // a.ranks_per_node
                 env = ["env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", f"PYTHONPATH={ROOT}",
-                       f"LOCAL_WORLD_SIZE={a.ranks_per_node}"]
+                       f"LOCAL_WORLD_SIZE={a.ranks_per_node}", f"TORCH_EXTENSIONS_DIR={a.extensions_dir}"]
                 cmd = ["ip", "netns", "exec", cluster.ns(node), *env, sys.executable, os.path.abspath(__file__),
                        "--worker", "--rank", str(r), "--world", str(P), "--store", store, "--out", out, *forward]
                 procs.append(subprocess.Popen(cmd))
@@ -319,14 +331,15 @@ def render(all_results: Dict[str, Dict], a) -> str:
         row = f"{l:<18}"
         for r in rates:
             res = all_results[r].get(l)
-            base = statistics.median(all_results[r]["plain"]["times_s"])
+            plain = all_results[r].get("plain")
             if res is None:
                 row += f"{'-':>14}{'-':>9}{'-':>16}"
                 continue
             med = statistics.median(res["times_s"])
+            speedup = f"{statistics.median(plain['times_s']) / med:>8.2f}x" if plain else f"{'-':>9}"
             inter = res["ledger"]["per_node"]["inter"] / 2 ** 20
             inter_s = f"{inter:>16.2f}" if "note" not in res else f"{'n/a':>16}"
-            row += f"{1e3 * med:>14.1f}{base / med:>8.2f}x{inter_s}"
+            row += f"{1e3 * med:>14.1f}{speedup}{inter_s}"
         lines.append(row)
     lines.append(SEED_000_LOW_BW)
     return "\n".join(lines)
@@ -345,7 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c[0] for c in COMBOS))
+    ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c[0] for c in COMBOS)
+                    + ",DeepSpeed (gpt mode)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -354,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--extensions-dir", default=default_extensions_dir(),
+                    help="writable TORCH_EXTENSIONS_DIR for the op DeepSpeed compiles on first use")
     ap.add_argument("--json", default="bench_cluster.json")
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -367,6 +383,7 @@ def main(argv=None) -> int:
         return 0
     if os.geteuid() != 0:
         ap.error("needs root to create network namespaces")
+    os.makedirs(a.extensions_dir, exist_ok=True)
     forward = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--worker"]
     rates = a.rates.split(",")
     cluster = Cluster(a.nodes, rates[0], a.prefix)
