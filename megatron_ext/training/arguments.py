@@ -336,6 +336,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         args.transformer_impl = "transformer_engine" if te_available else "local"
     if args.transformer_impl == "transformer_engine" and not te_available:
         _fail("--transformer-impl transformer_engine: transformer_engine is not importable; use local")
+    if args.desync_residual and args.tensor_model_parallel_size > 1 and args.transformer_impl == "transformer_engine":
+        _fail("--desync-residual at --tensor-model-parallel-size > 1 needs --transformer-impl local: "
+              "transformer-engine fuses the norm into linear_qkv, so the per-rank norm-weight gradients cannot be "
+              "summed over the TP group")
     if args.sequence_parallel and args.transformer_impl == "local":
         _fail("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
               "(WrappedTorchNorm) rejects sequence parallelism")

@@ -125,3 +125,14 @@ def test_ladder_and_desync_flags_reach_the_args():
     assert a.desync_residual == "2x" and not a.ladder_residual
     a = parse_args(BASE + ["--ladder-residual", "--ladder-residual-layers", "1"], world_size=2)
     assert a.ladder_residual and a.ladder_residual_layers == 1
+
+
+def test_desync_with_transformer_engine_at_tp2_rejected_up_front(capsys, monkeypatch):
+    import megatron_ext.training.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_importable", lambda name: True)  # as on a GPU machine with TE installed
+    err = _error(capsys, ["--desync-residual", "2x", "--tensor-model-parallel-size", "2"])
+    assert "--desync-residual" in err and "--transformer-impl local" in err
+    args = parse_args(BASE + ["--desync-residual", "2x", "--tensor-model-parallel-size", "2",
+                              "--transformer-impl", "local"], world_size=4)
+    assert args.transformer_impl == "local"
