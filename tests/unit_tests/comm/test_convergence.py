@@ -1,0 +1,109 @@
+"""Convergence of the quantized backends: a small megatron-core GPT trained for 200 steps on real text with
+pretrain_gpt, DP=4 on 2 simulated nodes, reaches a final loss within 2% of the plain backend's with qwZ, qgZ (INT4
+and INT8), ByteGrad and their combinations (the issue's criterion; seed 000 Table 5: +2.1% with all of ZeRO++ on).
+
+[Note: why the comparison is not chaotic]
+Every combo starts from the same weights (same --seed) and sees the same batches in the same order, so the only
+difference is the backend. The learning rate (1e-3, 10 warmup steps, cosine to 1e-4) keeps the runs on the smooth
+part of the curve; at a high learning rate, when a 200-step run leaves its early plateau depends on tiny
+perturbations and a quantized run can end several percent above or below plain by chance (the note in
+tools/bench_convergence.py). The final
+loss is the mean over the last 20 steps (160 sequences), which averages out batch-to-batch noise.
+
+Quantization groups of 128 elements (``--quant-group-size``), about one row of this 64-wide model's matrices --
+DeepSpeed's qgZ likewise uses one group per row (``max(shape)`` groups per tensor). With the default 2048 a group
+spans 32 rows, small rows share a scale with the largest, and INT4 gradients cost this tiny GPT +2.3%.
+
+Measured (final loss vs plain, seed 1234 / seed 4321): qwZ -0.00 / +0.03%, qgZ INT4 +0.36 / +0.50%, qgZ INT8
++0.00 / -0.00%, ByteGrad +0.21 / +0.22%, qwZ+qgZ INT4 +0.45 / +0.46%, qwZ+qgZ INT8 +0.03 / +0.02%, qwZ+ByteGrad
++0.18 / +0.17%: the 2% criterion has a margin of 4x. The whole module (8 runs of 200 steps in one gloo world of 4
+ranks) takes about 2 minutes of 2-core CPU time (3 minutes of wall time on a loaded shared machine).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import pytest
+
+from unit_tests.dist_harness import run_distributed
+from unit_tests.training.conftest import text_dataset  # noqa: F401 - the real-text dataset fixture, reused
+
+COMBOS = {
+    # label: (--grad-reduce, --param-gather, extra flags)
+    "plain": ("plain", "plain", []),
+    "qwZ": ("plain", "qwz", []),
+    "qgZ INT4": ("qgz", "plain", ["--qgz-bits", "4"]),
+    "qgZ INT8": ("qgz", "plain", ["--qgz-bits", "8"]),
+    "ByteGrad": ("bytegrad", "plain", []),
+    "qwZ+qgZ INT4": ("qgz", "qwz", ["--qgz-bits", "4"]),
+    "qwZ+qgZ INT8": ("qgz", "qwz", ["--qgz-bits", "8"]),
+    "qwZ+ByteGrad": ("bytegrad", "qwz", []),
+}
+STEPS, FINAL_WINDOW, TOLERANCE = 200, 20, 0.02
+QUANT_GROUP = 128
+
+
+def _model_flags(data_prefix: str, tokenizer: str) -> list:
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "10",
+            "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--clip-grad", "1.0", "--weight-decay", "0.01",
+            "--seed", "1234", "--train-iters", str(STEPS), "--eval-iters", "0", "--log-interval", str(STEPS),
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+            "--ddp-bucket-size", "1000000", "--ranks-per-node", "2",
+            "--data-path", data_prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
+            "--split", "100,0,0"]
+
+
+def _combo_flags(label: str) -> list:
+    gr, pg, extra = COMBOS[label]
+    quant = ["--quant-group-size", str(QUANT_GROUP)] if (gr == "qgz" or pg == "qwz") else []
+    return ["--grad-reduce", gr, "--param-gather", pg, *extra, *quant]
+
+
+def _train_every_combo(base: list) -> dict:
+    """Rank body: pretrain_gpt once per combo in this world; the per-step lm loss (averaged over the DP group)."""
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    logging.getLogger("megatron_ext").setLevel(logging.ERROR)
+    losses = {}
+    for label in COMBOS:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = pretrain(base + _combo_flags(label))
+        losses[label] = [result["losses"][i] for i in sorted(result["losses"])]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def losses(text_dataset):  # noqa: F811
+    prefix, tokenizer = text_dataset
+    result = run_distributed(_train_every_combo, 4, _model_flags(prefix, tokenizer), timeout=900)[-1]
+    print("\n" + _table(result))   # shown with pytest -s
+    return result
+
+
+def _final(curve: list) -> float:
+    return sum(curve[-FINAL_WINDOW:]) / FINAL_WINDOW
+
+
+def _table(losses: dict) -> str:
+    base = _final(losses["plain"])
+    return "\n".join(f"  {k:<13} first {v[0]:.4f}  final {_final(v):.4f}  {(_final(v) / base - 1) * 100:+.2f}%"
+                     for k, v in losses.items())
+
+
+def test_plain_run_learns(losses):
+    """The comparison means something only if the model learns: well below the uniform-guess loss ln(512) ~ 6.2."""
+    curve = losses["plain"]
+    assert len(curve) == STEPS
+    assert _final(curve) < curve[0] - 1.0, (curve[0], _final(curve))
+
+
+@pytest.mark.parametrize("label", [c for c in COMBOS if c != "plain"])
+def test_final_loss_within_2_percent_of_plain(losses, label):
+    assert len(losses[label]) == STEPS
+    assert losses[label] != losses["plain"], f"{label}: the backend changed nothing (not engaged?)"
+    rel = _final(losses[label]) / _final(losses["plain"]) - 1
+    assert abs(rel) <= TOLERANCE, f"{label}: final loss {rel * 100:+.2f}% vs plain (limit 2%)\n{_table(losses)}"
