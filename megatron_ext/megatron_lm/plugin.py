@@ -12,9 +12,10 @@ plug-in changes nothing for runs that do not ask for it. A user adds two lines t
 Limits: ``--hpz-partition-size``, ``--ladder-residual``, ``--ladder-residual-layers`` and ``--desync-residual`` are
 rejected by name when parsed (the checkout builds its own model; the ladder options work in
 ``python -m megatron_ext.training.pretrain_gpt``; hpZ is not implemented yet).
-From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so use ``--ckpt-format torch`` (each rank
-saves its own optimizer shard; resume at the same DP size) or megatron_ext's own pretrain_gpt for reshardable
-checkpoints.
+From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so ``--ckpt-format torch`` and
+``--use-distributed-optimizer`` are required (checked when parsed); the optimizer state is then saved in canonical
+per-parameter layout through Megatron-LM's ``save_parameter_state`` (see optimizer_state.py) and resumes at any DP
+size. ``--gradient-accumulation-fusion`` is switched off.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ns, extra = parse_known(args, namespace)
         try:
             check_megatron_lm_args(ns)
+            _adapt_megatron_lm_args(ns)
         except ArgumentError as e:
             parser.error(str(e))
         return ns, extra
@@ -53,6 +55,33 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parse_known_args._megatron_ext = True  # type: ignore[attr-defined]
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
     return parser
+
+
+def _adapt_megatron_lm_args(ns: argparse.Namespace) -> None:
+    """Megatron-LM settings the ODO needs, checked (or switched off, with a note) when the flags are parsed.
+
+    * ``--use-distributed-optimizer``: Megatron-LM calls ``save_parameter_state`` / ``load_parameter_state`` only
+      then; without it the DP shards of the optimizer state would silently not be saved.
+    * ``--ckpt-format torch``: the ODO has no megatron-core ``sharded_state_dict`` (dist-checkpointing).
+    * ``--gradient-accumulation-fusion`` (Megatron-LM's default when apex/TE are present) writes weight gradients
+      into ``param.main_grad``, which a gradient-freeing optimizer does not keep: it is switched off.
+    """
+    if not _enabled(ns):
+        return
+    if hasattr(ns, "use_distributed_optimizer") and not ns.use_distributed_optimizer:
+        raise ArgumentError("--use-overlapped-distributed-optimizer in a Megatron-LM checkout needs "
+                            "--use-distributed-optimizer (Megatron-LM saves a sharded optimizer's state only then)")
+    fmt = getattr(ns, "ckpt_format", "torch")
+    if fmt != "torch":
+        raise ArgumentError(f"--use-overlapped-distributed-optimizer needs --ckpt-format torch (got {fmt}): the "
+                            "overlapped distributed optimizer has no megatron-core dist-checkpointing support")
+    if getattr(ns, "gradient_accumulation_fusion", False):
+        import sys
+
+        print("megatron_ext: --use-overlapped-distributed-optimizer switches off --gradient-accumulation-fusion "
+              "(fused weight-gradient accumulation writes param.main_grad, which the ODO does not keep)",
+              file=sys.stderr)
+        ns.gradient_accumulation_fusion = False
 
 
 def chain(provider: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None
@@ -152,10 +181,10 @@ def _make_get_optimizer(original: Callable, get_args: Callable[[], Any]) -> Call
         """Megatron-LM's optimizer factory, or the ODO over the (OverlappedDDP) model chunks."""
         if not _enabled(get_args()):
             return original(config, model_chunks, *args, **kwargs)
-        import megatron_ext as mx
+        from .optimizer_state import MegatronLMOverlappedOptimizer
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        return mx.OverlappedDistributedOptimizer(config, chunks if len(chunks) > 1 else chunks[0])
+        return MegatronLMOverlappedOptimizer(config, chunks if len(chunks) > 1 else chunks[0])
 
     get_megatron_optimizer.original = original  # type: ignore[attr-defined]
     return get_megatron_optimizer

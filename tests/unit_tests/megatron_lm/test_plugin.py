@@ -87,7 +87,7 @@ def _both():
 
 def test_install_switches_to_odo_only_with_the_flag(spawn):
     for on, off in spawn(_both, 2, timeout=120):
-        assert on == ("OverlappedDDP", "OverlappedDistributedOptimizer", True, True)
+        assert on == ("OverlappedDDP", "MegatronLMOverlappedOptimizer", True, True)
         assert off == ("_OriginalDDP", "original")
 
 
@@ -177,3 +177,98 @@ def test_overlap_config_rejects_what_install_cannot_honour():
                               world_size=2, tensor_model_parallel_size=1)
     with pytest.raises(ValueError, match="--qgz-bits"):
         overlap_config_from_megatron_args(args)
+
+
+def _megatron_lm_parse_full(argv):
+    """Like _megatron_lm_parse, with the Megatron-LM flags the plug-in adapts."""
+    import megatron_ext.megatron_lm as mxlm
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--ckpt-format", default="torch_dist")
+    parser.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                        dest="gradient_accumulation_fusion")
+    return mxlm.add_args(parser).parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--ckpt-format", "torch"], ["--use-distributed-optimizer"]),
+    (["--use-distributed-optimizer"], ["--ckpt-format torch", "got torch_dist"]),
+])
+def test_megatron_lm_checkpoint_flags_required_when_parsed(capsys, argv, names):
+    with pytest.raises(SystemExit):
+        _megatron_lm_parse_full(["--use-overlapped-distributed-optimizer"] + argv)
+    err = capsys.readouterr().err
+    for n in names:
+        assert n in err, err
+
+
+def test_gradient_accumulation_fusion_switched_off_with_a_note(capsys):
+    a = _megatron_lm_parse_full(["--use-overlapped-distributed-optimizer", "--use-distributed-optimizer",
+                                 "--ckpt-format", "torch"])
+    assert a.gradient_accumulation_fusion is False
+    assert "switches off --gradient-accumulation-fusion" in capsys.readouterr().err
+    a = _megatron_lm_parse_full(["--ckpt-format", "torch_dist"])   # runs that do not ask are untouched
+    assert a.gradient_accumulation_fusion is True
+
+
+def _megatron_lm_checkpoint_world(path: str, save: bool, bucket_size: int):
+    """Megatron-LM's legacy save/load sequence for a distributed optimizer: state_dict() from DP rank 0 only,
+    save_parameter_state(path) on every rank; load_state_dict(rank 0's dict) then load_parameter_state(path)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
+    from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        ddp = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=bucket_size))
+        opt = MegatronLMOverlappedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1), ddp)
+        rank = torch.distributed.get_rank()
+        if save:
+            for step in range(3):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+                opt.zero_grad()
+                opt.scale_loss(ddp(x).pow(2).mean()).backward()
+                ddp.finish_grad_sync()
+                assert opt.step()[0]
+            common = opt.state_dict()
+            if rank == 0:
+                torch.save(common, f"{path}/common.pt")
+            opt.save_parameter_state(f"{path}/distrib_optim.pt")
+            torch.distributed.barrier()
+        else:
+            opt.load_state_dict(torch.load(f"{path}/common.pt", weights_only=False))
+            opt.load_parameter_state(f"{path}/distrib_optim.pt")
+        shards = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shards, super(MegatronLMOverlappedOptimizer, opt).state_dict())
+        merged = merge_optimizer_shards(shards)
+        opt.force_param_sync()
+        weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        return merged, weights, opt.param_groups[0]["lr"]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size(spawn, tmp_path):
+    import torch
+
+    saved = spawn(_megatron_lm_checkpoint_world, 2, str(tmp_path), True, 40, timeout=120)
+    assert (tmp_path / "distrib_optim.pt").exists() and not (tmp_path / "distrib_optim.pt.tmp").exists()
+    common = torch.load(tmp_path / "common.pt", weights_only=False)
+    assert "params" not in common and common["step"] == 3      # the shared part only: rank 0's copy serves all
+    for world, bucket in ((1, 1000), (2, 7)):
+        loaded = spawn(_megatron_lm_checkpoint_world, world, str(tmp_path), False, bucket, timeout=120)
+        want_state, want_w, _ = saved[0]
+        for got_state, got_w, _ in loaded:
+            assert got_state["step"] == want_state["step"]
+            for name, entry in want_state["params"].items():
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got_state["params"][name][key], entry[key]), (world, name, key)
+            for name, w in want_w.items():
+                assert torch.equal(got_w[name], w), (world, name)

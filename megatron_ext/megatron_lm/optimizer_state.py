@@ -1,0 +1,71 @@
+"""The ODO as Megatron-LM's legacy (``--ckpt-format torch``) checkpointing sees a distributed optimizer.
+
+[Note: how Megatron-LM saves a distributed optimizer]
+``save_checkpoint`` writes ``optimizer.state_dict()`` from DP rank 0 only (into ``model_optim_rng.pt`` of each
+TP/PP rank) and, with ``--use-distributed-optimizer``, calls ``optimizer.save_parameter_state(path)`` on every
+rank for the sharded part; loading calls ``load_state_dict`` with DP rank 0's dict on every rank, then
+``load_parameter_state(path)``. The ODO's own ``state_dict()`` is rank-local (this rank's slices), so handed to
+that flow unchanged every other DP rank's slices would be lost. Here ``state_dict()`` holds only what all DP ranks
+share (param groups, loss scaler, step) and the parameter state goes through ``save_parameter_state`` in the
+canonical per-parameter layout: DP rank 0 writes one file, any DP size, bucket size or backend loads it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, merge_optimizer_shards
+from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
+
+COMMON_FORMAT = "megatron_ext.odo/1-common"
+
+
+class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
+    """The ODO with Megatron-LM's ``DistributedOptimizer`` checkpoint split (common dict + parameter state)."""
+
+    is_stub_optimizer = False
+
+    def state_dict(self) -> dict:
+        """What every DP rank shares: identical on all of them, so DP rank 0's copy serves everyone."""
+        full = super().state_dict()
+        return {"format": COMMON_FORMAT, "optimizer": full["optimizer"], "step": full["step"],
+                "param_groups": full["param_groups"], "grad_scaler": full["grad_scaler"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("format") != COMMON_FORMAT:
+            return super().load_state_dict(state_dict)
+        if state_dict["optimizer"] != type(self.inner).__name__:
+            raise ValueError(f"checkpoint optimizer is {state_dict['optimizer']}, this run's is "
+                             f"{type(self.inner).__name__} (--optimizer)")
+        # Param groups and the loss scaler apply now; the parameter state arrives with load_parameter_state.
+        self._common = state_dict
+        for g, sg in zip(self.inner.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in sg.items() if k in g and k != "params"})
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def save_parameter_state(self, filename: str) -> None:
+        """Gather every DP rank's slices on DP rank 0 and write them there in canonical layout (atomically)."""
+        local = super().state_dict()
+        group = self.dp_group
+        shards = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+        dist.gather_object(local, shards, dst=dist.get_global_rank(group, 0), group=group)
+        if shards is None:
+            return
+        tmp = f"{filename}.tmp"
+        torch.save(merge_optimizer_shards(shards), tmp)
+        os.replace(tmp, filename)
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+        """Every rank reads its slices of the canonical file (memory-mapped: only those pages are read)."""
+        state = torch.load(filename, map_location="cpu", mmap=True, weights_only=False)
+        if state.get("format") != CANONICAL_FORMAT:
+            raise ValueError(f"{filename} is not an overlapped-distributed-optimizer parameter state "
+                             f"(format={state.get('format')!r})")
+        common: Optional[dict] = getattr(self, "_common", None)
+        if common is not None:  # this run's loaded common dict wins over the copy inside the file
+            state = dict(state, param_groups=common["param_groups"], grad_scaler=common["grad_scaler"])
+        super().load_state_dict(state)
