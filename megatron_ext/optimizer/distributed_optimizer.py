@@ -245,7 +245,7 @@ class OverlappedDistributedOptimizer:
         for pc in self.pieces:
             pc.master.copy_(state_slice(state_dict, pc.name, "master", pc.start, pc.end))
             st = {}
-            for key in _state_keys(self.inner):
+            for key in optimizer_state_keys(self.inner):
                 st[key] = state_slice(state_dict, pc.name, key, pc.start, pc.end).to(pc.master.device).clone()
             if st:
                 st["step"] = torch.tensor(float(step))
@@ -301,7 +301,8 @@ class OverlappedDistributedOptimizer:
         return t
 
 
-def _state_keys(inner: torch.optim.Optimizer) -> List[str]:
+def optimizer_state_keys(inner: torch.optim.Optimizer) -> List[str]:
+    """Per-element state tensors a checkpoint holds for each parameter slice (besides the fp32 master)."""
     if isinstance(inner, torch.optim.SGD):
         return ["momentum_buffer"] if inner.defaults.get("momentum", 0) else []
     return ["exp_avg", "exp_avg_sq"]
