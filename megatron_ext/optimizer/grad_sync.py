@@ -18,6 +18,13 @@ of each communicating backward (an autograd-engine callback) every remaining buc
 buckets whose parameters got no gradient (they contribute zeros), so every rank issues exactly one
 reduce-scatter per bucket. A bucket is complete when each of its *distinct* parameters has delivered a gradient.
 
+[Note: multi-hop]
+Hierarchical backends (qgZ, ByteGrad) reduce in several dependent hops; a hop can only be launched once the one
+before has finished. Launching the next bucket is the moment the ODO drives them: every in-flight reduction is
+advanced by one hop (``Work.advance()``), oldest first. Launch points are the same on every rank, so every group
+sees the same collective sequence everywhere (advancing on ``is_completed()`` polls would not be), and the
+inter-node hop of bucket k overlaps the backward of the buckets after it instead of waiting for the end.
+
 [Note: overlap off]
 With ``overlap_grad_reduce=False`` pooled buckets are still reduced as they complete, but each reduce-scatter is
 waited for at once (blocking, no overlap): the pool bound on live bucket buffers holds either way. Persistent
@@ -98,6 +105,7 @@ class GradSync:
         self._state = [_BucketState() for _ in buckets]
         self._fresh = [True] * len(buckets)      # shard slice not yet written this step
         self._inflight: List[Callable[[], None]] = []
+        self._inflight_works: List[Work] = []    # launch order, for Work.advance() (see [Note: multi-hop])
         self.sync_enabled = True
         self.step_mode: Optional[str] = None     # "pool" | "local", fixed at the step's first backward
         self.last_step_mode: Optional[str] = None
@@ -225,6 +233,9 @@ class GradSync:
         else:
             target, accumulate = torch.empty_like(out), True
         work: Work = self.backend.reduce_scatter(buffer, target)
+        for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
+            earlier.advance()
+        self._inflight_works.append(work)
         st.launched = True
         pool = self.pools[self.grad_dtype[b.dtype]] if pooled else None
         scale = self.post_reduce_scale
@@ -299,6 +310,7 @@ class GradSync:
         inflight, self._inflight = self._inflight, []
         for complete in inflight:
             complete()
+        self._inflight_works.clear()
 
     def zero_grad(self) -> None:
         self.wait_all()

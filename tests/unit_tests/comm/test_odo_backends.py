@@ -38,12 +38,12 @@ def _flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def _wrap(module, gr, pg, bits, optimizer, lr):
+def _wrap(module, gr, pg, bits, optimizer, lr, bucket_size=300, pool=2):
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
 
-    cfg = mx.OverlapConfig(bucket_size=300, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN,
+    cfg = mx.OverlapConfig(bucket_size=bucket_size, buffer_pool_size=pool, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN,
                            quant_group_size=GROUP, qgz_bits=bits)
     model = mx.OverlappedDDP(module, cfg)
     ocfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0)
@@ -188,3 +188,33 @@ def test_qwz_keeps_fp32_masters_exact(grad):
             assert torch.equal(quant["masters"][step], exact["masters"][step]), (r, step)
             assert not torch.equal(quant["weights"][step], exact["weights"][step]), "qwZ decoded nothing?"
             assert torch.equal(quant["weights"][step], res[0]["masters"][f"{grad}+qwz"]["weights"][step])
+
+
+def _inter_node_hops_before_backward_ends():
+    """Rank body: how many inter-node collectives each hierarchical backend has issued when backward returns
+    (before finish_grad_sync), and the bucket count. The buffer pool holds every bucket, so no pool exhaustion
+    forces an early completion: only Work.advance() can issue the hops."""
+    import torch.distributed as dist
+
+    W.capture_logs()
+    x, y = _batch(dist.get_rank())
+    out = {}
+    for gr, name in (("qgz", "qgz_inter_all_to_all"), ("bytegrad", "bytegrad_inter_all_to_all")):
+        model, opt = _wrap(_mlp(), gr, "plain", 4, "sgd", LR, bucket_size=100, pool=8)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        entry = model.ledger.entries().get(name)
+        out[gr] = (entry.calls if entry is not None else 0, len(model.buckets))
+        model.finish_grad_sync()
+        opt.step()
+    return out
+
+
+def test_odo_advances_inter_node_hops_during_backward():
+    """Every bucket launch advances the older in-flight reductions by one hop (Work.advance), so all but the last
+    bucket's inter-node hop is issued while backward still runs, not after it."""
+    for rank, rank_out in enumerate(run_distributed(_inter_node_hops_before_backward_ends, DP, timeout=120)):
+        for gr, (calls, buckets) in rank_out.items():
+            assert buckets >= 3, "the test needs several buckets"
+            if gr == "bytegrad" and rank % RPN != 0:
+                continue  # only node leaders take part in ByteGrad's inter-node hops
+            assert calls >= buckets - 1, f"{gr}: only {calls} inter-node hops issued during backward"
