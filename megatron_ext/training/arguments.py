@@ -417,8 +417,8 @@ def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
     """DP ranks per node from ``--ranks-per-node`` (GPUs/processes per node, like torchrun's nproc-per-node).
 
     megatron-core orders ranks TP-fastest, then DP, then PP, so a node of R ranks holds R / TP consecutive members
-    of each DP group (all of them when a node spans whole pipeline stages). None keeps the ODO's default
-    (LOCAL_WORLD_SIZE).
+    of each DP group (all of them when a node spans whole pipeline stages; fewer when a stage straddles two
+    nodes, which is computed from the actual DP groups). None keeps the ODO's default (LOCAL_WORLD_SIZE).
     """
     import os
 
@@ -436,11 +436,20 @@ def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
     if rpn % tp != 0:
         _fail(f"{flag} ({rpn}) must be a multiple of --tensor-model-parallel-size ({tp}): a TP group must not "
               "span nodes")
-    per_node = min(dp, rpn // tp)
-    if dp % per_node != 0:
-        _fail(f"{flag} ({rpn}) gives {per_node} DP ranks per node, which does not divide the data-parallel size "
-              f"({dp})")
-    return per_node
+    from megatron_ext.comm import dp_ranks_per_node as members_per_node
+
+    counts = set()
+    for stage in range(args.world_size // (tp * dp)):   # every DP group: same TP index and stage, TP apart
+        for t in range(tp):
+            group = [t + tp * d + tp * dp * stage for d in range(dp)]
+            try:
+                counts.add(members_per_node(group, rpn))
+            except ValueError as e:
+                _fail(f"{flag} ({rpn}): {e}")
+    if len(counts) != 1:
+        _fail(f"{flag} ({rpn}) puts {sorted(counts)} members of different data-parallel groups on a node: "
+              "choose a pipeline size whose stages fill whole nodes")
+    return counts.pop()
 
 
 def _validate_later_features(args: argparse.Namespace) -> None:

@@ -136,3 +136,19 @@ def test_desync_with_transformer_engine_at_tp2_rejected_up_front(capsys, monkeyp
     args = parse_args(BASE + ["--desync-residual", "2x", "--tensor-model-parallel-size", "2",
                               "--transformer-impl", "local"], world_size=4)
     assert args.transformer_impl == "local"
+
+
+def test_dp_ranks_per_node_from_the_actual_dp_groups():
+    import argparse
+
+    from megatron_ext.training.arguments import ArgumentError, dp_ranks_per_node
+
+    def per_node(world, rpn, tp, dp):
+        return dp_ranks_per_node(argparse.Namespace(ranks_per_node=rpn, world_size=world,
+                                                    tensor_model_parallel_size=tp, data_parallel_size=dp))
+
+    assert per_node(8, 2, 1, 4) == 2       # two nodes of two DP ranks
+    assert per_node(8, 2, 2, 4) == 1       # a node holds one TP group: one member of each DP group
+    assert per_node(16, 8, 1, 4) == 4      # a node holds two whole pipeline stages
+    with pytest.raises(ArgumentError, match="--ranks-per-node"):
+        per_node(24, 12, 2, 4)             # stage 1 (ranks 8-15) straddles nodes 0 and 1
