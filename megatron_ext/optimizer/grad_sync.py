@@ -239,12 +239,11 @@ class GradSync:
         st.launched = True
         pool = self.pools[self.grad_dtype[b.dtype]] if pooled else None
         scale = self.post_reduce_scale
-        done = [False]
 
         def complete() -> None:
-            if done[0]:
+            nonlocal work, target, buffer
+            if work is None:
                 return
-            done[0] = True
             work.wait()
             if scale != 1.0:
                 target.mul_(scale)
@@ -257,6 +256,12 @@ class GradSync:
                 buffer.zero_()           # reduced: the next micro-batch starts from zero
                 if st.reading is complete:
                     st.reading = None
+            # Done: forget it at once, so a step of M micro-batches does not keep M scratch shards alive.
+            if complete in self._inflight:
+                self._inflight.remove(complete)
+            if work in self._inflight_works:
+                self._inflight_works.remove(work)
+            work = target = buffer = None
 
         if pool is not None:
             pool.track(complete)
@@ -307,8 +312,7 @@ class GradSync:
             self._launch(b)
 
     def wait_all(self) -> None:
-        inflight, self._inflight = self._inflight, []
-        for complete in inflight:
+        for complete in list(self._inflight):   # each removes itself once done
             complete()
         self._inflight_works.clear()
 

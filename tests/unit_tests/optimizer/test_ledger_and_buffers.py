@@ -120,3 +120,41 @@ def test_auto_accumulation_picks_the_cheaper_policy(spawn, micro_batches):
     assert res["auto"][0] == one                        # never more traffic than local
     # M = 1: auto uses the pooled (bounded-memory) path; M > 1: the once-per-step local path.
     assert res["auto"][1] == ("pool" if micro_batches == 1 else "local")
+
+
+def _live_tensor_bytes() -> int:
+    import gc
+
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def _memory_over_micro_batches(policy):
+    from .models import batch
+
+    model = mx.OverlappedDDP(make_mlp(), mx.OverlapConfig(bucket_size=100, accumulate=policy))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+    live = []
+    for step in range(2):
+        for i in range(6):   # every micro-batch synchronised: the shard accumulates a reduced scratch each time
+            x, y = batch(step, dist.get_rank(), i)
+            opt.scale_loss(torch.nn.functional.mse_loss(model(x), y)).backward()
+            live.append(_live_tensor_bytes())
+        model.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    return live
+
+
+@pytest.mark.parametrize("policy", ["shard", "local"])
+def test_memory_does_not_grow_with_micro_batches(spawn, policy):
+    """A step of M synchronised micro-batches holds the same tensors after micro-batch 2 as after micro-batch 6
+    (completed reductions release their scratch shard at once instead of at the end of the step)."""
+    for live in spawn(_memory_over_micro_batches, 2, policy):
+        assert live[2:6] == [live[2]] * 4 and live[8:12] == [live[8]] * 4, live   # (step 2 adds Adam state)

@@ -43,3 +43,25 @@ def test_params_are_views_into_one_flat_buffer_per_dtype():
     for dtype, flat in pb.flat.items():
         mine = sorted((b.buffer_offset, b.numel) for b in buckets if b.dtype == dtype)
         assert [o for o, _ in mine] == [0] + [o + n for o, n in mine[:-1]] and sum(n for _, n in mine) == flat.numel()
+
+
+def test_every_element_outside_a_parameter_is_zero_even_from_dirty_memory(monkeypatch):
+    """The buffer is allocated uninitialised (so the model is never resident twice while it is filled): padding
+    and alignment gaps must be zeroed explicitly. Dirty memory is simulated with a NaN-filled allocation."""
+    import megatron_ext.optimizer.param_buffer as param_buffer
+
+    real_empty = torch.empty
+    monkeypatch.setattr(param_buffer.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    m = _mixed_dtype_module()
+    params = list(m.parameters())
+    pb = ParameterBuffer(assign_buckets(params, bucket_size=30, dp_size=3, alignment=8), torch.device("cpu"))
+    monkeypatch.undo()
+    for dtype, flat in pb.flat.items():
+        covered = torch.zeros(flat.numel(), dtype=torch.bool)
+        for p in params:
+            if p.dtype == dtype:
+                b, off = pb.locate(p)
+                covered[b.buffer_offset + off:b.buffer_offset + off + p.numel()] = True
+        assert not covered.all(), "the layout should have padding to check"
+        assert not flat[covered].isnan().any()
+        assert torch.equal(flat[~covered], torch.zeros_like(flat[~covered])), dtype
