@@ -86,3 +86,22 @@ def test_bf16_params_with_fp32_master_converge(spawn):
     (first0, last0, w0), (first1, last1, w1) = spawn(_bf16_regression, 2)
     assert torch.equal(w0, w1)
     assert last0 < 0.02 * first0, (first0, last0)
+
+
+def _fp16_injected_inf_on_one_tp_rank():
+    """Two ranks as one TP group (DP = 1 each): only the model-parallel reduction links them."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        return _fp16_injected_inf()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_fp16_inf_on_one_tensor_parallel_rank_skips_step_on_the_other(spawn):
+    per_rank = spawn(_fp16_injected_inf_on_one_tp_rank, 2)
+    for r, res in enumerate(per_rank):
+        assert res[0]["ok"] and res[2]["ok"], f"rank {r}: clean steps must update"
+        assert res[1]["ok"] is False and res[1]["unchanged"], f"rank {r}: the inf on TP rank 1 must skip the step"
+        assert res[1]["scale_after"] == res[1]["scale_before"] / 2
