@@ -37,14 +37,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HELPER = os.path.join(HERE, "netns_cluster.sh")
 
-COMBOS = [
-    # label, grad_reduce, param_gather, backend option overrides
-    ("plain", "plain", "plain", {}),
-    ("qwZ", "plain", "qwz", {}),
-    ("qgZ", "qgz", "plain", {"qgz_bits": 4}),
-    ("qwZ+qgZ", "qgz", "qwz", {"qgz_bits": 4}),
-    ("ByteGrad", "bytegrad", "plain", {}),
-]
+sys.path.insert(0, ROOT)
+from megatron_ext.comm.combos import select_combos  # noqa: E402
+
+COMBOS = select_combos(["plain", "qwZ", "qgZ INT4", "qwZ+qgZ INT4", "ByteGrad"])
 SEED_000_LOW_BW = ("seed 000 Table 2, 384 V100, 1 IB link (100 Gbit/s): ZeRO++ over ZeRO-3 end to end 1.79x-2.16x; "
                    "8 IB links: 1.13x-1.30x")
 
@@ -243,11 +239,12 @@ def worker(a) -> None:
 
     topo = Topology(ranks_per_node=a.ranks_per_node)
     results = {}
-    for label, gr, pg, extra in COMBOS:
+    for combo in COMBOS:
+        label = combo.label
         if a.combos and label not in a.combos.split(","):
             continue
         fn = _raw_combo if a.mode == "raw" else _gpt_combo
-        results[label] = fn(topo, label, gr, pg, extra, a)
+        results[label] = fn(topo, label, combo.grad_reduce, combo.param_gather, {"qgz_bits": combo.qgz_bits}, a)
         if a.rank == 0:
             print(f"  {label:<10} {1e3 * statistics.median(results[label]['times_s']):9.1f} ms/step", flush=True)
     if a.mode == "gpt":
@@ -358,7 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c[0] for c in COMBOS)
+    ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)
                     + ",DeepSpeed (gpt mode)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)

@@ -29,18 +29,10 @@ import time
 from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-COMBOS = {
-    # label: (grad_reduce, param_gather, extra flags)
-    "plain": ("plain", "plain", []),
-    "qwZ": ("plain", "qwz", []),
-    "qgZ INT4": ("qgz", "plain", ["--qgz-bits", "4"]),
-    "qgZ INT8": ("qgz", "plain", ["--qgz-bits", "8"]),
-    "ByteGrad": ("bytegrad", "plain", []),
-    "qwZ+qgZ INT4": ("qgz", "qwz", ["--qgz-bits", "4"]),
-    "qwZ+qgZ INT8": ("qgz", "qwz", ["--qgz-bits", "8"]),
-    "qwZ+ByteGrad": ("bytegrad", "qwz", []),
-}
+from megatron_ext.comm.combos import COMBOS  # noqa: E402
+
 SEED_000_TABLE_5 = "seed 000 Table 5 (GPT-350M, 30B tokens): baseline 2.1218, ZeRO++ all on 2.1656 (+2.1%), qgZ off 2.1217"
 
 TRAIN_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.eE+-]+)")
@@ -48,8 +40,9 @@ EVAL_RE = re.compile(r"validation loss at (.*?) \| lm loss value: ([0-9.eE+-]+)"
 
 
 def run_combo(label: str, a, seed: int) -> Dict:
-    gr, pg, extra = COMBOS[label]
-    quant = ["--quant-group-size", str(a.quant_group_size)] if (gr == "qgz" or pg == "qwz") else []
+    combo = COMBOS[label]
+    quant = (["--quant-group-size", str(a.quant_group_size)]
+             if (combo.grad_reduce == "qgz" or combo.param_gather == "qwz") else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--standalone",
            "-m", "megatron_ext.training.pretrain_gpt",
            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -63,7 +56,7 @@ def run_combo(label: str, a, seed: int) -> Dict:
            "--eval-interval", str(a.train_iters), "--eval-iters", str(a.eval_iters), "--seed", str(seed),
            "--use-distributed-optimizer", "--use-overlapped-distributed-optimizer", "--overlap-grad-reduce",
            "--overlap-param-gather", "--ddp-bucket-size", str(a.bucket_size),
-           "--grad-reduce", gr, "--param-gather", pg, *extra, *quant, "--ranks-per-node", str(a.ranks_per_node)]
+           *combo.flags(), *quant, "--ranks-per-node", str(a.ranks_per_node)]
     if a.data_path:
         cmd += ["--data-path", a.data_path]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -36,16 +36,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# (label, grad_reduce, param_gather, options overrides)
-COMBOS = [
-    ("plain", "plain", "plain", {}),
-    ("qwZ", "plain", "qwz", {}),
-    ("qgZ INT4", "qgz", "plain", {"qgz_bits": 4}),
-    ("qgZ INT8", "qgz", "plain", {"qgz_bits": 8}),
-    ("qwZ+qgZ INT4", "qgz", "qwz", {"qgz_bits": 4}),
-    ("ByteGrad", "bytegrad", "plain", {}),
-    ("qwZ+ByteGrad", "bytegrad", "qwz", {}),
-]
+from megatron_ext.comm.combos import select_combos  # noqa: E402
+
+COMBOS = select_combos(["plain", "qwZ", "qgZ INT4", "qgZ INT8", "qwZ+qgZ INT4", "ByteGrad", "qwZ+ByteGrad"])
 
 SEED_TABLE = {
     "zero3": {"fwd_all_gather": [1.0, 0.5], "bwd_all_gather": [1.0, 0.0], "reduce_scatter": [1.0, 0.25],
@@ -77,11 +70,13 @@ def _rank(rank: int, world: int, store: str, args: dict, outdir: str) -> None:
     dtype = getattr(torch, args["dtype"])
     result: Dict[str, dict] = {}
     g = torch.Generator().manual_seed(rank)
-    for label, gr, pg, extra in COMBOS:
-        opts = BackendOptions(quant_group_size=args["group_size"], qgz_pipeline_stages=args["stages"], **extra)
+    for combo in COMBOS:
+        label = combo.label
+        opts = BackendOptions(quant_group_size=args["group_size"], qgz_pipeline_stages=args["stages"],
+                              qgz_bits=combo.qgz_bits)
         ledger = CommLedger()
-        grad_be = build_grad_reduce(gr, topo, ledger, opts)
-        param_be = build_param_gather(pg, topo, ledger, opts)
+        grad_be = build_grad_reduce(combo.grad_reduce, topo, ledger, opts)
+        param_be = build_param_gather(combo.param_gather, topo, ledger, opts)
         for numel, count in args["sizes"]:
             n = numel // world
             bucket = torch.randn(numel, generator=g).to(dtype)
@@ -123,7 +118,7 @@ def measure(params: int, bucket_size: int, world: int, ranks_per_node: int, dtyp
 def aggregate(per_rank: List[dict], world: int, ranks_per_node: int, M: float) -> List[dict]:
     nodes = world // ranks_per_node
     rows = []
-    for label, *_ in COMBOS:
+    for label in (c.label for c in COMBOS):
         colls: Dict[str, Dict[str, float]] = defaultdict(lambda: {"intra": 0.0, "inter": 0.0, "calls": 0})
         for pr in per_rank:
             for name, e in pr["ledger"][label].items():

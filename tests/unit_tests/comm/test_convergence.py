@@ -27,20 +27,10 @@ import logging
 
 import pytest
 
+from megatron_ext.comm.combos import COMBOS
 from unit_tests.dist_harness import run_distributed
 from unit_tests.training.conftest import text_dataset  # noqa: F401 - the real-text dataset fixture, reused
 
-COMBOS = {
-    # label: (--grad-reduce, --param-gather, extra flags)
-    "plain": ("plain", "plain", []),
-    "qwZ": ("plain", "qwz", []),
-    "qgZ INT4": ("qgz", "plain", ["--qgz-bits", "4"]),
-    "qgZ INT8": ("qgz", "plain", ["--qgz-bits", "8"]),
-    "ByteGrad": ("bytegrad", "plain", []),
-    "qwZ+qgZ INT4": ("qgz", "qwz", ["--qgz-bits", "4"]),
-    "qwZ+qgZ INT8": ("qgz", "qwz", ["--qgz-bits", "8"]),
-    "qwZ+ByteGrad": ("bytegrad", "qwz", []),
-}
 STEPS, FINAL_WINDOW, TOLERANCE = 200, 20, 0.02
 QUANT_GROUP = 128
 
@@ -58,9 +48,10 @@ def _model_flags(data_prefix: str, tokenizer: str) -> list:
 
 
 def _combo_flags(label: str) -> list:
-    gr, pg, extra = COMBOS[label]
-    quant = ["--quant-group-size", str(QUANT_GROUP)] if (gr == "qgz" or pg == "qwz") else []
-    return ["--grad-reduce", gr, "--param-gather", pg, *extra, *quant]
+    combo = COMBOS[label]
+    quantized = combo.grad_reduce == "qgz" or combo.param_gather == "qwz"
+    quant = ["--quant-group-size", str(QUANT_GROUP)] if quantized else []
+    return [*combo.flags(), *quant]
 
 
 def _train_every_combo(base: list) -> dict:
