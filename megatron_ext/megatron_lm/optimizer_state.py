@@ -11,13 +11,11 @@ canonical per-parameter layout: DP rank 0 writes one file, any DP size, bucket s
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, merge_optimizer_shards
+from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
@@ -29,10 +27,13 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
     is_stub_optimizer = False
 
     def state_dict(self) -> dict:
-        """What every DP rank shares: identical on all of them, so DP rank 0's copy serves everyone."""
-        full = super().state_dict()
-        return {"format": COMMON_FORMAT, "optimizer": full["optimizer"], "step": full["step"],
-                "param_groups": full["param_groups"], "grad_scaler": full["grad_scaler"]}
+        """What every DP rank shares: identical on all of them, so DP rank 0's copy serves everyone.
+
+        No collective: Megatron-LM calls this on DP rank 0 only."""
+        steps = [int(s["step"]) for s in self.inner.state.values() if "step" in s]
+        return {"format": COMMON_FORMAT, "optimizer": type(self.inner).__name__, "step": max(steps, default=0),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("format") != COMMON_FORMAT:
@@ -48,16 +49,8 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def save_parameter_state(self, filename: str) -> None:
-        """Gather every DP rank's slices on DP rank 0 and write them there in canonical layout (atomically)."""
-        local = super().state_dict()
-        group = self.dp_group
-        shards = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-        dist.gather_object(local, shards, dst=dist.get_global_rank(group, 0), group=group)
-        if shards is None:
-            return
-        tmp = f"{filename}.tmp"
-        torch.save(merge_optimizer_shards(shards), tmp)
-        os.replace(tmp, filename)
+        """Collective over DP: the state in canonical layout, written by DP rank 0 (merged from per-rank files)."""
+        write_canonical_optimizer_state(super().state_dict(), filename, self.dp_group)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
         """Every rank reads its slices of the canonical file (memory-mapped: only those pages are read)."""

@@ -6,9 +6,12 @@ checks that every element is covered exactly once), which loads at any DP size, 
 """
 from __future__ import annotations
 
-from typing import Dict, List
+import os
+import shutil
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 LOCAL_FORMAT = "megatron_ext.odo/1"
 CANONICAL_FORMAT = "megatron_ext.odo/1-canonical"
@@ -49,6 +52,43 @@ def merge_optimizer_shards(shards: List[dict]) -> dict:
     first = shards[0]
     return {"format": CANONICAL_FORMAT, "optimizer": first["optimizer"], "step": max(s["step"] for s in shards),
             "param_groups": first["param_groups"], "grad_scaler": first["grad_scaler"], "params": params}
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of a (nested) state with every tensor on the CPU."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def write_canonical_optimizer_state(local_state: dict, path: str, dp_group: Optional[dist.ProcessGroup] = None,
+                                    save: Optional[Callable[[Any, str], None]] = None) -> bool:
+    """Collective over ``dp_group``: every DP rank writes its rank-local state next to ``path``, then DP rank 0
+    merges the shards from disk into the canonical file ``path`` and removes them. Atomicity of the checkpoint as a
+    whole is the caller's (pretrain_gpt writes into a temporary directory; Megatron-LM updates its tracker last).
+
+    Going through files keeps the optimizer state off the network and out of GPU memory (``gather_object`` would
+    pickle every rank's state into device buffers under NCCL); the merge maps the shards (``mmap``), so rank 0
+    holds one canonical copy, not P shards plus the copy. Returns True on the rank that wrote ``path``.
+    """
+    save = save or (lambda obj, p: torch.save(obj, p))
+    rank, size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    shard_dir = path + ".shards"
+    os.makedirs(shard_dir, exist_ok=True)
+    save(to_cpu(local_state), os.path.join(shard_dir, f"dp_{rank:05d}.pt"))
+    dist.barrier(group=dp_group)
+    if rank != 0:
+        return False
+    shards = [torch.load(os.path.join(shard_dir, f"dp_{r:05d}.pt"), map_location="cpu", weights_only=False,
+                         mmap=True) for r in range(size)]
+    save(merge_optimizer_shards(shards), path)
+    del shards
+    shutil.rmtree(shard_dir)
+    return True
 
 
 def state_slice(state_dict: dict, name: str, key: str, start: int, end: int) -> torch.Tensor:

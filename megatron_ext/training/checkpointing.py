@@ -116,16 +116,6 @@ def _fsync_save(obj: Any, path: str) -> None:
     _fsync_dir(os.path.dirname(path))
 
 
-def _to_cpu(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 def _crash_hook(iteration: int) -> None:
     """Test hook: ``MEGATRON_EXT_TEST_CRASH_IN_SAVE=<global rank>:<iteration>`` kills that rank while it saves that
     iteration, after writing its own files and before the checkpoint is published (a simulated node failure)."""
@@ -159,22 +149,15 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     mp_dir = os.path.join(tmp, mp_dir_name(tp_rank, pp_rank))
     if save_optim:
         # Each DP rank writes its own shard; DP rank 0 merges them from disk into the canonical per-parameter file.
-        # Going through files keeps the state off the network and off GPU memory (gather_object would pickle the
-        # whole state into device buffers under NCCL).
-        from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+        from megatron_ext.optimizer.checkpoint import write_canonical_optimizer_state
 
-        shard_dir = os.path.join(mp_dir, "optim_shards")
-        _fsync_save(_to_cpu(optimizer.state_dict()), os.path.join(shard_dir, f"dp_{dp_rank:05d}.pt"))
-        dist.barrier(group=dp_group)
-        if dp_rank == 0:
-            paths = [os.path.join(shard_dir, f"dp_{r:05d}.pt") for r in range(ps.get_data_parallel_world_size())]
-            shards = [torch.load(p, map_location="cpu", weights_only=False, mmap=True) for p in paths]
-            _fsync_save(merge_optimizer_shards(shards), os.path.join(mp_dir, "optim.pt"))
-            written.append(os.path.join(mp_dir, "optim.pt"))
-            del shards
-            shutil.rmtree(shard_dir)
+        optim_path = os.path.join(mp_dir, "optim.pt")
+        if write_canonical_optimizer_state(optimizer.state_dict(), optim_path, dp_group, save=_fsync_save):
+            written.append(optim_path)
     if dp_rank == 0:
-        _fsync_save(_to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
+        from megatron_ext.optimizer.checkpoint import to_cpu
+
+        _fsync_save(to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
         written.append(os.path.join(mp_dir, "model.pt"))
     rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
     _fsync_save(get_rng_state(), rng_path)

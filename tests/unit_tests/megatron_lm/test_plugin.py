@@ -237,9 +237,14 @@ def _megatron_lm_checkpoint_world(path: str, save: bool, bucket_size: int):
                 opt.scale_loss(ddp(x).pow(2).mean()).backward()
                 ddp.finish_grad_sync()
                 assert opt.step()[0]
-            common = opt.state_dict()
-            if rank == 0:
-                torch.save(common, f"{path}/common.pt")
+            if rank == 0:   # as Megatron-LM: only DP rank 0 asks for (and writes) the common state
+                import unittest.mock
+
+                def no_collective(*a, **k):
+                    raise AssertionError("state_dict() must not issue a collective: only DP rank 0 calls it")
+                with unittest.mock.patch.multiple(torch.distributed, all_reduce=no_collective,
+                                                  barrier=no_collective, all_gather=no_collective):
+                    torch.save(opt.state_dict(), f"{path}/common.pt")
             opt.save_parameter_state(f"{path}/distrib_optim.pt")
             torch.distributed.barrier()
         else:
@@ -259,7 +264,7 @@ def test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size(spawn, tm
     import torch
 
     saved = spawn(_megatron_lm_checkpoint_world, 2, str(tmp_path), True, 40, timeout=120)
-    assert (tmp_path / "distrib_optim.pt").exists() and not (tmp_path / "distrib_optim.pt.tmp").exists()
+    assert (tmp_path / "distrib_optim.pt").exists() and not (tmp_path / "distrib_optim.pt.shards").exists()
     common = torch.load(tmp_path / "common.pt", weights_only=False)
     assert "params" not in common and common["step"] == 3      # the shared part only: rank 0's copy serves all
     for world, bucket in ((1, 1000), (2, 7)):
