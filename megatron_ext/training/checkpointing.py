@@ -399,6 +399,21 @@ def agree_on_error(error: Optional[str]) -> None:
     raise CheckpointError(f"{first} (found by rank {rank}; no rank loaded anything)")
 
 
+def agree_on_checkpoint(ckpt: Optional[str]) -> None:
+    """Every rank must resume from the same checkpoint (or all start from scratch): a rank whose view of ``--load``
+    differs (a node-local disk, a stale network-filesystem cache, a save racing the read) would otherwise skip the
+    load, or load another iteration, while its peers wait in the load's collectives. Raises on every rank."""
+    names: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, os.path.basename(ckpt) if ckpt else None)
+    if len(set(names)) > 1:
+        seen = {}
+        for r, n in enumerate(names):
+            seen.setdefault(n or "no checkpoint", []).append(r)
+        raise CheckpointError("ranks see different checkpoints in --load ("
+                              + "; ".join(f"{n}: ranks {rs}" for n, rs in seen.items())
+                              + "): is the directory on a filesystem every node sees alike? No rank loaded anything")
+
+
 def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
     from megatron.core import parallel_state as ps
 

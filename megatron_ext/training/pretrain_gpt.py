@@ -135,6 +135,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             except checkpointing.CheckpointError as e:
                 error = str(e)
             checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
+            checkpointing.agree_on_checkpoint(ckpt)  # and all of them resume from the same one
             if ckpt is not None:
                 common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=not args.no_load_optim,

@@ -196,3 +196,24 @@ def test_one_rank_failing_stops_every_rank(spawn):
                                  timeout=60)
     assert failed_rank == "--load /x: the tracker names iteration 4 but ... is missing"
     assert ok_rank == failed_rank + " (found by rank 1; no rank loaded anything)"
+
+
+def _agree_checkpoint(names):
+    import torch.distributed as dist
+
+    from megatron_ext.training.checkpointing import CheckpointError, agree_on_checkpoint
+
+    try:
+        agree_on_checkpoint(names[dist.get_rank()])
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_see_different_checkpoints_all_stop(spawn):
+    """One rank sees no tracker (or an older one) while its peers resume: every rank raises, none loads."""
+    assert spawn(_agree_checkpoint, 2, ["/c/iter_0000004", "/c/iter_0000004"], timeout=60) == [None, None]
+    assert spawn(_agree_checkpoint, 2, [None, None], timeout=60) == [None, None]
+    for names in (["/c/iter_0000004", None], ["/c/iter_0000004", "/c/iter_0000002"]):
+        errors = spawn(_agree_checkpoint, 2, names, timeout=60)
+        assert errors[0] == errors[1] and "ranks see different checkpoints in --load" in errors[0], errors
