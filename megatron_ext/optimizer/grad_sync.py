@@ -244,6 +244,13 @@ class GradSync:
             nonlocal work, target, buffer
             if work is None:
                 return
+            # Earlier launches first (see [Note: multi-hop]): finishing a multi-hop reduction issues its remaining
+            # hops, and this keeps every group's collective sequence in launch order on every rank, whichever
+            # bucket (buffer reuse, pool exhaustion) forced the wait.
+            for older in list(self._inflight):
+                if older is complete:
+                    break
+                older()
             work.wait()
             if scale != 1.0:
                 target.mul_(scale)

@@ -217,4 +217,7 @@ def test_odo_advances_inter_node_hops_during_backward():
             assert buckets >= 3, "the test needs several buckets"
             if gr == "bytegrad" and rank % RPN != 0:
                 continue  # only node leaders take part in ByteGrad's inter-node hops
-            assert calls >= buckets - 1, f"{gr}: only {calls} inter-node hops issued during backward"
+            # qgZ's first advance launches the inter-node hop of each of its 2 pipeline stages; ByteGrad's, the
+            # leaders' all-to-all: every bucket but the last is advanced at least once before backward returns.
+            per_bucket = 2 if gr == "qgz" else 1
+            assert calls >= (buckets - 1) * per_bucket, f"{gr}: only {calls} inter-node hops issued in backward"

@@ -158,3 +158,42 @@ def test_memory_does_not_grow_with_micro_batches(spawn, policy):
     (completed reductions release their scratch shard at once instead of at the end of the step)."""
     for live in spawn(_memory_over_micro_batches, 2, policy):
         assert live[2:6] == [live[2]] * 4 and live[8:12] == [live[8]] * 4, live   # (step 2 adds Adam state)
+
+
+def _completion_order_with_a_later_bucket_needed_first():
+    """A staged stand-in backend logs its hops. Two synchronised backwards without finish_grad_sync in between
+    (local policy): the second uses only the first layer, whose bucket was launched *after* the second layer's, so
+    it needs the later reduction finished first."""
+    from megatron_ext.comm.backend import GradReduce, StagedWork, register_grad_reduce
+
+    log, launches = [], []
+
+    @register_grad_reduce("test_logged_hops")
+    class LoggedHops(GradReduce):
+        def reduce_scatter(self, bucket, out_shard):
+            tag = f"launch{len(launches)}"   # launch 0 is the second layer's bucket (backward order)
+            launches.append(tag)
+
+            def finish():
+                out_shard.copy_(bucket)
+                log.append((tag, "done"))
+                return []
+            return StagedWork([lambda: log.append((tag, "hop1")) or [], lambda: log.append((tag, "hop2")) or [],
+                               finish])
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 24, bias=False), torch.nn.Linear(24, 4, bias=False)  # one bucket each
+    module = torch.nn.ModuleDict({"first": first, "second": second})
+    model = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=192, accumulate="local",
+                                                      grad_reduce="test_logged_hops"))
+    x = torch.randn(3, 8)
+    second(first(x)).sum().backward()      # synchronised: both buckets launched, second's (100) first
+    first(x).sum().backward()              # needs the first layer's buffer again: the later launch
+    model.finish_grad_sync()
+    return log
+
+
+def test_a_bucket_waited_out_of_order_finishes_earlier_launches_first(spawn):
+    """Whatever bucket forces a wait, the remaining hops are issued in launch order (the same on every rank)."""
+    log = spawn(_completion_order_with_a_later_bucket_needed_first, 1)[0]
+    assert log.index(("launch0", "done")) < log.index(("launch1", "done")), log
