@@ -27,7 +27,7 @@ a leader of a one-rank "node" (logged once per job). One rank per node (``D == 1
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist

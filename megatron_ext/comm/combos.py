@@ -1,7 +1,7 @@
 """The backend combinations that reports, benchmarks and convergence tests compare, named once.
 
 A combination is a gradient reduce-scatter backend plus a parameter all-gather backend (and qgZ's bit width); it
-knows its ``OverlapConfig`` settings and its pretrain_gpt flags, so every tool labels the same thing the same way.
+knows its pretrain_gpt flags, so every tool labels the same thing the same way.
 """
 from __future__ import annotations
 
@@ -15,10 +15,6 @@ class BackendCombo:
     grad_reduce: str
     param_gather: str
     qgz_bits: int = 4
-
-    def overlap_settings(self) -> Dict[str, object]:
-        """Keyword arguments of ``OverlapConfig`` (and ``BackendOptions``) for this combination."""
-        return {"grad_reduce": self.grad_reduce, "param_gather": self.param_gather, "qgz_bits": self.qgz_bits}
 
     def flags(self) -> List[str]:
         """pretrain_gpt / Megatron-LM plug-in flags for this combination."""

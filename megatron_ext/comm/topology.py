@@ -8,7 +8,7 @@ order (``torch.distributed.new_group`` is itself a collective over the default g
 [Note: ranks_per_node counts DP-group ranks]
 ``ranks_per_node`` is the number of *this DP group's* ranks on one node, not the number of processes per node: with
 TP x DP a node of R processes holds only R / TP members of each DP group. Callers holding a physical per-node count
-convert it first -- :func:`dp_ranks_per_node` does so from the group's global ranks (megatron_ext's pretrain_gpt
+convert it first -- :func:`group_members_per_node` does so from the group's global ranks (megatron_ext's pretrain_gpt
 converts ``--ranks-per-node`` likewise). A value larger than the group, or one that does not divide it, is an error
 (it cannot describe how this group sits on nodes). Left unset, it is derived from torchrun's ``LOCAL_WORLD_SIZE``;
 when that places the group unevenly (or interleaved) on nodes, the group is treated as one node and DP rank 0 says
@@ -44,7 +44,7 @@ class Topology:
             raise ValueError(
                 f"ranks_per_node (--ranks-per-node)={ranks_per_node} is larger than the data-parallel group "
                 f"({self.size} ranks): it counts the DP group's ranks per node, not processes per node; pass "
-                f"dp_ranks_per_node(group ranks, processes per node), or {self.size} for one node")
+                f"group_members_per_node(group ranks, processes per node), or {self.size} for one node")
         if self.size % ranks_per_node != 0:
             raise ValueError(
                 f"ranks_per_node (--ranks-per-node)={ranks_per_node} does not divide the data-parallel size "
@@ -63,7 +63,7 @@ class Topology:
         if local_world <= 0:
             return self.size
         try:
-            return dp_ranks_per_node(self.global_ranks, local_world)
+            return group_members_per_node(self.global_ranks, local_world)
         except ValueError as e:
             if self.rank == 0:
                 _log_once(f"{e}; treating the data-parallel group as one node (hierarchical backends use their "
@@ -126,7 +126,7 @@ def _subgroup(ranks: List[int]) -> dist.ProcessGroup:
     return _SUBGROUPS[key]
 
 
-def dp_ranks_per_node(global_ranks: Sequence[int], ranks_per_physical_node: int) -> int:
+def group_members_per_node(global_ranks: Sequence[int], ranks_per_physical_node: int) -> int:
     """Members of a DP group (its global ranks, in group-rank order) on each node, nodes being contiguous blocks of
     ``ranks_per_physical_node`` global ranks (torchrun / Slurm). Raises ValueError when the group sits unevenly on
     nodes or its consecutive ranks interleave nodes (no hierarchical split describes that)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode

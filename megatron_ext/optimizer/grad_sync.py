@@ -235,7 +235,8 @@ class GradSync:
         work: Work = self.backend.reduce_scatter(buffer, target)
         for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
             earlier.advance()
-        self._inflight_works.append(work)
+        if type(work).advance is not Work.advance:   # single-hop works (plain) have nothing to advance
+            self._inflight_works.append(work)
         st.launched = True
         pool = self.pools[self.grad_dtype[b.dtype]] if pooled else None
         scale = self.post_reduce_scale

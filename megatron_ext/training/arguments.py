@@ -436,7 +436,7 @@ def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
     if rpn % tp != 0:
         _fail(f"{flag} ({rpn}) must be a multiple of --tensor-model-parallel-size ({tp}): a TP group must not "
               "span nodes")
-    from megatron_ext.comm import dp_ranks_per_node as members_per_node
+    from megatron_ext.comm import group_members_per_node as members_per_node
 
     counts = set()
     for stage in range(args.world_size // (tp * dp)):   # every DP group: same TP index and stage, TP apart

@@ -28,7 +28,6 @@ MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("ffn_hidden_size", "--ffn-hidden-size"),
     ("kv_channels", "--kv-channels"),
     ("num_query_groups", "--num-query-groups"),
-    ("seq_length", "--seq-length"),
     ("max_position_embeddings", "--max-position-embeddings"),
     ("position_embedding_type", "--position-embedding-type"),
     ("normalization", "--normalization"),

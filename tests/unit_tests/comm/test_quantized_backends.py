@@ -14,7 +14,7 @@ from unit_tests.comm import _worlds as W
 from unit_tests.dist_harness import run_distributed
 from megatron_ext.comm.bytegrad import bytegrad_bytes, bytegrad_row_bytes
 from megatron_ext.comm.qgz import qgz_bytes, qgz_geometry
-from megatron_ext.comm.topology import dp_ranks_per_node
+from megatron_ext.comm.topology import group_members_per_node
 from megatron_ext.comm.qwz import qwz_group, qwz_row_bytes
 
 # name: (world, ranks_per_node, shard numel n, options, dtype)
@@ -249,15 +249,15 @@ def test_ranks_per_node_semantics(name):
 
 
 def test_dp_ranks_per_node_from_physical_layout():
-    assert dp_ranks_per_node(range(8), 4) == 4                    # DP over the whole world
-    assert dp_ranks_per_node([0, 2, 4, 6], 4) == 2                 # TP=2 x DP=4, nodes of 4 processes
-    assert dp_ranks_per_node([0, 2, 4, 6], 8) == 4                 # ... nodes of 8: the group on one node
-    assert dp_ranks_per_node([8, 10, 12, 14], 12) == 2             # PP stage 1 straddling two nodes of 12
-    assert dp_ranks_per_node([1, 5, 9, 13], 2) == 1                # TP=4: one member per node
+    assert group_members_per_node(range(8), 4) == 4                    # DP over the whole world
+    assert group_members_per_node([0, 2, 4, 6], 4) == 2                 # TP=2 x DP=4, nodes of 4 processes
+    assert group_members_per_node([0, 2, 4, 6], 8) == 4                 # ... nodes of 8: the group on one node
+    assert group_members_per_node([8, 10, 12, 14], 12) == 2             # PP stage 1 straddling two nodes of 12
+    assert group_members_per_node([1, 5, 9, 13], 2) == 1                # TP=4: one member per node
     with pytest.raises(ValueError, match="uneven"):
-        dp_ranks_per_node(range(6), 4)
+        group_members_per_node(range(6), 4)
     with pytest.raises(ValueError, match="interleave"):
-        dp_ranks_per_node([0, 4, 1, 5], 4)
+        group_members_per_node([0, 4, 1, 5], 4)
 
 
 @pytest.mark.parametrize("group_size", [1, 2, 7, 33, 99, 100, 255, 256, 2048])

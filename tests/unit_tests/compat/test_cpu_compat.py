@@ -1,7 +1,6 @@
 """megatron-core GPTModel on CPU/gloo through the compat shims: TP and PP give the single-process losses."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
