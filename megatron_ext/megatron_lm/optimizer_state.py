@@ -43,10 +43,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                              f"{type(self.inner).__name__} (--optimizer)")
         # Param groups and the loss scaler apply now; the parameter state arrives with load_parameter_state.
         self._common = state_dict
-        for g, sg in zip(self.inner.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in sg.items() if k in g and k != "params"})
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._load_groups_and_scaler(state_dict)
 
     def save_parameter_state(self, filename: str) -> None:
         """Collective over DP: the state in canonical layout, written by DP rank 0 (merged from per-rank files)."""

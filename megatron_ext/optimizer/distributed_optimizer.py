@@ -250,14 +250,7 @@ class OverlappedDistributedOptimizer:
             if st:
                 st["step"] = torch.tensor(float(step))
                 self.inner.state[pc.master] = st
-        saved_groups = state_dict.get("param_groups") or []
-        if len(saved_groups) == len(self.inner.param_groups):
-            for g, sg in zip(self.inner.param_groups, saved_groups):
-                for k, v in sg.items():
-                    if k in g and k != "params":
-                        g[k] = v
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._load_groups_and_scaler(state_dict)
         self._publish_masters()
         self.force_param_sync()
 
@@ -269,6 +262,15 @@ class OverlappedDistributedOptimizer:
             "megatron_ext.optimizer.checkpoint.merge_optimizer_shards() to load at another DP size")
 
     # -- internals ----------------------------------------------------------------------------------
+    def _load_groups_and_scaler(self, state_dict: dict) -> None:
+        """Hyper-parameters of the param groups (lr, weight decay, ...) and the loss scaler's state."""
+        saved_groups = state_dict.get("param_groups") or []
+        if len(saved_groups) == len(self.inner.param_groups):
+            for g, sg in zip(self.inner.param_groups, saved_groups):
+                g.update({k: v for k, v in sg.items() if k in g and k != "params"})
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
     def _publish_masters(self) -> None:
         """Cast masters into the ParameterBuffer shards and all-gather every bucket."""
         for ci, c in enumerate(self.chunks):
