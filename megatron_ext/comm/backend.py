@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 from typing import Callable, ClassVar, Dict, List, Optional, Type
 
 import torch
 
 from .ledger import CommLedger
-from .topology import Topology
+from .topology import Topology, warn_once
 
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,15 +143,8 @@ class _Backend(abc.ABC):
 
     def _warn_once(self, msg: str) -> None:
         """Log ``msg`` once per job: only DP rank 0 of the group logs, and only once per process."""
-        if self.topology.rank != 0:
-            return
-        key = (type(self).__name__, msg)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            logger.warning(msg)
-
-
-_WARNED: set = set()
+        if self.topology.rank == 0:
+            warn_once(msg)
 
 
 class GradReduce(_Backend):

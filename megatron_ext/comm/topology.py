@@ -66,7 +66,7 @@ class Topology:
             return group_members_per_node(self.global_ranks, local_world)
         except ValueError as e:
             if self.rank == 0:
-                _log_once(f"{e}; treating the data-parallel group as one node (hierarchical backends use their "
+                warn_once(f"{e}; treating the data-parallel group as one node (hierarchical backends use their "
                           "one-hop form and the ledger counts all traffic as intra-node): pass ranks_per_node "
                           "(--ranks-per-node) to choose")
             return self.size
@@ -146,7 +146,8 @@ def group_members_per_node(global_ranks: Sequence[int], ranks_per_physical_node:
 _LOGGED: set = set()
 
 
-def _log_once(msg: str) -> None:
+def warn_once(msg: str) -> None:
+    """Log a warning once per process (callers log from one rank of a group only, so: once per job)."""
     if msg not in _LOGGED:
         _LOGGED.add(msg)
         logger.warning(msg)
