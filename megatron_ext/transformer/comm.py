@@ -11,9 +11,10 @@ sums (column-parallel layers skip their input-grad all-reduce), and ``LadderAdd`
 residual, executed in forward just before module k+2) launches the all-reduce of that gradient asynchronously in
 backward. ``GradRendezvous`` sits right after ``LadderReduce`` at the end of module k; autograd runs it after
 module k+1's backward (lower sequence number), so the reduction overlaps module k+1's backward, mirroring the
-forward. Replicated parameters on the partial path (norm weights) get their gradient summed by
-``copy_to_tensor_model_parallel_region``; the block's output gradient is divided by TP to enter partial form and
-its input gradient all-reduced to leave it.
+forward. Replicated parameters on the partial path (norm weights; desync: row-parallel biases) have their
+gradients summed by one ``sum_grads_over_tp`` node per layer (ladder_block.py, [Note: deferred parameter
+gradients]); the block's output gradient is divided by TP to enter partial form, and its input gradient is summed
+by the first layer's node to leave it.
 """
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 class _SumGradsOverTP(torch.autograd.Function):
     """Identity forward for several tensors; backward sums all their gradients over TP in ONE all-reduce
-    (norm weight and bias together: small tensors, so the cost is latency, paid once)."""
+    (a layer's norm weights and biases together: small tensors, so the cost is latency, paid once per layer)."""
 
     @staticmethod
     def forward(ctx, group, *xs: torch.Tensor):

@@ -17,18 +17,23 @@ attention modules exactly as ``TransformerLayer`` passes them, so prefill + deco
 
 [Note: deferred parameter gradients]  At TP>1 with partial residual gradients (see comm.py), the norm weights
 (and, for desync, the row-parallel biases) receive per-rank partial gradients. Instead of one blocking all-reduce
-per module, every such parameter is routed through ONE identity node at the block entry together with the
-block input; its backward runs once all modules' backward is done and sums all of them over TP in one coalesced
-all-reduce (as megatron sums sequence-parallel norm grads once per step). Gradient hooks (DDP, the optimizer) see
-only the summed gradient. Inside recompute chunks the parameter views are checkpoint inputs, so the chunk's
-recomputation hands their gradients back to that single node.
+per module, each layer routes its own such parameters through ONE identity node, created when the layer runs
+(after the pending add that precedes its first module); its backward sums them over TP in one coalesced
+all-reduce as soon as the layer's backward is done. So, with the ODO, a layer's norm weights are read (their
+all-gather waited) only when that layer runs, and their gradients reach their buckets right after that layer's
+backward instead of holding back every later bucket until the whole block is done. The first ladder/desync
+layer's node also carries the block input, whose gradient leaves the partial region there. In backward each
+node runs before the async reduction launched by that pending add, which thus still overlaps the backward of the
+module below instead of being waited for by a blocking all-reduce queued behind it. Gradient hooks
+(DDP, the optimizer) see only the summed gradient. Inside a recompute chunk the node is created again when the
+chunk is recomputed, and its backward runs within the chunk's backward.
 
 Sequence parallelism is rejected: both schemes rely on an all-reduce of a full-sequence partial sum.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +54,10 @@ from .support import check_ladder_supported, check_te_row_linear, is_te, norm_pa
 
 # One not-yet-added module output: the pending reduction, the tensor to add, and its gradient slot (or None).
 _Pending = Tuple[PendingOutput, Tensor, Optional[_Slot]]
-# Parameter (by id) -> the view whose gradient is summed over TP at the block entry; None: use the parameter.
-_Subst = Optional[Dict[int, Tensor]]
+# A partial-gradient parameter of one layer, as (owning module, attribute name): read when the layer runs.
+_ParamSlot = Tuple[torch.nn.Module, str]
+# (id(owning module), attribute name) -> the view whose gradient the layer's node sums over TP; None: no node.
+_Subst = Optional[Dict[Tuple[int, str], Tensor]]
 
 
 class LadderTransformerBlock(TransformerBlock):
@@ -80,8 +87,11 @@ class LadderTransformerBlock(TransformerBlock):
         # the ladder keeps megatron's own input-gradient all-reduces (no backward overlap), for the same reason.
         self.partial_grads = (self.tp > 1 and bool(special) and not self.uses_te
                               and (bool(ladder.desync) or ladder.backward_overlap))
+        # Per layer of this stage (empty for standard layers): where its partial-gradient parameters live.
+        self._param_slots: List[Tuple[_ParamSlot, ...]] = [() for _ in range(self.first_special)]
         for layer in special:
             self._rewire(layer)
+            self._param_slots.append(self._partial_grad_slots(layer) if self.partial_grads else ())
 
     def _rewire(self, layer) -> None:
         """Row-parallel linears return partial sums (we reduce); column-parallel ones skip input-grad reduction
@@ -107,22 +117,31 @@ class LadderTransformerBlock(TransformerBlock):
                     raise NotImplementedError(f"{name} is {type(mod).__name__}; the local layer spec is required")
                 mod.disable_grad_reduce = True
                 mod.allreduce_dgrad = False
-            for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                norm_parameters(norm)  # refuse norms whose gradients deferred_params() could not all reach
 
-    def deferred_params(self) -> List[torch.nn.Parameter]:
-        """Parameters whose per-rank partial gradients are summed over TP once per backward (module note).
-        Looked up at each forward, so parameters replaced after construction are still the ones summed."""
-        if not self.partial_grads:
-            return []
-        params: List[torch.nn.Parameter] = []
-        for layer in list(self.layers)[self.first_special:]:
-            for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
-                params += [p for p in norm_parameters(norm) if p is not None]
-            if self.ladder.desync:  # desync adds the bias to a partial-gradient residual (ladder: after reduction)
-                linears = (layer.self_attention.linear_proj, layer.mlp.linear_fc2)
-                params += [m.bias for m in linears if m.bias is not None]
-        return params
+    def _partial_grad_slots(self, layer) -> Tuple[_ParamSlot, ...]:
+        """Where one layer's parameters with per-rank partial gradients live (module note). Validated once, here;
+        the parameters themselves are read when the layer runs, so replaced parameters are the ones summed."""
+        slots: List[_ParamSlot] = []
+        for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+            _, bias = norm_parameters(norm)  # refuse norms whose gradients the layer's node could not all reach
+            slots += [(norm, "weight")] + ([(norm, "bias")] if bias is not None else [])
+        if self.ladder.desync:  # desync adds the bias to a partial-gradient residual (ladder: after reduction)
+            slots += [(m, "bias") for m in (layer.self_attention.linear_proj, layer.mlp.linear_fc2)
+                      if m.bias is not None]
+        return tuple(slots)
+
+    def _enter_layer(self, index: int, r: Tensor) -> Tuple[Tensor, _Subst]:
+        """Route layer ``index``'s partial-gradient parameters (and, at the first ladder/desync layer, the
+        residual entering the partial region) through one gradient-summing node (module note). Called when the
+        layer runs, so the parameters are read (an ODO all-gather waited) no earlier than needed."""
+        if not (self.partial_grads and torch.is_grad_enabled()):
+            return r, None
+        slots = self._param_slots[index]
+        entry = [r] if index == self.first_special else []
+        views = sum_grads_over_tp(entry + [getattr(m, name) for m, name in slots], self.tp_group)
+        if entry:
+            r, views = views[0], views[1:]
+        return r, {(id(m), name): v for (m, name), v in zip(slots, views)}
 
     # ---- forward -------------------------------------------------------------------------------------------
 
@@ -170,6 +189,9 @@ class LadderTransformerBlock(TransformerBlock):
     def _layers(self, seg: Segment) -> List:
         return list(self.layers)[seg.start:seg.stop]
 
+    def _indexed_layers(self, seg: Segment) -> List[Tuple[int, object]]:
+        return list(zip(range(seg.start, seg.stop), self._layers(seg)))
+
     def _maybe_checkpoint(self, recompute: bool, fn: Callable, *args: Tensor):
         if recompute:
             return tensor_parallel.checkpoint(fn, self.config.distribute_saved_activations, *args)
@@ -184,18 +206,10 @@ class LadderTransformerBlock(TransformerBlock):
 
     def _special_forward(self, segments: List[Segment], r: Tensor, attn_kw: dict,
                          padding_mask: Optional[Tensor]) -> Tensor:
-        views: List[Tensor] = []
-        params = self.deferred_params() if torch.is_grad_enabled() else []
-        if self.partial_grads and torch.is_grad_enabled():
-            # Leaving the region the input gradient becomes full again; the same node sums every deferred
-            # parameter gradient (one coalesced all-reduce after the whole block's backward).
-            r, *views = sum_grads_over_tp([r, *params], self.tp_group)
-            # distribute_saved_activations splits a checkpoint's first input in place: it must own its data
-            r = make_viewless_tensor(inp=r, requires_grad=True, keep_graph=True)
+        # The input gradient leaves the partial region at the first layer's node (_enter_layer).
         if self.ladder.desync:
             for seg in segments:
-                fn = self._desync_chunk(self._layers(seg), attn_kw, padding_mask, params)
-                r = self._maybe_checkpoint(seg.checkpointed, fn, r, *views)
+                r = self._maybe_checkpoint(seg.checkpointed, self._desync_chunk(seg, attn_kw, padding_mask), r)
             # stage/block end: re-synchronise the residual before the final norm / next stage
             if not self.ladder.reduces(2 * self._layers(segments[-1])[-1].layer_number - 1):
                 r = sync_all_reduce(r / self.tp, self.tp_group)
@@ -203,38 +217,41 @@ class LadderTransformerBlock(TransformerBlock):
             pending: List[Tensor] = []
             for i, seg in enumerate(segments):
                 last = i == len(segments) - 1
-                fn = self._ladder_chunk(self._layers(seg), attn_kw, padding_mask, last, len(pending), params)
-                outs = self._maybe_checkpoint(seg.checkpointed, fn, r, *pending, *views)
+                fn = self._ladder_chunk(seg, attn_kw, padding_mask, last)
+                outs = self._maybe_checkpoint(seg.checkpointed, fn, r, *pending)
                 r, pending = outs[0], list(outs[1:])
         if self.partial_grads:
             r = scale_grad(r, 1.0 / self.tp)  # incoming gradient is replicated; enter partial form
         return r
 
     def _module_pairs(self, layer, attn_kw: dict, padding_mask: Optional[Tensor]):
-        """(norm, module) pairs of one layer, each module returning ``(partial output, bias)``."""
-        return ((layer.input_layernorm, lambda x: layer.self_attention(x, **attn_kw)),
-                (layer.pre_mlp_layernorm, lambda x: layer.mlp(x, padding_mask=padding_mask)))
+        """(norm, row-parallel linear, module) of one layer's two modules, each module returning
+        ``(partial output, that linear's bias)``."""
+        return ((layer.input_layernorm, layer.self_attention.linear_proj,
+                 lambda x: layer.self_attention(x, **attn_kw)),
+                (layer.pre_mlp_layernorm, layer.mlp.linear_fc2, lambda x: layer.mlp(x, padding_mask=padding_mask)))
 
     # ---- ladder --------------------------------------------------------------------------------------------
 
-    def _ladder_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor], last: bool,
-                      n_carried: int, params: List[torch.nn.Parameter]) -> Callable:
-        """Run ``layers`` with ladder wiring. Inputs: residual, up to two finished outputs from before the chunk,
-        then the deferred-gradient parameter views. The last chunk flushes (adds every pending output: before the
-        final norm / at the stage end); others return the residual and their last two outputs, finished (waited)
-        but not yet added, so that a recomputed chunk is a pure function of its inputs."""
-        def run(r_in: Tensor, *args: Tensor):
-            r = r_in
-            subst = _substitutes(params, args[n_carried:])
-            queue: Deque[_Pending] = deque()
-            for t in args[:n_carried]:
-                queue.append((None, self._carried(t), None))
+    def _ladder_chunk(self, seg: Segment, attn_kw: dict, padding_mask: Optional[Tensor], last: bool) -> Callable:
+        """Run the segment's layers with ladder wiring. Inputs: residual, then up to two finished outputs from
+        before the chunk. The last chunk flushes (adds every pending output: before the final norm / at the stage
+        end); others return the residual and their last two outputs, finished (waited) but not yet added, so that
+        a recomputed chunk is a pure function of its inputs."""
+        layers = self._indexed_layers(seg)
+
+        def run(r_in: Tensor, *carried: Tensor):
+            r, added = r_in, False
+            queue: Deque[_Pending] = deque((None, self._carried(t), None) for t in carried)
             n_modules = 2 * len(layers)
             m = 0
-            for layer in layers:
-                for norm, fn in self._module_pairs(layer, attn_kw, padding_mask):
+            for index, layer in layers:
+                subst: _Subst = None
+                for j, (norm, _, fn) in enumerate(self._module_pairs(layer, attn_kw, padding_mask)):
                     if len(queue) == 2:
-                        r = self._add_pending(r, queue.popleft())
+                        r, added = self._add_pending(r, queue.popleft()), True
+                    if j == 0:  # after that add: in backward the layer's node runs before the add's launch
+                        r, subst = self._enter_layer(index, r)
                     out, bias = fn(self._norm(norm, r, subst))
                     tag = 2 * (layer.layer_number - 1) + m % 2  # global module index
                     p = launch_ladder_reduce(out, bias, self.tp_group, self.config.hidden_dropout, self.training,
@@ -250,8 +267,8 @@ class LadderTransformerBlock(TransformerBlock):
                 while queue:
                     r = self._add_pending(r, queue.popleft())
                 return (r,)
-            if r is r_in:  # a first one-layer chunk adds nothing; a checkpoint must not return its input, whose
-                r = r.clone()  # data distribute_saved_activations replaces by this rank's slice
+            if not added:  # a first one-layer chunk adds nothing; a checkpoint must not return its input (or a
+                r = r.clone()  # view of it), whose data distribute_saved_activations replaces by this rank's slice
             return (r, *[self._finish(q) for q in queue])
         return run
 
@@ -275,20 +292,21 @@ class LadderTransformerBlock(TransformerBlock):
 
     # ---- desync --------------------------------------------------------------------------------------------
 
-    def _desync_chunk(self, layers: List, attn_kw: dict, padding_mask: Optional[Tensor],
-                      params: List[torch.nn.Parameter]) -> Callable:
-        def run(r: Tensor, *views: Tensor) -> Tensor:
-            subst = _substitutes(params, views)
-            for layer in layers:
+    def _desync_chunk(self, seg: Segment, attn_kw: dict, padding_mask: Optional[Tensor]) -> Callable:
+        layers = self._indexed_layers(seg)
+
+        def run(r: Tensor) -> Tensor:
+            for index, layer in layers:
+                r, subst = self._enter_layer(index, r)
                 base = 2 * (layer.layer_number - 1)
-                for j, (norm, fn) in enumerate(self._module_pairs(layer, attn_kw, padding_mask)):
+                for j, (norm, linear, fn) in enumerate(self._module_pairs(layer, attn_kw, padding_mask)):
                     out, bias = fn(self._norm(norm, r, subst))
                     reduces = self.ladder.reduces(base + j)
                     # megatron: r + dropout(out + bias), one dropout draw over the full output (identical on all
                     # TP ranks). A reducing module sums the ranks' terms, so each adds bias / tp; a desynced one
                     # adds its partial output and the whole bias to its own residual (section 5).
                     if bias is not None:
-                        bias = subst[id(bias)] if subst is not None else bias
+                        bias = subst[(id(linear), "bias")] if subst is not None else bias
                         out = out + (bias / self.tp if reduces else bias)
                     out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
                     r = sync_all_reduce(out + r / self.tp, self.tp_group) if reduces else r + out
@@ -301,18 +319,10 @@ class LadderTransformerBlock(TransformerBlock):
     def _norm(norm: torch.nn.Module, x: Tensor, subst: _Subst) -> Tensor:
         if subst is None:
             return norm(x)
-        w = subst[id(norm.weight)]
-        b = subst[id(norm.bias)] if getattr(norm, "bias", None) is not None else None
+        w, b = subst[(id(norm), "weight")], subst.get((id(norm), "bias"))
         if type(norm) is torch.nn.LayerNorm:
             return F.layer_norm(x, norm.normalized_shape, w, b, norm.eps)
         if type(norm) is torch.nn.RMSNorm:
             return F.rms_norm(x, norm.normalized_shape, w, norm.eps)
         # any other norm (apex/megatron FusedLayerNorm, ...) reading self.weight / self.bias
         return torch.func.functional_call(norm, {"weight": w} if b is None else {"weight": w, "bias": b}, (x,))
-
-
-def _substitutes(params: Sequence[torch.nn.Parameter], views: Sequence[Tensor]) -> _Subst:
-    """Map deferred parameters to their views when building a graph (forward with grad, or recompute)."""
-    if not views or not torch.is_grad_enabled():
-        return None
-    return {id(p): v for p, v in zip(params, views)}

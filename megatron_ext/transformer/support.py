@@ -54,7 +54,7 @@ def norm_parameters(norm: torch.nn.Module) -> List[Optional[torch.nn.Parameter]]
     """``[weight, bias]`` of a norm whose only parameters are those two plain attributes (bias may be None).
 
     At TP>1 the block keeps residual gradients as per-rank partial sums, so it must substitute the norm's
-    parameters by views whose gradients it sums over TP (once, after the block's backward). That works for any
+    parameters by views whose gradients it sums over TP (once per layer, after its backward). That works for any
     norm module (torch, apex/megatron FusedLayerNorm, ...) as long as it reads exactly ``self.weight`` and
     ``self.bias``; anything else would leave a gradient unsummed, so it is refused.
     """

@@ -25,6 +25,9 @@ CASES = {
     "desync2x": (dict(desync_residual="2x"), lambda tp: dict(desync="2x", k=tp)),
     "desync4x": (dict(desync_residual="4x"), lambda tp: dict(desync="4x", k=tp)),
     "desync4x_recompute": (dict(desync_residual="4x", **RECOMPUTE), lambda tp: dict(desync="4x", k=tp)),
+    # the block input itself (not a copy) is the first checkpoint's input, split over TP in place
+    "ladder_recompute_distributed": (dict(ladder_residual=True, **RECOMPUTE, distribute_saved_activations=True),
+                                     lambda tp: dict(ladder_layers=L)),
     # megatron's uniform chunks [0, 1], [2] split at the standard -> ladder boundary; inputs split over TP
     "hybrid_recompute_uniform_distributed": (
         dict(ladder_residual=True, ladder_residual_layers=2, recompute_granularity="full", recompute_method="uniform",

@@ -71,17 +71,29 @@ def test_backward_reduction_of_module_k_overlaps_module_k_plus_1(schedules):
             assert pos[("grad_launch", k)] < pos[("module_backward", k + 1)] < pos[("grad_wait", k)], trace
 
 
+def _numbered(calls):
+    """``[(numel, async_op), ...]`` -> the recorder's ``("launch", i, numel, async_op)`` list."""
+    return [("launch", i, n, a) for i, (n, a) in enumerate(calls)]
+
+
 def test_backward_has_no_per_module_blocking_all_reduce(schedules):
-    """Closed form at TP=2 (numels): the output layer's async input-grad all-reduce (S*B*H); per module what the
-    wiring needs; then ONE blocking all-reduce of the block-input gradient plus every deferred parameter
-    gradient (norm weight+bias: 4H per layer; desync also the two row-parallel biases: 2H per layer)."""
+    """Closed form at TP=2 (numels, in order): the output layer's async input-grad all-reduce (S*B*H); per module
+    what the wiring needs; per layer ONE blocking all-reduce of its partial parameter gradients (norm
+    weight+bias: 4H; desync also the two row-parallel biases: 2H), issued right after that layer's backward; the
+    first layer's also carries the block-input gradient (S*B*H)."""
     act = S * B * H
-    ladder = schedules["ladder"]["backward"]
-    assert ladder == ([("launch", 0, act, True)] + [("launch", i, act, True) for i in range(1, 2 * L + 1)]
-                      + [("launch", 2 * L + 1, act + 4 * H * L, False)])
-    desync = schedules["desync2x"]["backward"]  # 2x: each layer's MLP reduces, in forward and backward alike
-    assert desync == ([("launch", 0, act, True)] + [("launch", i, act, False) for i in range(1, L + 1)]
-                      + [("launch", L + 1, act + 6 * H * L, False)])
+    # Ladder, backward from the top: the flush adds launch the reductions of modules 2L-1 and 2L-2; then per layer
+    # i the add before module 2i+1 launches module 2i-1's, layer i's parameter sum runs once module 2i's backward
+    # is done, and only then does the add before module 2i launch module 2i-2's -- so that reduction overlaps
+    # module 2i-1's backward instead of being waited for by a blocking all-reduce queued behind it.
+    calls = [(act, True)] * 3
+    for _ in range(L - 1, 0, -1):
+        calls += [(act, True), (4 * H, False), (act, True)]
+    calls += [(act + 4 * H, False)]
+    assert schedules["ladder"]["backward"] == _numbered(calls)
+    # Desync-2x: each layer's MLP reduces, in forward and backward alike; then that layer's parameter sum.
+    calls = [(act, True)] + [(act, False), (6 * H, False)] * (L - 1) + [(act, False), (act + 6 * H, False)]
+    assert schedules["desync2x"]["backward"] == _numbered(calls)
 
 
 def _sequence_parallel_rejected():
