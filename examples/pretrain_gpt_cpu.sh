@@ -3,7 +3,7 @@
 # 2 ranks each (--ranks-per-node 2), with the OverlappedDistributedOptimizer and the qgZ (INT4 gradients) and qwZ
 # (INT8 weights) communication backends. It trains on real text with no download: a corpus built once from the
 # Python standard library's sources (cached in ~/.cache/megatron_ext, ~15 s the first time).
-# About two minutes on a 2-core machine (2.5 when the cores are shared); the lm loss falls from ~8.1 to ~5.8 in 100
+# About a minute on an idle 2-core machine (two when the cores are shared); the lm loss falls from ~8.1 to ~5.8 in 100
 # iterations (validation ~5.75), and every log line reports the bytes each rank sent per step inside its node and
 # across nodes (about 0.65 MB / 0.8 MB with qgZ+qwZ against 2.5 MB / 5.1 MB with GRAD_REDUCE=plain PARAM_GATHER=plain).
 #
