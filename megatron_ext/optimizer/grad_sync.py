@@ -172,8 +172,7 @@ class GradSync:
             self.last_step_mode = self.step_mode
         self._comm_this_micro = self.step_mode == "pool" or self.sync_enabled
         self._next_launch = 0
-        for st in self._state:
-            st.launched = False
+        self._reset_launch_flags()
         Variable._execution_engine.queue_callback(self._end_micro)
 
     def _end_micro(self) -> None:

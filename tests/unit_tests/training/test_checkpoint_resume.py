@@ -177,14 +177,15 @@ def test_load_errors_are_agreed_by_every_stage(spawn, text_dataset, tiny_model_f
     assert "found by rank 1" in results[0][2]  # stage 0's own files were fine; it fails with stage 1's reason
 
 
-def _agree(errors):
+def _agree(per_rank, check="agree_on_error"):
+    """Rank body: run ``checkpointing.<check>`` with this rank's value; the CheckpointError message, or None."""
     import torch.distributed as dist
 
-    from megatron_ext.training.checkpointing import CheckpointError, agree_on_error
+    from megatron_ext.training import checkpointing
 
     try:
-        agree_on_error(errors[dist.get_rank()])
-    except CheckpointError as e:
+        getattr(checkpointing, check)(per_rank[dist.get_rank()])
+    except checkpointing.CheckpointError as e:
         return str(e)
     return None
 
@@ -198,22 +199,10 @@ def test_one_rank_failing_stops_every_rank(spawn):
     assert ok_rank == failed_rank + " (found by rank 1; no rank loaded anything)"
 
 
-def _agree_checkpoint(names):
-    import torch.distributed as dist
-
-    from megatron_ext.training.checkpointing import CheckpointError, agree_on_checkpoint
-
-    try:
-        agree_on_checkpoint(names[dist.get_rank()])
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
 def test_ranks_that_see_different_checkpoints_all_stop(spawn):
     """One rank sees no tracker (or an older one) while its peers resume: every rank raises, none loads."""
-    assert spawn(_agree_checkpoint, 2, ["/c/iter_0000004", "/c/iter_0000004"], timeout=60) == [None, None]
-    assert spawn(_agree_checkpoint, 2, [None, None], timeout=60) == [None, None]
+    assert spawn(_agree, 2, ["/c/iter_0000004", "/c/iter_0000004"], "agree_on_checkpoint", timeout=60) == [None, None]
+    assert spawn(_agree, 2, [None, None], "agree_on_checkpoint", timeout=60) == [None, None]
     for names in (["/c/iter_0000004", None], ["/c/iter_0000004", "/c/iter_0000002"]):
-        errors = spawn(_agree_checkpoint, 2, names, timeout=60)
+        errors = spawn(_agree, 2, names, "agree_on_checkpoint", timeout=60)
         assert errors[0] == errors[1] and "ranks see different checkpoints in --load" in errors[0], errors
