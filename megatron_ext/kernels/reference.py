@@ -57,7 +57,8 @@ def _quantize_groups(xg: torch.Tensor, bits: int, scales_out: torch.Tensor, code
     qm = qmax(bits)
     # amax and amin separately: two cheap reductions (torch.aminmax over dim=1 is ~10x slower on CPU)
     absmax = torch.maximum(xg.amax(dim=1), xg.amin(dim=1).neg_()).float().abs_()  # abs_: +0.0 for all-zero groups
-    torch.div(absmax, qm, out=scales_out)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiplication by its reciprocal (not IEEE division)
+    torch.div(absmax, torch.full_like(absmax, qm), out=scales_out)
     safe = torch.where(scales_out > 0, scales_out, torch.ones_like(scales_out))  # all-zero group: codes 0, scale 0
     if xg.dtype == torch.float32:
         y = torch.div(xg, safe.unsqueeze(1))
@@ -241,6 +242,9 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
         lo, hi = s * group_size, min(numel, e * group_size)
         if hi <= lo:
             break
+        if dtype == torch.float32 and hi - lo == (e - s) * group_size:  # whole groups: sum straight into out
+            _reduce_block(chunks, scales, bits, s, e, group_size, out[lo:hi].view(e - s, group_size))
+            continue
         acc = torch.empty(e - s, group_size, dtype=torch.float32, device=chunks.device)
         _reduce_block(chunks, scales, bits, s, e, group_size, acc)
         out[lo:hi] = acc.view(-1)[:hi - lo]

@@ -1,9 +1,11 @@
 """Triton kernels for ByteGrad's min-max UINT8 quantization.
 
 A chunk is usually far larger than one program's tile (Bagua's default bucket is 10 MiB), so the per-chunk min/max
-is a split reduction: every program reduces one ``BLOCK`` of one chunk, a tiny torch reduction finishes it, and the
-per-chunk (scale, lb) come from the same torch function as the reference (so they are bit-identical). The quantize
-and dequantize kernels are then elementwise over ``[chunks, blocks]`` grids.
+is a split reduction: every program reduces one ``BLOCK`` of one chunk, one program per chunk finishes it and derives
+the chunk's (scale, lb), and the quantize kernel is then elementwise over ``[chunks, blocks]`` grids; dequantize
+derives (scale, lb) from (min, max) itself. Three launches and one, so small tensors are not bound by launch count.
+(scale, lb) follow :func:`.reference.minmax_params` operation for operation: torch evaluates ``255.0 / d`` as
+``reciprocal(d) * 255``.
 """
 from __future__ import annotations
 
@@ -28,6 +30,34 @@ def partial_minmax_kernel(x_ptr, pmin_ptr, pmax_ptr, numel, chunk_size, nblk, BL
 
 
 @triton.jit
+def _params(mn, mx):
+    """(scale, lb) of a chunk from its (min, max), as ``reference.minmax_params`` computes them."""
+    d = (mx - mn) + 1e-7
+    scale = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d) * 255.0
+    return scale, rint(mx * scale) - 255.0
+
+
+@triton.jit
+def finish_minmax_kernel(pmin_ptr, pmax_ptr, mins_ptr, maxs_ptr, scale_ptr, lb_ptr, nblk, BLOCK: tl.constexpr):
+    """One program per chunk: reduce its ``nblk`` partial minima / maxima, store (min, max, scale, lb)."""
+    c = tl.program_id(0)
+    lo = tl.full((BLOCK,), float("inf"), tl.float32)
+    hi = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for start in range(0, nblk, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < nblk
+        lo = tl.minimum(lo, tl.load(pmin_ptr + c * nblk + offs, mask=ok, other=float("inf")))
+        hi = tl.maximum(hi, tl.load(pmax_ptr + c * nblk + offs, mask=ok, other=float("-inf")))
+    mn = tl.min(lo, axis=0)
+    mx = tl.max(hi, axis=0)
+    scale, lb = _params(mn, mx)
+    tl.store(mins_ptr + c, mn)
+    tl.store(maxs_ptr + c, mx)
+    tl.store(scale_ptr + c, scale)
+    tl.store(lb_ptr + c, lb)
+
+
+@triton.jit
 def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
     pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
     c = pid // nblk
@@ -45,14 +75,13 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, n
 
 
 @triton.jit
-def minmax_dequantize_kernel(q_ptr, out_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
+def minmax_dequantize_kernel(q_ptr, out_ptr, mins_ptr, maxs_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
     pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
     c = pid // nblk
     blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
-    scale = tl.load(scale_ptr + c)
-    lb = tl.load(lb_ptr + c)
+    scale, lb = _params(tl.load(mins_ptr + c), tl.load(maxs_ptr + c))
     q = tl.load(q_ptr + c * chunk_size + offs, mask=ok, other=0).to(tl.float32)
     y = tl.math.div_rn(q + lb, tl.full((BLOCK,), 1.0, tl.float32) * scale)
     tl.store(out_ptr + c * chunk_size + offs, to_out_dtype(y, out_ptr.dtype.element_ty), mask=ok)

@@ -14,6 +14,7 @@ from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, c
 # results equal the torch reference bit for bit. The interpreter ignores the option.
 _OPTS = {"enable_fp_fusion": False}
 _MINMAX_BLOCK = 2048
+_FINISH_BLOCK = 1024  # partials reduced per step by the per-chunk finishing program
 
 
 def _tile(bits: int, group_size: int) -> tuple[int, int]:
@@ -38,8 +39,8 @@ def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: 
     check_int32_offsets(max(_tiled_extent(total_groups, bits, group_size), nodes * rpn * part + gpc * group_size),
                         "quantize")
     grid = (cdiv(total_groups, gpp),)
-    _sym.swizzle_quantize_kernel[grid](x, codes, scales, numel, part, stage, total_groups,
-                                       NODES=nodes, RPN=rpn, GPC=gpc, GROUP=group_size, COLS=cols, GPP=gpp,
+    _sym.swizzle_quantize_kernel[grid](x, codes, scales, numel, part, stage, total_groups, gpc,
+                                       NODES=nodes, RPN=rpn, GROUP=group_size, COLS=cols, GPP=gpp,
                                        BITS=bits, QMAX=qmax(bits), **_OPTS)
 
 
@@ -77,7 +78,7 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
     dummy = out if out is not None else out_scales
     grid = (cdiv(groups, gpp),)
     _sym.reduce_kernel[grid](chunks, scales, dummy, out_codes if requant else dummy,
-                             out_scales if requant else dummy, k, groups, numel,
+                             out_scales if requant else dummy, groups, numel, K=k,
                              GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=requant,
                              **_OPTS)
 
@@ -135,9 +136,9 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
         return q, empty, empty.clone()
     pmin = torch.empty(nchunks, nblk, dtype=torch.float32, device=x.device)
     pmax = torch.empty_like(pmin)
+    mins, maxs, scale, lb = torch.empty(4, nchunks, dtype=torch.float32, device=x.device).unbind()
     _mm.partial_minmax_kernel[(nchunks * nblk,)](x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
-    mins, maxs = pmin.amin(dim=1), pmax.amax(dim=1)
-    scale, lb = _ref.minmax_params(mins, maxs)
+    _mm.finish_minmax_kernel[(nchunks,)](pmin, pmax, mins, maxs, scale, lb, nblk, BLOCK=_FINISH_BLOCK, **_OPTS)
     _mm.minmax_quantize_kernel[(nchunks * nblk,)](x, q, scale, lb, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK,
                                                   **_OPTS)
     return q, mins, maxs
@@ -152,7 +153,6 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
                          f"{mins.numel()} mins")
     out = torch.empty(numel, dtype=dtype, device=q.device)
     if nchunks:
-        scale, lb = _ref.minmax_params(mins.float(), maxs.float())
-        _mm.minmax_dequantize_kernel[(nchunks * nblk,)](q, out, scale.contiguous(), lb.contiguous(), numel,
-                                                        chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
+        _mm.minmax_dequantize_kernel[(nchunks * nblk,)](q, out, mins.float().contiguous(), maxs.float().contiguous(),
+                                                        numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
     return out
