@@ -1,14 +1,22 @@
-"""Each Triton kernel equals its torch reference bit for bit, on CPU tensors under ``TRITON_INTERPRET=1``.
+"""Each Triton kernel equals its torch reference bit for bit: on CPU tensors under ``TRITON_INTERPRET=1``, or compiled
+on a GPU with ``MX_TEST_DEVICE=cuda``.
 
 Not collected by default (no ``test_`` prefix): ``test_triton_interpreted.py`` runs this file in a fresh pytest
-subprocess with ``TRITON_INTERPRET=1`` set before anything imports Triton (see the note there).
+subprocess with ``TRITON_INTERPRET=1`` set before anything imports Triton (see the note there). On a machine with a
+GPU, ``MX_TEST_DEVICE=cuda python -m pytest tests/unit_tests/kernels/triton_cases.py`` runs the same cases on the
+compiled kernels: inputs are built on the CPU as always, moved to the GPU with their exact strides, and the results
+come back to be compared with the CPU reference.
 """
 import os
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+DEVICE = os.environ.get("MX_TEST_DEVICE", "cpu")
+if DEVICE == "cuda":
+    if not torch.cuda.is_available():
+        pytest.skip("MX_TEST_DEVICE=cuda but CUDA is not available", allow_module_level=True)
+elif os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpreted.py (needs TRITON_INTERPRET=1 before triton is imported)",
                 allow_module_level=True)
 pytest.importorskip("triton")
@@ -19,16 +27,46 @@ from megatron_ext.kernels import reference as ref  # noqa: E402
 
 from . import contract_cases  # noqa: E402
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+# the interpreter runs every program in Python: few examples there; compiled kernels afford many more
+SETTINGS = settings(max_examples=60 if DEVICE == "cuda" else 12, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 
 
+def _to_device(t):
+    """``t`` on DEVICE with the same storage layout (size, strides, offset): a strided view stays strided."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    return flat.to(DEVICE).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def _to_cpu(out):
+    return tuple(_to_cpu(o) for o in out) if isinstance(out, tuple) else out.cpu()
+
+
+class _OnDevice:
+    """The Triton launchers with CPU tensors in and out, the kernels running on DEVICE."""
+
+    def __init__(self, impl):
+        self._impl = impl
+
+    def __getattr__(self, name):
+        fn = getattr(self._impl, name)
+
+        def call(*args, **kwargs):
+            out = fn(*map(_to_device, args), **{k: _to_device(v) for k, v in kwargs.items()})
+            torch.cuda.synchronize()
+            return _to_cpu(out)
+        return call
+
+
 @pytest.fixture(scope="module")
 def tri():
-    from triton.runtime.interpreter import InterpretedFunction
-
     from megatron_ext.kernels import triton_ops, triton_symmetric
+    if DEVICE == "cuda":
+        return _OnDevice(triton_ops)
+    from triton.runtime.interpreter import InterpretedFunction
     assert isinstance(triton_symmetric.swizzle_quantize_kernel, InterpretedFunction)
     return triton_ops
 
@@ -199,7 +237,8 @@ class _LaunchSpy:
 
 
 def test_dispatch_selects_triton(tri, monkeypatch):
-    """The public functions launch the Triton kernels when forced (CPU tensors run interpreted), and only then."""
+    """The public functions launch the Triton kernels when forced (CPU tensors run interpreted), and only then; on a GPU
+    the Triton and torch paths agree on the same CUDA tensors."""
     from megatron_ext import kernels as K
     from megatron_ext.kernels import triton_minmax, triton_symmetric
     spies = {}
@@ -208,7 +247,7 @@ def test_dispatch_selects_triton(tri, monkeypatch):
                       (triton_minmax, "minmax_dequantize_kernel")):
         spies[name] = _LaunchSpy(getattr(mod, name))
         monkeypatch.setattr(mod, name, spies[name])
-    x = _data(300, torch.float32, 1)
+    x = _data(300, torch.float32, 1).to(DEVICE)  # the public functions dispatch on the tensors' device
     codes, scales = ref.quantize_symmetric(x, bits=4, group_size=32)
     chunks, sc2 = codes[:64].view(2, 32), scales[:4].view(2, 2)
     q, mins, maxs = ref.quantize_minmax_uint8(x, 100)
