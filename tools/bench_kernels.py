@@ -5,8 +5,11 @@ For each operation and size: GB/s of bytes read + written by the op (its minimal
 once) and the ratio to a ``torch`` clone of the same number of bytes (a clone of B/2 bytes reads B/2 and writes B/2;
 like the ops it allocates its output) and to a copy into a preallocated buffer (the raw copy bandwidth, without the
 allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs
-after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike.
-The torch path runs on CPU; with CUDA available the Triton path runs on the GPU too. Prints a table and writes JSON.
+after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike; on a GPU they are
+medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
+The torch path runs on CPU; with CUDA available the Triton path runs on the GPU too, and each Triton row first checks
+that its output equals the torch path's on the same inputs, bit for bit (the "= torch" column).
+Prints a table and writes JSON.
 
 Goals (issue 3), judged on the ratio to the clone: the torch path on CPU >= 30% of copy bandwidth, Triton on a GPU
 >= 80%; the table marks each row. Default sizes 1M..256M elements on every device. A size whose estimated peak memory
@@ -58,6 +61,7 @@ class Row:
     ratio_prealloc: float
     goal: float | None  # fraction of the clone bandwidth the issue asks for; None: no goal for this device/backend
     meets_goal: bool | None
+    matches_torch: bool | None = None  # Triton rows: output bit-identical to the torch path on the same inputs
 
 
 def judge(device: str, backend: str, ratio: float) -> tuple[float | None, bool | None]:
@@ -76,6 +80,20 @@ def time_once(fn: Callable[[], object], device: str) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - t0
+
+
+def time_cuda(fn: Callable[[], object]) -> float:
+    """Median seconds of ``fn`` on the GPU, timed with CUDA events by ``triton.testing.do_bench`` (which also clears
+    the L2 cache before every call, so a small size is not timed out of the cache)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def same_outputs(a: object, b: object) -> bool:
+    """Bit-for-bit equality of two ops' outputs (a tensor or a tuple of tensors)."""
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and
+                                    torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
 
 
 def build_ops(numel: int, dtype: torch.dtype, device: str, group: int, nodes: int, rpn: int, stages: int,
@@ -180,20 +198,30 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
     for numel in sizes:
         for name, fn, nbytes in build_ops(numel, dtype, device, **geom):
             clone, copy_, copied = copy_fns(nbytes, device)
-            for f in (fn, clone, copy_):  # warm-up: first-touch page faults, Triton compilation
-                time_once(f, device)
-            t, tc, tp = float("inf"), float("inf"), float("inf")
-            for _ in range(repeat):  # best of repeat, interleaved so that all three see the same machine load
-                t = min(t, time_once(fn, device))
-                tc = min(tc, time_once(clone, device))
-                tp = min(tp, time_once(copy_, device))
+            matches = None
+            if backend != "torch":  # correct first: the kernel's output against the torch path's, same inputs
+                with K.use_backend("torch"):
+                    want = fn()
+                matches = same_outputs(fn(), want)
+                del want
+            if device == "cuda":  # event-timed medians; the host clock would time launch latency at small sizes
+                t, tc, tp = time_cuda(fn), time_cuda(clone), time_cuda(copy_)
+            else:
+                for f in (fn, clone, copy_):  # warm-up: first-touch page faults, Triton compilation
+                    time_once(f, device)
+                t, tc, tp = float("inf"), float("inf"), float("inf")
+                for _ in range(repeat):  # best of repeat, interleaved so that all three see the same machine load
+                    t = min(t, time_once(fn, device))
+                    tc = min(tc, time_once(clone, device))
+                    tp = min(tp, time_once(copy_, device))
             cp, pp = copied / tc / 1e9, copied / tp / 1e9
             gb = nbytes / t / 1e9
             rows.append(Row(name, device, backend, numel, nbytes, t, gb, cp, gb / cp, pp, gb / pp,
-                            *judge(device, backend, gb / cp)))
-            print(f"{name:42s} {device:4s} {backend:6s} {_size(numel):>5s} {t * 1e3:9.2f} ms "
+                            *judge(device, backend, gb / cp), matches))
+            check = "" if matches is None else f"  {'== torch' if matches else '!= TORCH'}"
+            print(f"{name:42s} {device:4s} {backend:6s} {_size(numel):>5s} {t * 1e3:9.3f} ms "
                   f"{gb:7.2f} GB/s  clone {cp:7.2f} GB/s {100 * gb / cp:5.0f}%  copy_ {pp:7.2f} GB/s "
-                  f"{100 * gb / pp:5.0f}%", flush=True)
+                  f"{100 * gb / pp:5.0f}%{check}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -208,13 +236,14 @@ def format_table(rows: list[Row]) -> list[str]:
     goals = ", ".join(f"{b} on {d.upper()} >= {100 * g:.0f}%" for (d, b), g in GOALS.items())
     lines = [f"Goals (issue 3), as a share of copy bandwidth (clone of the same bytes): {goals}.", "",
              "| op | device | backend | elements | ms | GB/s | clone GB/s | % of clone | goal | copy_ GB/s "
-             "| % of copy_ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of copy_ | = torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "n/a" if r.goal is None else f"{'meets' if r.meets_goal else 'MISSES'} >= {100 * r.goal:.0f}%"
-        lines.append(f"| {r.op} | {r.device} | {r.backend} | {_size(r.numel)} | {r.seconds * 1e3:.2f} | "
+        same = "-" if r.matches_torch is None else ("yes" if r.matches_torch else "NO")
+        lines.append(f"| {r.op} | {r.device} | {r.backend} | {_size(r.numel)} | {r.seconds * 1e3:.3f} | "
                      f"{r.gbps:.2f} | {r.copy_gbps:.2f} | {100 * r.ratio:.0f}% | {mark} | {r.copy_prealloc_gbps:.2f} | "
-                     f"{100 * r.ratio_prealloc:.0f}% |")
+                     f"{100 * r.ratio_prealloc:.0f}% | {same} |")
     return lines
 
 

@@ -68,3 +68,31 @@ def test_smoke_run_writes_table_and_json(bench, tmp_path, capsys):
         assert r["numel"] == 4096 and r["gbps"] > 0 and r["copy_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
         assert r["goal"] == 0.3 and r["meets_goal"] == (r["ratio"] >= 0.3)
+        assert r["matches_torch"] is None  # the torch rows are the reference
+
+
+def test_same_outputs_compares_every_bit(bench):
+    a = (torch.tensor([1.0, -0.0, 3.0]), torch.tensor([7], dtype=torch.uint8))
+    assert bench.same_outputs(a, tuple(t.clone() for t in a))
+    assert not bench.same_outputs(a, (torch.tensor([1.0, 0.0, 3.0]), a[1]))  # -0.0 vs +0.0: values equal, bits not
+    assert not bench.same_outputs(a[0], torch.tensor([1.0, -0.0, 3.0000002]))  # one ulp
+    assert not bench.same_outputs(a[0], a[0].to(torch.float64))
+    assert not bench.same_outputs(a, a[:1])
+    bf = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert bench.same_outputs(bf, bf.clone()) and not bench.same_outputs(bf, bf.float())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_rows_check_their_output_against_torch(tmp_path):
+    """A forced Triton run (interpreted on CPU here, compiled on a GPU) checks every op against the torch path
+    before timing it and reports the outcome per row."""
+    import os
+    import subprocess
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", MX_KERNELS="triton")
+    proc = subprocess.run([sys.executable, str(_BENCH), "--sizes", "4K", "--repeat", "1", "--devices", "cpu",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 9 and all(r["backend"] == "triton" and r["matches_torch"] is True for r in rows), rows
+    assert proc.stdout.count("| yes |") == 9 and "NO |" not in proc.stdout

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The checks that need a GPU (CI has none): run them when one is at hand.
+#   1. Every Triton kernel compiled for the GPU equals the torch reference bit for bit (tests/unit_tests/kernels/
+#      triton_cases.py with MX_TEST_DEVICE=cuda; the same cases CI runs interpreted on CPU).
+#   2. tools/bench_kernels.py on the GPU: each Triton kernel against the GPU's copy bandwidth (goal >= 80%), after
+#      checking its output against the torch path on the same inputs.
+#   3. pretrain_gpt on one GPU with NCCL, bf16 and the OverlappedDistributedOptimizer (overlapped reduce-scatter and
+#      all-gather): 40 iterations saved at 20, then a resume from 20 that must log the same losses as the
+#      uninterrupted run
+#      (dropout on: the CUDA RNG states must come back too).
+#
+#   bash tools/gpu_checks.sh [OUT_DIR]          # writes logs and JSON into OUT_DIR (default: gpu_checks/)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_checks}
+mkdir -p "$OUT"
+failed=()
+step() {  # step NAME CMD...: run CMD, keep its log, remember a failure and go on with the next check
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
+}
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+XDIST=(); python -c "import xdist" 2>/dev/null && XDIST=(-n 8)  # compiling the kernels' variants dominates: spread it
+step kernels_cuda env MX_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    "${XDIST[@]}" tests/unit_tests/kernels/triton_cases.py
+step bench_kernels python tools/bench_kernels.py --devices cuda --out "$OUT/bench_kernels_cuda.json"
+
+CKPT=$(mktemp -d)
+GPT=(-m torch.distributed.run --nproc-per-node 1 --standalone -m megatron_ext.training.pretrain_gpt
+     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 --max-position-embeddings 512
+     --micro-batch-size 8 --global-batch-size 32 --bf16
+     --optimizer adam --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40
+     --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 1000 --eval-iters 1 --seed 1234
+     --use-distributed-optimizer --use-overlapped-distributed-optimizer --overlap-grad-reduce
+     --overlap-param-gather --ddp-bucket-size 10000000)
+step train_40 python "${GPT[@]}" --train-iters 40 --save "$CKPT/a" --save-interval 20
+step train_20 python "${GPT[@]}" --train-iters 20 --save "$CKPT/b"
+# the first half ran with --train-iters 20: take this run's (identical lr, longer weight-decay) schedule
+step resume_20_to_40 python "${GPT[@]}" --train-iters 40 --load "$CKPT/b" --save "$CKPT/b" --override-opt_param-scheduler
+rm -rf "$CKPT"
+# the losses logged at iterations 21..40 by the uninterrupted run and by the resumed one
+losses() { grep -o "iteration *[0-9]*/.*lm loss: [0-9.E+-]*" "$OUT/$1.log" | sed -n 's/iteration *\([0-9]*\)\/.*lm loss: \([0-9.E+-]*\)/\1 \2/p' | awk '$1 > 20'; }
+if [ -n "$(losses train_40)" ] && [ "$(losses train_40)" = "$(losses resume_20_to_40)" ]; then
+    echo "resume: losses at iterations 21-40 equal the uninterrupted run's"
+else
+    echo "!! resume: losses differ from the uninterrupted run (or were not logged)"; failed+=(resume_losses)
+    paste <(losses train_40) <(losses resume_20_to_40)
+fi
+
+echo
+[ ${#failed[@]} -eq 0 ] && echo "all GPU checks passed" || { echo "FAILED: ${failed[*]}"; exit 1; }
