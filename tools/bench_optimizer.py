@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""Step time and peak memory per rank of the OverlappedDistributedOptimizer against its peers, on a gloo world.
+"""Step time and peak memory per rank of the OverlappedDistributedOptimizer against its peers, on a gloo world
+(``--device cpu``, the default) or on GPUs with NCCL (``--device cuda``, one rank per GPU).
 
-One run, one model (a residual stack of LayerNorm -> Linear -> GELU -> Linear blocks, fp32, ``--params`` elements),
-the same data and the same number of micro-batches for every configuration:
+One run, one model (a residual stack of LayerNorm -> Linear -> GELU -> Linear blocks, ``--params`` elements, fp32 or
+bf16), the same data and the same number of micro-batches for every configuration:
 
   * ``odo``       -- ``mx.OverlappedDDP`` + ``mx.OverlappedDistributedOptimizer`` for every accumulation policy
                      (``shard``, ``local``, ``auto``) with overlap on (grad reduce-scatter during backward, param
                      all-gather during the next forward) and off;
   * ``ddp+zero``  -- torch DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (``overlap_with_ddp=False``:
                      gloo refuses ``True``), accumulation under ``no_sync()``; the ratio column is relative to it;
-  * ``fsdp2``     -- ``torch.distributed.fsdp.fully_shard`` per block and at the root on ``init_device_mesh("cpu")``
+  * ``fsdp2``     -- ``torch.distributed.fsdp.fully_shard`` per block and at the root on a 1-D device mesh
                      with ``reshard_after_forward=False`` (ZeRO-2-like: one all-gather and one reduce-scatter per
                      step, like the ODO), accumulation with ``set_requires_gradient_sync(False)``;
   * ``deepspeed`` -- DeepSpeed ZeRO-2 on gloo with the same torch AdamW as client optimizer, when ``deepspeed``
                      imports (skipped with the reason otherwise);
+  * ``mcore``     -- (``--device cuda`` only: it needs CUDA) megatron-core's own ``DistributedDataParallel`` +
+                     ``DistributedOptimizer`` with overlapped grad reduce and param gather, the baseline a Megatron
+                     user compares with; the ratio column is relative to it on GPUs;
   * ``no-comm``   -- the same model and torch AdamW on every rank with no collective at all: the step time with
                      zero communication, the floor that overlap can at best reach (it runs the *unsharded* Adam).
 
@@ -27,14 +31,15 @@ What is measured
     overlapped all-gather still in flight at the end of a step is paid by the next one); step time = the slowest
     rank's interval, median over ``--steps`` steps after ``--warmup`` warm-up steps. On a few oversubscribed
     cores the spread is large (+-50% between runs): compare ratios within one run, not across runs.
-  * peak RSS delta: each configuration runs in freshly forked processes. After the imports and the process
-    group, a rank first runs the same configuration for two steps on a tiny model (so that paging in library
-    code -- kernels, gloo, DeepSpeed's engine -- is not charged to the configuration; ``--no-prewarm`` turns this
-    off), then resets the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5), records its
+  * peak memory delta, CPU: peak RSS delta. Each configuration runs in freshly forked processes. After the imports
+    and the process group, a rank first runs the same configuration for two steps on a tiny model (so that paging in
+    library code -- kernels, gloo, DeepSpeed's engine -- is not charged to the configuration; ``--no-prewarm`` turns
+    this off), then resets the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5), records its
     current RSS, builds model and optimizer and trains; the delta is ``VmHWM - RSS before the model``: every byte
     the configuration made resident (weights, gradients, buckets, optimizer state, communication buffers,
     activations, allocator slack). Reported as the max over ranks. If the high-water mark cannot be reset, the
-    process-lifetime ``ru_maxrss`` is used and the JSON says so (``hwm_reset: false``).
+    process-lifetime ``ru_maxrss`` is used and the JSON says so (``hwm_reset: false``). On GPUs: the peak of
+    ``torch.cuda.max_memory_allocated`` over the run minus what was allocated before the model was built.
   * opt-state MB: bytes held by the inner torch optimizer on one rank (its state plus any parameter copies it
     owns that are not the model's weights, e.g. fp32 master shards); counted from the tensors, max over ranks.
   * sent MB/step: bytes one rank sends per step (mean over ranks), from the ODO's communication ledger
@@ -43,6 +48,7 @@ What is measured
 
     python tools/bench_optimizer.py                      # 4 ranks, ~4M params, 1 and 4 micro-batches
     python tools/bench_optimizer.py --skip-peers --micro-batches 8 --out odo_only.json
+    python tools/bench_optimizer.py --device cuda --world-size 1 --params 1e8 --width 1024   # one GPU
 """
 from __future__ import annotations
 
@@ -72,6 +78,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LR = 1e-4
 WEIGHT_DECAY = 0.01
 MB = 1024 * 1024
@@ -120,7 +127,7 @@ def depth_for(params: float, width: int, hidden: int) -> int:
 
 def build_model(args: dict) -> Net:
     torch.manual_seed(args["seed"])  # identical initial weights on every rank and in every configuration
-    return Net(args["width"], args["hidden"], args["depth"])
+    return Net(args["width"], args["hidden"], args["depth"]).to(args["device"], DTYPES[args["dtype"]])
 
 
 def make_batches(args: dict, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -130,7 +137,7 @@ def make_batches(args: dict, rank: int) -> List[Tuple[torch.Tensor, torch.Tensor
         g = torch.Generator().manual_seed(args["seed"] * 1_000_003 + rank * 1009 + i)
         x = torch.randn(args["batch"], args["width"], generator=g)
         y = torch.randn(args["batch"], args["width"], generator=g)
-        out.append((x, y))
+        out.append((x.to(args["device"], DTYPES[args["dtype"]]), y.to(args["device"], DTYPES[args["dtype"]])))
     return out
 
 
@@ -222,7 +229,7 @@ def optimizer_bytes(opt: torch.optim.Optimizer, model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Config:
-    kind: str                      # odo | ddp+zero | fsdp2 | deepspeed | no-comm
+    kind: str                      # odo | ddp+zero | fsdp2 | deepspeed | mcore | no-comm
     micro_batches: int
     accumulate: str = ""           # odo only
     overlap: bool = True           # odo only
@@ -232,7 +239,8 @@ class Config:
         if self.kind == "odo":
             return f"ODO {self.accumulate} overlap={'on' if self.overlap else 'off'}"
         return {"ddp+zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
-                "deepspeed": "DeepSpeed ZeRO-2", "no-comm": "no-comm (local AdamW)"}[self.kind]
+                "deepspeed": "DeepSpeed ZeRO-2", "mcore": "megatron-core DDP + DistributedOptimizer",
+                "no-comm": "no-comm (local AdamW)"}[self.kind]
 
 
 StepFn = Callable[[], float]
@@ -247,8 +255,8 @@ def _setup_odo(cfg: Config, args: dict, batches) -> Setup:
         bucket_size=args["bucket_size"], accumulate=cfg.accumulate, overlap_grad_reduce=cfg.overlap,
         overlap_param_gather=cfg.overlap, grad_reduce="plain", param_gather="plain"))
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(
-        optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=args["clip_grad"], bf16=False, fp16=False),
-        model)
+        optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=args["clip_grad"],
+        bf16=args["dtype"] == "bf16", fp16=False), model)
     n = len(batches)
 
     def step() -> float:
@@ -261,7 +269,7 @@ def _setup_odo(cfg: Config, args: dict, batches) -> Setup:
         model.finish_grad_sync()
         ok, _, _ = opt.step()
         if not ok:
-            raise RuntimeError("ODO skipped a step in fp32")
+            raise RuntimeError("ODO skipped a step (no loss scaling here)")
         opt.zero_grad()
         return total
 
@@ -303,7 +311,7 @@ def _setup_fsdp2(cfg: Config, args: dict, batches) -> Setup:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(args["device"], (dist.get_world_size(),))
     model = build_model(args)
     for b in model.blocks:
         fully_shard(b, mesh=mesh, reshard_after_forward=False)
@@ -361,6 +369,51 @@ def _setup_deepspeed(cfg: Config, args: dict, batches) -> Setup:
     return step, lambda: optimizer_bytes(inner, engine.module), dict
 
 
+def _setup_mcore(cfg: Config, args: dict, batches) -> Setup:
+    """megatron-core's DDP + DistributedOptimizer, configured as Megatron-LM runs them with
+    ``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`` (and ``--bf16`` with bf16)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    bf16 = args["dtype"] == "bf16"
+    tcfg = TransformerConfig(num_layers=1, hidden_size=args["width"], num_attention_heads=1, bf16=bf16,
+                             params_dtype=DTYPES[args["dtype"]])
+    # Megatron-LM forces --accumulate-allreduce-grads-in-fp32 with --bf16
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                            overlap_param_gather=True, bucket_size=args["bucket_size"],
+                                            grad_reduce_in_fp32=bf16)
+    model = DistributedDataParallel(tcfg, ddp_cfg, build_model(args))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY,
+                                                 clip_grad=args["clip_grad"], bf16=bf16, fp16=False,
+                                                 use_distributed_optimizer=True), [model])
+    n = len(batches)
+
+    def step() -> float:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        total = 0.0
+        for i, (x, y) in enumerate(batches):
+            with (model.no_sync() if i < n - 1 else contextlib.nullcontext()):
+                loss = loss_fn(model(x), y) / n
+                loss.backward()
+            total += loss.item()
+        model.finish_grad_sync()
+        ok, _, _ = opt.step()
+        if not ok:
+            raise RuntimeError("megatron-core skipped a step (no loss scaling here)")
+        return total
+
+    def opt_bytes() -> int:
+        return sum(optimizer_bytes(o, model) for o in getattr(opt, "chained_optimizers", [opt])
+                   for o in [o.optimizer])
+
+    return step, opt_bytes, dict
+
+
 def _setup_no_comm(cfg: Config, args: dict, batches) -> Setup:
     model = build_model(args)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, foreach=True)
@@ -383,7 +436,7 @@ def _setup_no_comm(cfg: Config, args: dict, batches) -> Setup:
 
 SETUPS: Dict[str, Callable[[Config, dict, Any], Setup]] = {
     "odo": _setup_odo, "ddp+zero": _setup_ddp_zero, "fsdp2": _setup_fsdp2, "deepspeed": _setup_deepspeed,
-    "no-comm": _setup_no_comm,
+    "mcore": _setup_mcore, "no-comm": _setup_no_comm,
 }
 
 
@@ -407,15 +460,23 @@ def _rank_main(rank: int, world: int, port: int, cfg: Config, args: dict, outdir
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(args["threads"])
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+    cuda = args["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args["timeout"]))
     try:
         batches = make_batches(args, rank)
         if args["prewarm"]:
             _prewarm(cfg, args, rank)
         dist.barrier()
-        hwm_reset = reset_peak_rss()
-        rss0 = current_rss()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            hwm_reset, rss0 = True, torch.cuda.memory_allocated()
+        else:
+            hwm_reset = reset_peak_rss()
+            rss0 = current_rss()
         step, opt_bytes, extra = SETUPS[cfg.kind](cfg, args, batches)
         ledger = getattr(step, "ledger", None)
         dist.barrier()
@@ -425,10 +486,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: Config, args: dict, outdir
             if ledger is not None and s == args["warmup"]:
                 ledger.reset()  # drop the initial broadcast and the warm-up steps
             losses.append(step())
+            if cuda:
+                torch.cuda.synchronize()
             stamps.append(time.perf_counter())
         sent = ledger.summary() if ledger is not None else None
         info = extra()
-        peak = peak_rss(hwm_reset)
+        peak = torch.cuda.max_memory_allocated() if cuda else peak_rss(hwm_reset)
         result = {
             "rank": rank,
             "step_s": [b - a for a, b in zip(stamps, stamps[1:])][args["warmup"]:],
@@ -500,16 +563,19 @@ def deepspeed_status() -> Optional[str]:
     return None
 
 
-def configs(micro_batches: List[int], skip_peers: bool, ds_ok: bool) -> List[Config]:
+def configs(micro_batches: List[int], skip_peers: bool, ds_ok: bool, device: str = "cpu",
+            accumulate: Tuple[str, ...] = ("shard", "local", "auto")) -> List[Config]:
     out: List[Config] = []
     for m in micro_batches:
         out.append(Config("no-comm", m))
         if not skip_peers:
+            if device == "cuda":
+                out.append(Config("mcore", m))
             out.append(Config("ddp+zero", m))
             out.append(Config("fsdp2", m))
             if ds_ok:
                 out.append(Config("deepspeed", m))
-        for acc in ("shard", "local", "auto"):
+        for acc in accumulate:
             for ov in (True, False):
                 out.append(Config("odo", m, acc, ov))
     return out
@@ -519,14 +585,14 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def table(rows: List[dict]) -> str:
-    head = ["configuration", "mb", "ms/step", "x ref", "peak RSS d MB", "opt-state MB", "sent MB/step",
+def table(rows: List[dict], ref_kind: str = "ddp+zero", memory: str = "peak RSS d MB") -> str:
+    head = ["configuration", "mb", "ms/step", "x ref", memory, "opt-state MB", "sent MB/step",
             "final loss"]
     lines = []
     for m in sorted({r["micro_batches"] for r in rows}):
         group = [r for r in rows if r["micro_batches"] == m]
         ok = [r for r in group if "error" not in r]
-        ref = next((r for r in ok if r["kind"] == "ddp+zero"), None)
+        ref = next((r for r in ok if r["kind"] == ref_kind), None)
         if ref is None and ok:
             ref = min((r for r in ok if r["kind"] != "no-comm"), key=lambda r: r["ms_per_step"], default=None)
         for r in group:
@@ -554,7 +620,15 @@ def table(rows: List[dict]) -> str:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo ranks on CPU cores; cuda: NCCL, one rank per GPU (default cpu)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks (default 4; at most the GPU count on cuda)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="parameter dtype (default fp32). bf16: the ODO and megatron-core keep fp32 master shards "
+                        "and reduce gradients in fp32; the torch peers run pure bf16 AdamW, so compare the ODO "
+                        "with mcore there")
+    p.add_argument("--odo-accumulate", default="shard,local,auto",
+                   help="comma-separated ODO accumulation policies to run (default: shard,local,auto)")
     p.add_argument("--params", type=float, default=4e6, help="approximate model size in elements (default 4e6)")
     p.add_argument("--width", type=int, default=256, help="model width (default 256; hidden = 4 x width)")
     p.add_argument("--batch", type=int, default=16, help="rows per micro-batch per rank (default 16)")
@@ -571,15 +645,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="only the ODO configurations and the no-comm floor (no DDP+ZeRO, FSDP2, DeepSpeed)")
     p.add_argument("--only", type=str, default="",
                    help="comma-separated kinds to run (odo, ddp+zero, fsdp2, deepspeed, no-comm); default all")
-    p.add_argument("--start-method", choices=("fork", "spawn"), default="fork",
-                   help="how rank processes start; fork (default) reuses this process's imports")
+    p.add_argument("--start-method", choices=("fork", "spawn"), default=None,
+                   help="how rank processes start; default fork on CPU (reuses this process's imports), spawn on "
+                        "cuda (a forked child cannot initialise CUDA)")
     p.add_argument("--no-prewarm", action="store_true",
                    help="do not run each configuration on a tiny model before the RSS baseline (see above)")
     p.add_argument("--timeout", type=int, default=300, help="collective timeout in seconds (default 300)")
     p.add_argument("--out", type=str, default="bench_optimizer.json", help="JSON output path")
     args = p.parse_args(argv)
-    if args.world_size < 2:
-        p.error("--world-size must be >= 2")
+    if args.device == "cpu" and args.world_size < 2:
+        p.error("--world-size must be >= 2 on cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: CUDA is not available")
+        if not 1 <= args.world_size <= torch.cuda.device_count():
+            p.error(f"--world-size must be 1..{torch.cuda.device_count()} on cuda (one rank per GPU)")
+    args.odo_accumulate = tuple(x.strip() for x in args.odo_accumulate.split(",") if x.strip())
+    if not args.odo_accumulate or not set(args.odo_accumulate) <= {"shard", "local", "auto"}:
+        p.error(f"--odo-accumulate takes shard, local and/or auto, got {args.odo_accumulate!r}")
+    if args.start_method is None:
+        args.start_method = "spawn" if args.device == "cuda" else "fork"
     try:
         args.micro_batch_list = sorted({int(x) for x in args.micro_batches.split(",") if x.strip()})
     except ValueError:
@@ -609,9 +694,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     hidden = 4 * a.width
     depth = depth_for(a.params, a.width, hidden)
     n_params = sum(p.numel() for p in Net(a.width, hidden, depth).parameters())
-    args = dict(width=a.width, hidden=hidden, depth=depth, batch=a.batch, bucket_size=a.bucket_size,
-                clip_grad=a.clip_grad, steps=a.steps, warmup=a.warmup, seed=a.seed, threads=a.threads,
-                timeout=a.timeout, start_method=a.start_method, prewarm=not a.no_prewarm)
+    args = dict(device=a.device, dtype=a.dtype, width=a.width, hidden=hidden, depth=depth, batch=a.batch,
+                bucket_size=a.bucket_size, clip_grad=a.clip_grad, steps=a.steps, warmup=a.warmup, seed=a.seed,
+                threads=a.threads, timeout=a.timeout, start_method=a.start_method, prewarm=not a.no_prewarm)
     skipped: Dict[str, str] = {}
     ds_reason = None if a.skip_peers else deepspeed_status()
     if a.skip_peers:
@@ -619,13 +704,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif ds_reason:
         skipped["deepspeed"] = ds_reason
         print(f"DeepSpeed ZeRO-2 skipped: {ds_reason}", flush=True)
-    cfgs = configs(a.micro_batch_list, a.skip_peers, ds_reason is None)
+    cfgs = configs(a.micro_batch_list, a.skip_peers, ds_reason is None, a.device, a.odo_accumulate)
     if a.only:
         kinds = {k.strip() for k in a.only.split(",")}
         cfgs = [c for c in cfgs if c.kind in kinds]
-    print(f"model: {depth} blocks, width {a.width}, hidden {hidden}, {n_params / 1e6:.2f}M fp32 params "
-          f"({n_params * 4 / MB:.1f} MB); world {a.world_size} gloo ranks on {os.cpu_count()} cores, "
-          f"{a.threads} thread(s)/rank; batch {a.batch} rows/micro-batch/rank; bucket {a.bucket_size} elements; "
+    print(f"model: {depth} blocks, width {a.width}, hidden {hidden}, {n_params / 1e6:.2f}M {a.dtype} params "
+          f"({n_params * DTYPES[a.dtype].itemsize / MB:.1f} MB); world {a.world_size} "
+          f"{'NCCL ranks on ' + torch.cuda.get_device_name() if a.device == 'cuda' else 'gloo ranks on'} "
+          f"{os.cpu_count()} cores, {a.threads} thread(s)/rank; batch {a.batch} rows/micro-batch/rank; "
+          f"bucket {a.bucket_size} elements; "
           f"{a.warmup} warm-up + {a.steps} timed steps; {len(cfgs)} configurations", flush=True)
     rows: List[dict] = []
     t_start = time.time()
@@ -634,7 +721,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             r = run_config(cfg, run_args, a.world_size)
             print(f"  {cfg.label:32s} mb={cfg.micro_batches}: {r['ms_per_step']:8.1f} ms/step, "
-                  f"peak RSS delta {r['peak_rss_delta_mb']:7.1f} MB, loss {r['final_loss']:.5f} "
+                  f"peak memory delta {r['peak_rss_delta_mb']:7.1f} MB, loss {r['final_loss']:.5f} "
                   f"({r['wall_s']:.0f} s)", flush=True)
         except Exception as e:  # noqa: BLE001  (a failing peer must not stop the others)
             msg = f"{type(e).__name__}: {e}"
@@ -642,20 +729,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             r = {"label": cfg.label, **dataclasses.asdict(cfg), "error": msg + "\n" + traceback.format_exc()[-2000:]}
         rows.append(r)
     print()
-    txt = table(rows)
+    cuda = a.device == "cuda"
+    txt = table(rows, "mcore" if cuda else "ddp+zero", "peak GPU mem d MB" if cuda else "peak RSS d MB")
     print(txt)
-    print("\nms/step: median over steps of the slowest rank; 'x ref' = ratio to DDP + ZeroRedundancyOptimizer at the "
-          "same micro-batch count.\npeak RSS d: max over ranks of (VmHWM - RSS before the model was built), fresh "
-          "processes per configuration.\nopt-state: bytes held by the inner torch optimizer per rank (state + master "
-          "copies).\nsent: bytes one rank sends per step, from the ODO ledger. Timings on oversubscribed cores vary "
+    print(f"\nms/step: median over steps of the slowest rank; 'x ref' = ratio to "
+          f"{'megatron-core DDP + DistributedOptimizer' if cuda else 'DDP + ZeroRedundancyOptimizer'} at the "
+          "same micro-batch count.\npeak memory d: max over ranks of the peak (VmHWM on CPU, max_memory_allocated "
+          "on GPUs) minus what was resident before the model was built, fresh processes per configuration."
+          "\nopt-state: bytes held by the inner torch optimizer per rank (state + master copies)."
+          "\nsent: bytes one rank sends per step, from the ODO ledger. Timings on oversubscribed cores vary "
           "by +-50% between runs.")
     result = {
         "benchmark": "bench_optimizer",
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "model": {"blocks": depth, "width": a.width, "hidden": hidden, "params": n_params, "dtype": "float32"},
+                    "python": platform.python_version(),
+                    "gpu": torch.cuda.get_device_name() if cuda else None},
+        "memory_probe": "cuda max_memory_allocated" if cuda else "VmHWM (RSS)",
+        "model": {"blocks": depth, "width": a.width, "hidden": hidden, "params": n_params, "dtype": a.dtype},
         "settings": {k: v for k, v in args.items()} | {"world_size": a.world_size,
                                                       "micro_batches": a.micro_batch_list, "lr": LR,
                                                       "weight_decay": WEIGHT_DECAY},
