@@ -23,7 +23,7 @@ step() {  # step NAME CMD...: run CMD, keep its log, remember a failure and go o
 }
 export PYTHONUNBUFFERED=1
 nvidia-smi -L
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
 XDIST=(); python -c "import xdist" 2>/dev/null && XDIST=(-n 8)  # compiling the kernels' variants dominates: spread it
 step kernels_cuda env MX_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
@@ -41,10 +41,14 @@ GPT=(-m torch.distributed.run --nproc-per-node 1 --standalone -m megatron_ext.tr
 step train_40 python "${GPT[@]}" --train-iters 40 --save "$CKPT/a" --save-interval 20
 step train_20 python "${GPT[@]}" --train-iters 20 --save "$CKPT/b"
 # the first half ran with --train-iters 20: take this run's (identical lr, longer weight-decay) schedule
-step resume_20_to_40 python "${GPT[@]}" --train-iters 40 --load "$CKPT/b" --save "$CKPT/b" --override-opt_param-scheduler
+step resume_20_to_40 python "${GPT[@]}" --train-iters 40 --load "$CKPT/b" --save "$CKPT/b" \
+    --override-opt_param-scheduler
 rm -rf "$CKPT"
 # the losses logged at iterations 21..40 by the uninterrupted run and by the resumed one
-losses() { grep -o "iteration *[0-9]*/.*lm loss: [0-9.E+-]*" "$OUT/$1.log" | sed -n 's/iteration *\([0-9]*\)\/.*lm loss: \([0-9.E+-]*\)/\1 \2/p' | awk '$1 > 20'; }
+losses() {
+    grep -o "iteration *[0-9]*/.*lm loss: [0-9.E+-]*" "$OUT/$1.log" |
+        sed -n 's/iteration *\([0-9]*\)\/.*lm loss: \([0-9.E+-]*\)/\1 \2/p' | awk '$1 > 20'
+}
 if [ -n "$(losses train_40)" ] && [ "$(losses train_40)" = "$(losses resume_20_to_40)" ]; then
     echo "resume: losses at iterations 21-40 equal the uninterrupted run's"
 else

@@ -21,7 +21,8 @@ def bench():
 
 
 def test_bad_arguments_name_the_flag(bench, capsys):
-    for argv, flag in ((["--world-size", "1"], "--world-size"), (["--odo-accumulate", "shard,lazy"], "--odo-accumulate"),
+    for argv, flag in ((["--world-size", "1"], "--world-size"),
+                       (["--odo-accumulate", "shard,lazy"], "--odo-accumulate"),
                        (["--micro-batches", "0"], "--micro-batches")):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
