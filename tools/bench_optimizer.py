@@ -153,6 +153,17 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, y)
 
 
+def accumulate(model: nn.Module, batches, backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> float:
+    """Forward and backward every micro-batch under ``model.no_sync()`` except the last; returns the mean loss."""
+    n, total = len(batches), 0.0
+    for i, (x, y) in enumerate(batches):
+        with (model.no_sync() if i < n - 1 else contextlib.nullcontext()):
+            loss = loss_fn(model(x), y) / n
+            backward(loss)
+        total += loss.item()
+    return total
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # memory probes
 # ------------------------------------------------------------------------------------------------------------------
@@ -257,15 +268,9 @@ def _setup_odo(cfg: Config, args: dict, batches) -> Setup:
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(
         optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=args["clip_grad"],
         bf16=args["dtype"] == "bf16", fp16=False), model)
-    n = len(batches)
 
     def step() -> float:
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            with (model.no_sync() if i < n - 1 else contextlib.nullcontext()):
-                loss = loss_fn(model(x), y) / n
-                opt.scale_loss(loss).backward()
-            total += loss.item()
+        total = accumulate(model, batches, lambda loss: opt.scale_loss(loss).backward())
         model.finish_grad_sync()
         ok, _, _ = opt.step()
         if not ok:
@@ -289,15 +294,9 @@ def _setup_ddp_zero(cfg: Config, args: dict, batches) -> Setup:
     model = DDP(module, bucket_cap_mb=args["bucket_size"] * 4 / MB)
     opt = ZeroRedundancyOptimizer(param_groups(module), optimizer_class=torch.optim.AdamW, lr=LR,
                                   overlap_with_ddp=False, foreach=True)
-    n = len(batches)
 
     def step() -> float:
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            with (model.no_sync() if i < n - 1 else contextlib.nullcontext()):
-                loss = loss_fn(model(x), y) / n
-                loss.backward()
-            total += loss.item()
+        total = accumulate(model, batches)
         if args["clip_grad"] > 0:
             torch.nn.utils.clip_grad_norm_(module.parameters(), args["clip_grad"])  # grads are replicated
         opt.step()
@@ -390,17 +389,11 @@ def _setup_mcore(cfg: Config, args: dict, batches) -> Setup:
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY,
                                                  clip_grad=args["clip_grad"], bf16=bf16, fp16=False,
                                                  use_distributed_optimizer=True), [model])
-    n = len(batches)
 
     def step() -> float:
         model.zero_grad_buffer()
         opt.zero_grad()
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            with (model.no_sync() if i < n - 1 else contextlib.nullcontext()):
-                loss = loss_fn(model(x), y) / n
-                loss.backward()
-            total += loss.item()
+        total = accumulate(model, batches)
         model.finish_grad_sync()
         ok, _, _ = opt.step()
         if not ok:

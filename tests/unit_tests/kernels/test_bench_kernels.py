@@ -2,23 +2,20 @@
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench_kernels.py"
+from ..tool_loader import TOOLS, loaded_tool
+
+_BENCH = TOOLS / "bench_kernels.py"
 GIB = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    with loaded_tool("bench_kernels") as mod:
+        yield mod
 
 
 def test_default_sweep_is_1M_to_256M_and_fits_a_24GiB_machine(bench):

@@ -1,23 +1,16 @@
 """tools/bench_optimizer.py: argument checks and a tiny CPU run (never timed: timings are not asserted)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench_optimizer.py"
+from ..tool_loader import loaded_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_optimizer", _BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up in sys.modules
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    with loaded_tool("bench_optimizer") as mod:
+        yield mod
 
 
 def test_bad_arguments_name_the_flag(bench, capsys):
