@@ -197,13 +197,13 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
     backend = K.select_backend(device)
     for numel in sizes:
         for name, fn, nbytes in build_ops(numel, dtype, device, **geom):
-            clone, copy_, copied = copy_fns(nbytes, device)
             matches = None
             if backend != "torch":  # correct first: the kernel's output against the torch path's, same inputs
-                with K.use_backend("torch"):
+                with K.use_backend("torch"):  # (before the copy buffers exist: two outputs fit the row's estimate)
                     want = fn()
                 matches = same_outputs(fn(), want)
                 del want
+            clone, copy_, copied = copy_fns(nbytes, device)
             if device == "cuda":  # event-timed medians; the host clock would time launch latency at small sizes
                 t, tc, tp = time_cuda(fn), time_cuda(clone), time_cuda(copy_)
             else:

@@ -13,8 +13,8 @@ bf16), the same data and the same number of micro-batches for every configuratio
   * ``fsdp2``     -- ``torch.distributed.fsdp.fully_shard`` per block and at the root on a 1-D device mesh
                      with ``reshard_after_forward=False`` (ZeRO-2-like: one all-gather and one reduce-scatter per
                      step, like the ODO), accumulation with ``set_requires_gradient_sync(False)``;
-  * ``deepspeed`` -- DeepSpeed ZeRO-2 on gloo with the same torch AdamW as client optimizer, when ``deepspeed``
-                     imports (skipped with the reason otherwise);
+  * ``deepspeed`` -- DeepSpeed ZeRO-2 (gloo or NCCL, as the run) with the same torch AdamW as client optimizer,
+                     when ``deepspeed`` imports (skipped with the reason otherwise);
   * ``mcore``     -- (``--device cuda`` only: it needs CUDA) megatron-core's own ``DistributedDataParallel`` +
                      ``DistributedOptimizer`` with overlapped grad reduce and param gather, the baseline a Megatron
                      user compares with; the ratio column is relative to it on GPUs;
@@ -350,6 +350,7 @@ def _setup_deepspeed(cfg: Config, args: dict, batches) -> Setup:
         "zero_optimization": {"stage": 2, "reduce_bucket_size": args["bucket_size"],
                               "allgather_bucket_size": args["bucket_size"], "overlap_comm": False,
                               "contiguous_gradients": True},
+        "bf16": {"enabled": args["dtype"] == "bf16"},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
@@ -637,7 +638,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-peers", action="store_true",
                    help="only the ODO configurations and the no-comm floor (no DDP+ZeRO, FSDP2, DeepSpeed)")
     p.add_argument("--only", type=str, default="",
-                   help="comma-separated kinds to run (odo, ddp+zero, fsdp2, deepspeed, no-comm); default all")
+                   help="comma-separated kinds to run (odo, ddp+zero, fsdp2, deepspeed, mcore, no-comm); default all")
     p.add_argument("--start-method", choices=("fork", "spawn"), default=None,
                    help="how rank processes start; default fork on CPU (reuses this process's imports), spawn on "
                         "cuda (a forked child cannot initialise CUDA)")
@@ -658,6 +659,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--odo-accumulate takes shard, local and/or auto, got {args.odo_accumulate!r}")
     if args.start_method is None:
         args.start_method = "spawn" if args.device == "cuda" else "fork"
+    if args.device == "cuda" and args.start_method == "fork":
+        p.error("--start-method fork cannot be used with --device cuda: the parent has initialised CUDA")
     try:
         args.micro_batch_list = sorted({int(x) for x in args.micro_batches.split(",") if x.strip()})
     except ValueError:

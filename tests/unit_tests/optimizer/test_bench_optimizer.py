@@ -24,6 +24,10 @@ def test_bad_arguments_name_the_flag(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--device", "cuda", "--world-size", "1"])
         assert "CUDA is not available" in capsys.readouterr().err
+    else:
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cuda", "--world-size", "1", "--start-method", "fork"])
+        assert "--start-method" in capsys.readouterr().err
 
 
 def test_megatron_core_peer_only_on_gpus(bench):
