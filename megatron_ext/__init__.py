@@ -9,10 +9,11 @@ Public API::
 from __future__ import annotations
 
 from .optimizer.config import OverlapConfig
+from .optimizer.sharding import ShardingPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["OverlapConfig", "OverlappedDDP", "OverlappedDistributedOptimizer", "CommLedger"]
+__all__ = ["OverlapConfig", "ShardingPlan", "OverlappedDDP", "OverlappedDistributedOptimizer", "CommLedger"]
 
 
 def __getattr__(name: str):

@@ -70,12 +70,26 @@ class Work(abc.ABC):
         """
         return None
 
+    @property
+    def multi_phase(self) -> bool:
+        """Whether ``advance()`` does anything (single-phase works only complete in ``wait()``)."""
+        return type(self).advance is not Work.advance
+
+    @property
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Every phase has run and completed."""
+
 
 class CompletedWork(Work):
     """An operation that finished at launch (one rank, empty bucket)."""
 
     def wait(self) -> None:
         return None
+
+    @property
+    def done(self) -> bool:
+        return True
 
 
 class TorchWork(Work):
@@ -97,6 +111,10 @@ class TorchWork(Work):
         if self._epilogue is not None:
             self._epilogue()
         self._done = True
+
+    @property
+    def done(self) -> bool:
+        return self._done
 
 
 class StagedWork(Work):
@@ -127,6 +145,46 @@ class StagedWork(Work):
         while not self._done:
             self.advance()
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+class ChainedWork(Work):
+    """Works that run one after another: each stage is a callable that launches a Work once the previous stage
+    has completed (e.g. a reduce-scatter inside the optim group, then an all-reduce across its replicas).
+
+    ``advance()`` advances the current stage by one phase (a single-phase stage is completed), and launches the
+    next stage as soon as the current one is done, so a chain moves as far as one hop per call.
+    """
+
+    def __init__(self, stages: List[Callable[[], Work]]) -> None:
+        self._stages = list(stages)
+        self._current: Optional[Work] = self._stages.pop(0)()
+        self._launch_next_if_done()
+
+    def _launch_next_if_done(self) -> None:
+        while self._current is not None and self._current.done:
+            self._current = self._stages.pop(0)() if self._stages else None
+
+    def advance(self) -> None:
+        if self._current is None:
+            return
+        if self._current.multi_phase:
+            self._current.advance()
+        else:
+            self._current.wait()
+        self._launch_next_if_done()
+
+    def wait(self) -> None:
+        while self._current is not None:
+            self._current.wait()
+            self._launch_next_if_done()
+
+    @property
+    def done(self) -> bool:
+        return self._current is None
+
 
 class _Backend(abc.ABC):
     name: ClassVar[str] = "?"
@@ -150,6 +208,31 @@ class _Backend(abc.ABC):
 class GradReduce(_Backend):
     @abc.abstractmethod
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work: ...
+
+    @property
+    def all_reduce_alignment(self) -> int:
+        """Elements a tensor given to :meth:`all_reduce` must be a multiple of."""
+        return self.topology.size * self.shard_alignment
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """Average ``tensor`` over the group in place; every rank ends with bit-identical values.
+
+        Default: this backend's reduce-scatter, then an all-gather of the averaged pieces (:meth:`_gather_piece`).
+        """
+        topo = self.topology
+        if topo.size == 1:
+            return CompletedWork()
+        n = tensor.numel() // topo.size
+        if n * topo.size != tensor.numel():
+            raise ValueError(f"all_reduce of {tensor.numel()} elements does not split into {topo.size} pieces")
+        piece = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        return ChainedWork([lambda: self.reduce_scatter(tensor, piece),
+                            lambda: self._gather_piece(piece, tensor)])
+
+    def _gather_piece(self, piece: torch.Tensor, out: torch.Tensor) -> Work:
+        """All-gather the averaged pieces into ``out`` (full precision; quantizing backends override)."""
+        from .plain import all_gather_recorded
+        return all_gather_recorded(self.topology, self.ledger, piece, out, "all_reduce_all_gather")
 
 
 class ParamGather(_Backend):

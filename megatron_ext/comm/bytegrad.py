@@ -118,6 +118,23 @@ class ByteGradGradReduce(GradReduce):
             return CompletedWork()
         if n == 0:
             return CompletedWork()
+        r = topo.rank
+        return self._flow(bucket, lambda result: out_shard.copy_(result[r * n:(r + 1) * n]))
+
+    @property
+    def all_reduce_alignment(self) -> int:
+        return self.topology.num_nodes if self.topology.num_nodes > 1 else self.topology.size
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """Bagua's own flow is an all-reduce: every rank keeps the whole averaged bucket."""
+        if self.topology.size == 1 or tensor.numel() == 0:
+            return CompletedWork()
+        return self._flow(tensor, tensor.copy_)
+
+    def _flow(self, bucket: torch.Tensor, finish_with) -> Work:
+        """The five phases of the module note; ``finish_with(result)`` stores the averaged bucket's part wanted."""
+        topo = self.topology
+        P = topo.size
         if topo.num_nodes == 1:   # flat form (announced at construction)
             nodes, D, intra_group, leader_group, leader = P, 1, None, topo.group, True
             leader_global = topo.global_rank(topo.rank)
@@ -186,8 +203,7 @@ class ByteGradGradReduce(GradReduce):
             return [dist.broadcast(result, src=leader_global, group=intra_group, async_op=True)]
 
         def finish() -> List:
-            r = topo.rank
-            out_shard.copy_(st.pop("result")[r * n:(r + 1) * n])
+            finish_with(st.pop("result"))
             return []
 
         return StagedWork([reduce_phase, all_to_all_phase, average_gather_phase, broadcast_phase, finish])

@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from .backend import CompletedWork, GradReduce, ParamGather, TorchWork, Work, register_grad_reduce, \
     register_param_gather
+from .ledger import CommLedger
+from .topology import Topology
 
 
 @register_grad_reduce("plain")
@@ -35,22 +37,42 @@ class PlainGradReduce(GradReduce):
 
         return TorchWork(handle, epilogue)
 
+    @property
+    def all_reduce_alignment(self) -> int:
+        return 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> Work:
+        """Average over the group with one all-reduce (ledger: 2B/P to each peer, as for the scalar all-reduces)."""
+        topo = self.topology
+        if topo.size == 1:
+            return CompletedWork()
+        intra, inter = topo.peers()
+        self.ledger.record_pairwise("all_reduce", -(-2 * tensor.numel() * tensor.element_size() // topo.size),
+                                    intra, inter)
+        handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+        inv = 1.0 / topo.size
+        return TorchWork(handle, lambda: tensor.mul_(inv))
+
 
 @register_param_gather("plain")
 class PlainParamGather(ParamGather):
     def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
-        topo = self.topology
-        n = shard.numel()
-        if out_bucket.numel() != n * topo.size:
-            raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
-        if topo.size == 1:
-            if shard.data_ptr() != out_bucket.data_ptr():
-                out_bucket.copy_(shard)
-            return CompletedWork()
-        intra, inter = topo.peers()
-        self.ledger.record_pairwise("all_gather", n * shard.element_size(), intra, inter)
-        handle = _all_gather(out_bucket, shard, group=topo.group)
-        return TorchWork(handle)
+        return all_gather_recorded(self.topology, self.ledger, shard, out_bucket, "all_gather")
+
+
+def all_gather_recorded(topo: Topology, ledger: CommLedger, shard: torch.Tensor, out: torch.Tensor,
+                        name: str) -> Work:
+    """Async all-gather of equal shards into ``out`` (``shard`` may alias its own slice), recorded as ``name``."""
+    n = shard.numel()
+    if out.numel() != n * topo.size:
+        raise ValueError(f"bucket of {out.numel()} elements does not split into {topo.size} shards of {n}")
+    if topo.size == 1:
+        if shard.data_ptr() != out.data_ptr():
+            out.copy_(shard)
+        return CompletedWork()
+    intra, inter = topo.peers()
+    ledger.record_pairwise(name, n * shard.element_size(), intra, inter)
+    return TorchWork(_all_gather(out, shard, group=topo.group))
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group):

@@ -132,6 +132,12 @@ class QgzGradReduce(GradReduce):
             return CompletedWork()
         return _QgzWork(self, bucket, out_shard)
 
+    def _gather_piece(self, piece: torch.Tensor, out: torch.Tensor) -> Work:
+        """The averaged pieces travel block-quantized with qgZ's bit width, decoded alike on every rank."""
+        from .qwz import quantized_all_gather
+        return quantized_all_gather(self.topology, self.ledger, piece, out, self.options.qgz_bits,
+                                    self.options.quant_group_size, "qgz_all_gather")
+
 
 class _QgzWork(Work):
     """Drives the stages of one bucket through three phases (see the module note).
@@ -228,3 +234,7 @@ class _QgzWork(Work):
     def wait(self) -> None:
         while self._phase != self._DONE:
             self.advance()
+
+    @property
+    def done(self) -> bool:
+        return self._phase == self._DONE

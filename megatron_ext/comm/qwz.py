@@ -34,11 +34,17 @@ def qwz_group(n: int, group_size: int) -> int:
     return max(1, -(-n // groups))
 
 
-def qwz_row_bytes(n: int, group_size: int) -> int:
-    """Bytes one rank contributes to the qwZ all-gather for an ``n``-element shard."""
+def gather_group(n: int, group_size: int, bits: int) -> int:
+    """Group length of a quantized all-gather of ``n`` elements (even for INT4: two codes per byte)."""
     g = qwz_group(n, group_size)
+    return g + (g % 2) if bits == 4 else g
+
+
+def qwz_row_bytes(n: int, group_size: int, bits: int = QWZ_BITS) -> int:
+    """Bytes one rank contributes to a quantized all-gather (qwZ: INT8) of an ``n``-element shard."""
+    g = gather_group(n, group_size, bits)
     groups = -(-n // g)
-    return _round_up(groups * g, 4) + 4 * groups
+    return _round_up(groups * g * bits // 8, 4) + 4 * groups
 
 
 def pack_codes_scales(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -65,36 +71,43 @@ class QwzParamGather(ParamGather):
     """INT8 block-quantized all-gather; see the module note."""
 
     def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
-        from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
+        return quantized_all_gather(self.topology, self.ledger, shard, out_bucket, QWZ_BITS,
+                                    self.options.quant_group_size, "qwz_all_gather")
 
-        topo = self.topology
-        n = shard.numel()
-        if out_bucket.numel() != n * topo.size:
-            raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
-        if topo.size == 1:
-            if shard.data_ptr() != out_bucket.data_ptr():
-                out_bucket.copy_(shard)
-            return CompletedWork()
-        if n == 0:
-            return CompletedWork()
-        group = qwz_group(n, self.options.quant_group_size)
-        codes, scales = quantize_symmetric(shard.contiguous(), bits=QWZ_BITS, group_size=group)
-        row = pack_codes_scales(codes, scales)
-        num_scales = scales.numel()
-        recv = torch.empty(topo.size * row.numel(), dtype=torch.uint8, device=row.device)
-        intra, inter = topo.peers()
-        self.ledger.record_pairwise("qwz_all_gather", row.numel(), intra, inter)
-        handle = _all_gather(recv, row, group=topo.group, async_op=True)
-        rows = recv.view(topo.size, row.numel())
-        dtype = out_bucket.dtype
 
-        def epilogue() -> None:
-            for r in range(topo.size):
-                c, s = unpack_codes_scales(rows[r], codes, num_scales)
-                out_bucket[r * n:(r + 1) * n].copy_(
-                    dequantize_symmetric(c, s, bits=QWZ_BITS, group_size=group, numel=n, dtype=dtype))
+def quantized_all_gather(topo, ledger, shard: torch.Tensor, out_bucket: torch.Tensor, bits: int, group_size: int,
+                         name: str) -> Work:
+    """Block-quantize ``shard`` (``bits`` 4 or 8), all-gather codes and scales in one collective, and decode every
+    rank's row -- the owner's too -- into ``out_bucket``: identical values on every rank (see the module note)."""
+    from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
 
-        return TorchWork(handle, epilogue)
+    n = shard.numel()
+    if out_bucket.numel() != n * topo.size:
+        raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
+    if topo.size == 1:
+        if shard.data_ptr() != out_bucket.data_ptr():
+            out_bucket.copy_(shard)
+        return CompletedWork()
+    if n == 0:
+        return CompletedWork()
+    group = gather_group(n, group_size, bits)
+    codes, scales = quantize_symmetric(shard.contiguous(), bits=bits, group_size=group)
+    row = pack_codes_scales(codes, scales)
+    num_scales = scales.numel()
+    recv = torch.empty(topo.size * row.numel(), dtype=torch.uint8, device=row.device)
+    intra, inter = topo.peers()
+    ledger.record_pairwise(name, row.numel(), intra, inter)
+    handle = _all_gather(recv, row, group=topo.group, async_op=True)
+    rows = recv.view(topo.size, row.numel())
+    dtype = out_bucket.dtype
+
+    def epilogue() -> None:
+        for r in range(topo.size):
+            c, s = unpack_codes_scales(rows[r], codes, num_scales)
+            out_bucket[r * n:(r + 1) * n].copy_(
+                dequantize_symmetric(c, s, bits=bits, group_size=group, numel=n, dtype=dtype))
+
+    return TorchWork(handle, epilogue)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):

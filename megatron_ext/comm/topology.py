@@ -56,7 +56,7 @@ class Topology:
         self._intra_group: Optional[dist.ProcessGroup] = None
         self._inter_group: Optional[dist.ProcessGroup] = None
         if create_subgroups:
-            self._create_subgroups()
+            self.create_subgroups()
 
     def _default_ranks_per_node(self) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -72,7 +72,8 @@ class Topology:
             return self.size
 
     # -- subgroups -------------------------------------------------------------------------------------
-    def _create_subgroups(self) -> None:
+    def create_subgroups(self) -> None:
+        """Create the node-local and cross-node subgroups (members only; same order on every rank)."""
         rpn, n = self.ranks_per_node, self.num_nodes
         if n == 1:
             self._intra_group, self._inter_group = self.group, None
@@ -104,6 +105,20 @@ class Topology:
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank]
+
+    def subgroup(self, members: Sequence[int]) -> "Topology":
+        """The topology of the group made of the DP ranks ``members`` (this rank among them), on the same nodes.
+
+        Used for a sharding plan's optim and replica groups: contiguous blocks and strided sets of DP ranks, which
+        sit evenly on nodes whenever the plan is aligned with nodes (checked by the plan). Only members call it.
+        """
+        members = sorted(members)
+        if self.rank not in members:
+            raise ValueError(f"DP rank {self.rank} is not in the subgroup {members}")
+        if members == list(range(self.size)):
+            return self
+        per_node = group_members_per_node(members, self.ranks_per_node)
+        return Topology(_subgroup([self.global_ranks[m] for m in members]), per_node)
 
     def __repr__(self) -> str:
         return (f"Topology(size={self.size}, rank={self.rank}, nodes={self.num_nodes}, "

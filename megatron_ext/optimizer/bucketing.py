@@ -4,8 +4,9 @@
 Parameters of one dtype are walked in reverse registration order (the approximate order their gradients appear
 in backward) and packed greedily into buckets of at most ``bucket_size`` elements; a parameter at least that large
 gets a bucket of its own. Inside a bucket parameters are contiguous. The bucket is then padded with zeros to
-``P * shard_numel`` elements, ``shard_numel`` being the data size divided by P rounded up to ``alignment``. Rank r
-owns ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. No divisibility is asked of the user.
+``P * shard_numel`` elements, ``shard_numel`` being the data size divided by P rounded up to ``alignment``, P the
+number of shards (the sharding plan's optim factor: the DP size by default). The rank with shard index r (its rank
+in the optim group) owns ``[r * shard_numel, (r + 1) * shard_numel)`` of every bucket. No divisibility is asked.
 
 Buckets of params whose gradients need a model-parallel all-reduce before the DP reduction (pipeline-tied
 embeddings, sequence-parallel norms) are ``deferred``: they are reduced once, in ``finish_grad_sync``.
@@ -27,15 +28,15 @@ class Bucket:
     offsets: List[int]            # start of each param inside the bucket (elements)
     data_numel: int               # elements holding parameters
     shard_numel: int              # elements per rank
-    dp_size: int
+    num_shards: int
     buffer_offset: int = 0        # start of the bucket in its dtype's ParameterBuffer
     partition_offset: int = 0     # start of this bucket's shard in the rank's flat fp32 partition
     deferred: bool = False
 
     @property
     def numel(self) -> int:
-        """Padded size: ``dp_size * shard_numel``."""
-        return self.shard_numel * self.dp_size
+        """Padded size: ``num_shards * shard_numel``."""
+        return self.shard_numel * self.num_shards
 
     @property
     def padding(self) -> int:
@@ -55,18 +56,18 @@ class Bucket:
         return pieces
 
 
-def shard_numel_for(data_numel: int, dp_size: int, alignment: int) -> int:
-    per_rank = max(1, math.ceil(data_numel / dp_size))
+def shard_numel_for(data_numel: int, num_shards: int, alignment: int) -> int:
+    per_rank = max(1, math.ceil(data_numel / num_shards))
     return math.ceil(per_rank / alignment) * alignment
 
 
-def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_size: int, dp_size: int, alignment: int,
+def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_size: int, num_shards: int, alignment: int,
                    deferred: Sequence[bool] | None = None) -> List[Bucket]:
     """Group ``params`` (registration order) into buckets; see the module note for the rules."""
     if bucket_size <= 0:
         raise ValueError(f"bucket_size (--ddp-bucket-size) must be > 0, got {bucket_size}")
-    if dp_size <= 0 or alignment <= 0:
-        raise ValueError(f"dp_size and alignment must be positive, got {dp_size}, {alignment}")
+    if num_shards <= 0 or alignment <= 0:
+        raise ValueError(f"num_shards (the optim shard size) and alignment must be positive, got {num_shards}, {alignment}")
     deferred = list(deferred) if deferred is not None else [False] * len(params)
     # Key: (dtype, deferred); reverse registration order within each key.
     groups: Dict[Tuple[torch.dtype, bool], List[torch.nn.Parameter]] = {}
@@ -79,12 +80,12 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_size: int, dp_si
         size = 0
         for p in plist:
             if current and size + p.numel() > bucket_size:
-                buckets.append(_make(current, dtype, dp_size, alignment, is_deferred))
+                buckets.append(_make(current, dtype, num_shards, alignment, is_deferred))
                 current, size = [], 0
             current.append(p)
             size += p.numel()
         if current:
-            buckets.append(_make(current, dtype, dp_size, alignment, is_deferred))
+            buckets.append(_make(current, dtype, num_shards, alignment, is_deferred))
     partition = 0
     per_dtype: Dict[torch.dtype, int] = {}
     for i, b in enumerate(buckets):
@@ -96,11 +97,11 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_size: int, dp_si
     return buckets
 
 
-def _make(params: List[torch.nn.Parameter], dtype: torch.dtype, dp_size: int, alignment: int,
+def _make(params: List[torch.nn.Parameter], dtype: torch.dtype, num_shards: int, alignment: int,
           deferred: bool) -> Bucket:
     offsets, off = [], 0
     for p in params:
         offsets.append(off)
         off += p.numel()
     return Bucket(index=-1, dtype=dtype, params=list(params), offsets=offsets, data_numel=off,
-                  shard_numel=shard_numel_for(off, dp_size, alignment), dp_size=dp_size, deferred=deferred)
+                  shard_numel=shard_numel_for(off, num_shards, alignment), num_shards=num_shards, deferred=deferred)

@@ -70,6 +70,11 @@ class BufferPool:
             pass
 
     @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the pooled buffers currently allocated (overflow buffers included while they live)."""
+        return self._allocated * self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def live(self) -> int:
         return self._live
 

@@ -2,7 +2,9 @@
 
 A rank-local state (``OverlappedDistributedOptimizer.state_dict()``) holds the slices ``[start, end)`` the rank
 owns. :func:`merge_optimizer_shards` stitches the slices of all DP ranks into full per-parameter tensors (and
-checks that every element is covered exactly once), which loads at any DP size, bucket size or backend.
+checks that every element is covered exactly once), which loads at any DP size, bucket size, backend or sharding
+plan. Under a plan with replicated optimizer shards only replica 0's slices are taken (the replicas are
+bit-identical).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def merge_optimizer_shards(shards: List[dict]) -> dict:
         params[name] = {"shape": tuple(shape), "numel": numel}
         covered[name] = torch.zeros(numel, dtype=torch.int32)
     for s in shards:
+        if s.get("replica", 0) != 0:
+            continue
         for name, entry in s["params"].items():
             if name not in params:
                 raise ValueError(f"merge_optimizer_shards: parameter {name!r} not in the shard metadata")

@@ -5,14 +5,19 @@ import dataclasses
 from typing import Optional
 
 from ..comm.backend import BackendOptions
+from .sharding import ShardingPlan
 
 ACCUMULATE_POLICIES = ("auto", "shard", "local")
 
 
 @dataclasses.dataclass(frozen=True)
 class OverlapConfig:
+    """``sharding`` is the plan (optimizer/sharding.py). ``accumulate`` is another spelling of its gradient factor
+    (``local``: grad = 1, ``shard``: grad = optim, ``auto``); it is folded into ``sharding`` and reset to None."""
+
     bucket_size: int = 40_000_000          # elements per bucket (--ddp-bucket-size); a larger param gets its own
-    accumulate: str = "auto"               # --odo-accumulate: shard | local | auto
+    accumulate: Optional[str] = None       # --odo-accumulate: shard | local | auto (folded into sharding.grad)
+    sharding: ShardingPlan = ShardingPlan()
     overlap_grad_reduce: bool = True       # async reduce-scatter per bucket as its grads are in (off: blocking)
     overlap_param_gather: bool = True      # all-gather after step, waited for by forward pre-hooks
     grad_reduce: str = "plain"             # --grad-reduce: plain | qgz | bytegrad
@@ -28,9 +33,11 @@ class OverlapConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
             raise ValueError(f"bucket_size (--ddp-bucket-size) must be a positive integer, got {self.bucket_size!r}")
-        if self.accumulate not in ACCUMULATE_POLICIES:
-            raise ValueError(f"accumulate (--odo-accumulate) must be one of {ACCUMULATE_POLICIES}, "
-                             f"got {self.accumulate!r}")
+        if not isinstance(self.sharding, ShardingPlan):
+            raise TypeError(f"sharding must be a megatron_ext.ShardingPlan, got {type(self.sharding).__name__}")
+        if self.accumulate is not None:
+            object.__setattr__(self, "sharding", fold_accumulate(self.sharding, self.accumulate))
+            object.__setattr__(self, "accumulate", None)
         if self.buffer_pool_size < 1:
             raise ValueError(f"buffer_pool_size must be >= 1, got {self.buffer_pool_size}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
@@ -43,3 +50,14 @@ class OverlapConfig:
     def backend_options(self) -> BackendOptions:
         return BackendOptions(quant_group_size=self.quant_group_size, qgz_bits=self.qgz_bits,
                               qgz_pipeline_stages=self.qgz_pipeline_stages)
+
+
+def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:
+    """The plan with ``--odo-accumulate`` applied to its gradient factor; a contradiction is an error."""
+    if accumulate not in ACCUMULATE_POLICIES:
+        raise ValueError(f"accumulate (--odo-accumulate) must be one of {ACCUMULATE_POLICIES}, got {accumulate!r}")
+    grad = {"auto": "auto", "local": plan.param, "shard": plan.optim}[accumulate]
+    if plan.grad == "auto" or plan.grad == grad:
+        return dataclasses.replace(plan, grad=grad)
+    raise ValueError(f"--odo-accumulate {accumulate} means grad (--grad-shard-size) = {grad or 'the DP size'}, but "
+                     f"the sharding plan sets grad={plan.grad}: give one of the two")

@@ -2,7 +2,18 @@
 
 Implements megatron-core's ``MegatronOptimizer`` surface (see ANCHORS.md) on top of one or more
 :class:`OverlappedDDP` chunks. Each rank updates only the slices of parameters inside its shards
-(PartitionedParameter); the updated values are cast into the ParameterBuffer and all-gathered per bucket.
+(PartitionedParameter); the updated values are cast into the ParameterBuffer and all-gathered per bucket inside
+the sharding plan's optim group.
+
+[Note: replicas]
+With ``optim < DP`` every shard is held by ``DP / optim`` replicas that receive bit-identical gradients and so
+make bit-identical updates. Sums over the DP group (grad norm, zero count) take each shard once: only replica 0
+contributes. Checkpoints take each shard from replica 0 as well.
+
+[Note: masters]
+An fp32 model gathered losslessly (``plain``) needs no master copy: the master slices are views of the rank's
+shard of the ParameterBuffer, updated in place. Otherwise (bf16/fp16, or ``qwz``, which overwrites the owner's
+slice with decoded weights) each bucket shard has an fp32 master.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ class _Piece:
     master: torch.nn.Parameter    # fp32 view into the chunk's master partition
     grad: torch.Tensor            # fp32 view into the chunk's PartitionedGradient
     counted: bool                 # contributes to the global grad norm
+    primary: bool                 # held by replica 0 of its shard (counted once in DP-wide sums, saved)
 
 
 class OverlappedDistributedOptimizer:
@@ -55,25 +67,41 @@ class OverlappedDistributedOptimizer:
         self._dp_device = collective_device(self.dp_group, self.grad_device)
         self._mp_device = collective_device(self.mp_group, self.grad_device) if self.mp_group is not None else None
         self._mp_peers = node_peers(self.mp_group) if self.mp_group is not None else (0, 0)
-        # PartitionedParameter: fp32 masters, same layout as each chunk's PartitionedGradient.
-        self.masters: List[torch.Tensor] = []
+        # PartitionedParameter: one fp32 master shard per bucket (a view of the ParameterBuffer where that is
+        # exact, see [Note: masters]), the PartitionedGradient's layout.
+        self.master_flat: List[torch.Tensor] = []
+        self.master_shards: List[Dict[int, torch.Tensor]] = []
+        self._aliased: List[bool] = []
         for c in chunks:
-            m = torch.zeros(c.partition_numel, dtype=torch.float32, device=c.main_grad_partition.device)
+            aliased = c.param_backend.name == "plain"
+            self._aliased.append(aliased)
+            own = [b for b in c.buckets if not (aliased and b.dtype == torch.float32)]
+            flat = torch.empty(sum(b.shard_numel for b in own), dtype=torch.float32,
+                               device=c.main_grad_partition.device)
+            shards, off = {}, 0
             for b in c.buckets:
-                m[b.partition_offset:b.partition_offset + b.shard_numel].copy_(
-                    c.param_buffer.shard_view(b, c.topology.rank))
-            self.masters.append(m)
+                if b in own:
+                    shards[b.index] = flat[off:off + b.shard_numel]
+                    shards[b.index].copy_(c.param_buffer.shard_view(b, c.shard_rank))
+                    off += b.shard_numel
+                else:
+                    shards[b.index] = c.param_buffer.shard_view(b, c.shard_rank)
+            self.master_flat.append(flat)
+            self.master_shards.append(shards)
+            c.optimizer_memory = self._memory_report
         self.pieces: List[_Piece] = []
         for ci, c in enumerate(chunks):
+            counted_replica = c.plan.replica_rank == 0
             for b in c.buckets:
-                for pi, a, e, s in b.owned_pieces(c.topology.rank):
+                for pi, a, e, s in b.owned_pieces(c.shard_rank):
                     p = b.params[pi]
+                    master = torch.nn.Parameter(self.master_shards[ci][b.index][s:s + (e - a)], requires_grad=True)
                     lo = b.partition_offset + s
-                    master = torch.nn.Parameter(self.masters[ci][lo:lo + (e - a)], requires_grad=True)
                     grad = c.main_grad_partition[lo:lo + (e - a)]
                     master.grad = grad
                     name = c.param_name(p) if len(chunks) == 1 else f"{ci}.{c.param_name(p)}"
-                    self.pieces.append(_Piece(ci, name, p, a, e, master, grad, counts_towards_norm(p)))
+                    self.pieces.append(_Piece(ci, name, p, a, e, master, grad,
+                                              counts_towards_norm(p) and counted_replica, counted_replica))
         self.inner = build_inner_optimizer(config, self._param_groups())
         if config.fp16:
             if config.loss_scale:
@@ -105,8 +133,8 @@ class OverlappedDistributedOptimizer:
                         "default_config": True})
         if not any(g["params"] for g in out):
             # A rank may own only padding (tiny model, many ranks); torch refuses an empty optimizer.
-            out[0]["params"] = [torch.nn.Parameter(torch.zeros(0, device=self.masters[0].device))]
-            out[0]["params"][0].grad = torch.zeros(0, device=self.masters[0].device)
+            out[0]["params"] = [torch.nn.Parameter(torch.zeros(0, device=self.grad_device))]
+            out[0]["params"][0].grad = torch.zeros(0, device=self.grad_device)
         return out
 
     # -- MegatronOptimizer surface ------------------------------------------------------------------
@@ -117,6 +145,12 @@ class OverlappedDistributedOptimizer:
     @property
     def state(self):
         return self.inner.state
+
+    @property
+    def masters(self) -> List[torch.Tensor]:
+        """Each chunk's fp32 master shards in PartitionedGradient layout (a copy, for inspection)."""
+        return [torch.cat([shards[b.index].float() for b in c.buckets])
+                for c, shards in zip(self.chunks, self.master_shards)]
 
     def get_loss_scale(self) -> torch.Tensor:
         return self.grad_scaler.scale if self.grad_scaler is not None else torch.tensor([1.0])
@@ -170,11 +204,15 @@ class OverlappedDistributedOptimizer:
     def count_zeros(self) -> int:
         local = torch.zeros(1, dtype=torch.float64, device=self.grad_device)
         for pc in self.pieces:
-            local += (pc.grad == 0).sum()
+            if pc.primary:
+                local += (pc.grad == 0).sum()
         return int(self._all_reduce(local, dist.ReduceOp.SUM).item())
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        for c, aliased in zip(self.chunks, self._aliased):
+            if aliased:
+                c.param_sync.wait_all()   # the masters are the ParameterBuffer shards a gather may still send
         self.inner.step()
         self._publish_masters()
         return True
@@ -200,8 +238,10 @@ class OverlappedDistributedOptimizer:
         for ci, c in enumerate(self.chunks):
             c.force_param_sync()
             for b in c.buckets:
-                self.masters[ci][b.partition_offset:b.partition_offset + b.shard_numel].copy_(
-                    c.param_buffer.shard_view(b, c.topology.rank))
+                view = c.param_buffer.shard_view(b, c.shard_rank)
+                master = self.master_shards[ci][b.index]
+                if master.data_ptr() != view.data_ptr():
+                    master.copy_(view)
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -223,8 +263,10 @@ class OverlappedDistributedOptimizer:
             tuple(p.shape), p.numel()) for ci, c in enumerate(self.chunks) for b in c.buckets for p in b.params}
         step = int(self._all_reduce(torch.tensor([float(step)], dtype=torch.float64, device=self.grad_device),
                                     dist.ReduceOp.MAX).item())
+        plan = self.chunks[0].plan
         return {"format": LOCAL_FORMAT, "dp_size": self.chunks[0].topology.size,
-                "dp_rank": self.chunks[0].topology.rank, "optimizer": type(self.inner).__name__, "step": step,
+                "dp_rank": self.chunks[0].topology.rank, "plan": plan.describe(), "replica": plan.replica_rank,
+                "optimizer": type(self.inner).__name__, "step": step,
                 "param_groups": groups, "all_params": all_names,
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
                 "params": params}
@@ -276,9 +318,19 @@ class OverlappedDistributedOptimizer:
         for ci, c in enumerate(self.chunks):
             c.param_sync.wait_all()
             for b in c.buckets:
-                c.param_buffer.shard_view(b, c.topology.rank).copy_(
-                    self.masters[ci][b.partition_offset:b.partition_offset + b.shard_numel])
+                view = c.param_buffer.shard_view(b, c.shard_rank)
+                master = self.master_shards[ci][b.index]
+                if master.data_ptr() != view.data_ptr():
+                    view.copy_(master)
             c.param_sync.launch()
+
+    def _memory_report(self) -> Dict[str, int]:
+        """Bytes of master weights and optimizer states this rank holds (see optimizer/memory.py)."""
+        states = 0
+        for st in self.inner.state.values():
+            states += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+        return {"master_weights": sum(t.numel() * t.element_size() for t in self.master_flat),
+                "optimizer_states": states}
 
     def _sync_failed_flag(self, n: int) -> torch.Tensor:
         """``n`` float64 zeros on the gradients' device; the last is 1 when this rank's grad sync failed."""

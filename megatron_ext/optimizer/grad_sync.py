@@ -11,6 +11,16 @@ waits for that bucket's collective before it adds into the buffer again (never t
 ``no_sync()`` has M > 1 micro-batches, for which ``local`` sends M times less; a one-micro-batch step uses
 ``shard``, which sends the same bytes with bounded buffer memory.
 
+[Note: sharding plans]
+The accumulation policy is the plan's gradient factor (optimizer/sharding.py): ``local`` is ``grad = 1`` and
+``shard`` is ``grad = optim``; ``auto`` decides per step as above. Whatever the policy, a bucket's reduction is a
+reduce-scatter inside the optim group (``backend``), followed -- at the micro-batch that completes the step's
+gradients, and only when the optim group is replicated -- by an all-reduce of the reduced shard across the
+replicas (``replica_backend``), chained behind the reduce-scatter as one multi-phase work. Each bucket's shard
+records whether it holds a partial sum (reduced inside the optim group only) or the full average, so micro-batches
+reduced inside ``no_sync()`` are all-reduced across replicas once, with the last one, and micro-batches each
+synchronised (no ``no_sync()``) are each all-reduced before they are added.
+
 [Note: collective order]
 All ranks must issue collectives in the same order, whatever order their gradients arrive in. Buckets are
 therefore launched strictly in index order: a bucket that completes early waits for its predecessors. At the end
@@ -46,16 +56,20 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..comm.backend import GradReduce, Work
+from ..comm.backend import ChainedWork, CompletedWork, GradReduce, Work
 from ..comm.ledger import CommLedger
 from .bucketing import Bucket
 from .buffer_pool import BufferPool
 from .group_collectives import MP_GRAD, all_reduce_, node_peers
 from .param_buffer import ParameterBuffer
+from .sharding import ResolvedPlan
 
 logger = logging.getLogger(__name__)
 
 MPReduction = Tuple[dist.ProcessGroup, bool]  # (group, average)
+
+# What a bucket's slice of the reduced-gradient partition holds this step (see [Note: sharding plans]).
+_FRESH, _PARTIAL, _REDUCED = range(3)
 
 
 class _BucketState:
@@ -72,20 +86,21 @@ class _BucketState:
 
 class GradSync:
     def __init__(self, buckets: List[Bucket], param_buffer: ParameterBuffer, partition_grad: torch.Tensor,
-                 backend: GradReduce, *, rank: int, policy: str, pool_size: int, grad_reduce_in_fp32: bool,
+                 backend: GradReduce, *, plan: ResolvedPlan, pool_size: int, grad_reduce_in_fp32: bool,
                  overlap: bool, mp_reductions: Dict[int, MPReduction], ledger: Optional[CommLedger] = None,
-                 post_reduce_scale: float = 1.0, param_name: Optional[Callable[[torch.Tensor], str]] = None
-                 ) -> None:
-        """``post_reduce_scale`` multiplies each reduced (DP-averaged) shard once: the DP size under megatron's
-        per-token loss, whose DDP contract is a sum over DP (see megatron_config.py)."""
+                 replica_backend: Optional[GradReduce] = None, post_reduce_scale: float = 1.0,
+                 param_name: Optional[Callable[[torch.Tensor], str]] = None) -> None:
+        """``backend`` reduce-scatters inside the optim group, ``replica_backend`` all-reduces across its replicas
+        (None when the plan has one replica). ``post_reduce_scale`` multiplies each reduced (DP-averaged) shard
+        once: the DP size under megatron's per-token loss, whose DDP contract is a sum over DP."""
         self.buckets = buckets
         self.regular = [b for b in buckets if not b.deferred]
         self.deferred = [b for b in buckets if b.deferred]
         self.param_buffer = param_buffer
         self.partition_grad = partition_grad
         self.backend = backend
-        self.rank = rank
-        self.policy = policy
+        self.replica_backend = replica_backend
+        self.plan = plan
         self.overlap = overlap
         self.mp_reductions = mp_reductions
         self.ledger = ledger
@@ -103,7 +118,7 @@ class GradSync:
                 self.pools[gd] = BufferPool(pool_size, biggest, gd, device)
         self._local: Dict[torch.dtype, torch.Tensor] = {}   # persistent full-gradient buffers, lazily made
         self._state = [_BucketState() for _ in buckets]
-        self._fresh = [True] * len(buckets)      # shard slice not yet written this step
+        self._out_state = [_FRESH] * len(buckets)   # what each bucket's partition slice holds this step
         self._inflight: List[Callable[[], None]] = []
         self._inflight_works: List[Work] = []    # launch order, for Work.advance() (see [Note: multi-hop])
         self.sync_enabled = True
@@ -149,7 +164,7 @@ class GradSync:
         if self._order_seen is not None:
             self._order_seen.append(b.index)
         if self._comm_this_micro and not b.deferred and (self.overlap or st.pooled):
-            self._launch_ready(complete_all=False)
+            self._launch_ready(complete_all=False, final=self.sync_enabled)
 
     def _record_late_gradient(self, b: Bucket, param: torch.Tensor) -> None:
         msg = (f"the gradient of {self._param_name(param)} arrived after its bucket's reduce-scatter was launched "
@@ -163,14 +178,15 @@ class GradSync:
     def _start_micro(self) -> None:
         self._in_backward = True
         if self.step_mode is None:
-            if self.policy == "shard":
-                self.step_mode = "pool"
-            elif self.policy == "local":
-                self.step_mode = "local"
-            else:  # auto: M > 1 micro-batches iff the first backward of the step runs under no_sync()
-                self.step_mode = "pool" if self.sync_enabled else "local"
+            # auto: M > 1 micro-batches iff the first backward of the step runs under no_sync()
+            local = self.plan.accumulates_locally(multiple_micro_batches=not self.sync_enabled)
+            self.step_mode = "local" if local else "pool"
             self.last_step_mode = self.step_mode
         self._comm_this_micro = self.step_mode == "pool" or self.sync_enabled
+        if self._comm_this_micro and self.sync_enabled and self.replica_backend is not None:
+            # This micro-batch all-reduces across replicas what earlier ones accumulated: their reduce-scatters
+            # (launched during the previous backward, done long since in practice) must have been added first.
+            self.wait_all()
         self._next_launch = 0
         self._reset_launch_flags()
         Variable._execution_engine.queue_callback(self._end_micro)
@@ -184,7 +200,7 @@ class GradSync:
                             "affected", self.first_backward_order)
             self._order_seen = None
         if self._comm_this_micro:
-            self._launch_ready(complete_all=True)
+            self._launch_ready(complete_all=True, final=self.sync_enabled)
             self._pending_local = False
         else:
             self._pending_local = True
@@ -212,36 +228,61 @@ class GradSync:
         return flat[b.buffer_offset:b.buffer_offset + b.numel], False
 
     # -- launching ----------------------------------------------------------------------------------
-    def _launch_ready(self, complete_all: bool) -> None:
+    def _launch_ready(self, complete_all: bool, final: bool) -> None:
         while self._next_launch < len(self.regular):
             b = self.regular[self._next_launch]
             st = self._state[b.index]
             if not complete_all and len(st.arrived) < len(b.params):
                 return
-            self._launch(b)
+            self._launch(b, final)
             self._next_launch += 1
 
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, b: Bucket, final: bool) -> None:
+        """Reduce bucket ``b`` into its partition slice; ``final``: this micro-batch completes the step's gradients
+        (the replica all-reduce runs with it, see [Note: sharding plans])."""
         st = self._state[b.index]
         buffer = self._writable_buffer(b, st)
         pooled = st.pooled
         out = self.partition_grad[b.partition_offset:b.partition_offset + b.shard_numel]
-        if self._fresh[b.index]:
-            target, accumulate = out, False
-            self._fresh[b.index] = False
+        state = self._out_state[b.index]
+        accumulate = state != _FRESH
+        target = torch.empty_like(out) if accumulate else out
+        scale = self.post_reduce_scale
+        replica = self.replica_backend if final else None
+        # The replica all-reduce averages the partial sums in ``out``, or, when ``out`` already holds the full
+        # average of earlier synchronised micro-batches, this micro-batch's own result before it is added.
+        ar_tensor = target if state == _REDUCED else out
+        self._out_state[b.index] = _REDUCED if (final or self.replica_backend is None) else _PARTIAL
+
+        def after_reduce_scatter() -> None:
+            if scale != 1.0:
+                target.mul_(scale)
+            if accumulate and not (replica is not None and ar_tensor is target):
+                out.add_(target)
+
+        def after_all_reduce() -> Work:
+            if accumulate and ar_tensor is target:
+                out.add_(target)
+            return CompletedWork()
+
+        if replica is None:
+            work: Work = self.backend.reduce_scatter(buffer, target)
+            epilogue: Optional[Callable[[], None]] = after_reduce_scatter
         else:
-            target, accumulate = torch.empty_like(out), True
-        work: Work = self.backend.reduce_scatter(buffer, target)
+            rs = self.backend.reduce_scatter
+            work = ChainedWork([lambda: rs(buffer, target),
+                                lambda: (after_reduce_scatter(), replica.all_reduce(ar_tensor))[1],
+                                after_all_reduce])
+            epilogue = None
         for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
             earlier.advance()
-        if type(work).advance is not Work.advance:   # single-hop works (plain) have nothing to advance
+        if work.multi_phase and not work.done:   # single-hop works (plain) have nothing to advance
             self._inflight_works.append(work)
         st.launched = True
         pool = self.pools[self.grad_dtype[b.dtype]] if pooled else None
-        scale = self.post_reduce_scale
 
         def complete() -> None:
-            nonlocal work, target, buffer
+            nonlocal work, target, buffer, epilogue
             if work is None:
                 return
             # Earlier launches first (see [Note: multi-hop]): finishing a multi-hop reduction issues its remaining
@@ -252,10 +293,8 @@ class GradSync:
                     break
                 older()
             work.wait()
-            if scale != 1.0:
-                target.mul_(scale)
-            if accumulate:
-                out.add_(target)
+            if epilogue is not None:
+                epilogue()
             if pool is not None:
                 pool.untrack(complete)
                 pool.release(buffer)
@@ -268,7 +307,7 @@ class GradSync:
                 self._inflight.remove(complete)
             if work in self._inflight_works:
                 self._inflight_works.remove(work)
-            work = target = buffer = None
+            work = target = buffer = epilogue = None
 
         if pool is not None:
             pool.track(complete)
@@ -289,7 +328,7 @@ class GradSync:
         """Launch every bucket not yet launched (for callers that do not overlap)."""
         if self._pending_local or (self.step_mode == "pool" and self._next_launch < len(self.regular)):
             self._next_launch = 0 if self._pending_local else self._next_launch
-            self._launch_ready(complete_all=True)
+            self._launch_ready(complete_all=True, final=True)
             self._pending_local = False
 
     def finish_grad_sync(self) -> None:
@@ -298,7 +337,7 @@ class GradSync:
         if self._pending_local:
             # Local accumulation that never saw a synchronising micro-batch: reduce it now.
             self._next_launch = 0
-            self._launch_ready(complete_all=True)
+            self._launch_ready(complete_all=True, final=True)
             self._pending_local = False
         if self.deferred and self.step_mode is not None and not self._deferred_done:
             self._reduce_deferred()
@@ -316,7 +355,7 @@ class GradSync:
                 all_reduce_(g, dist.ReduceOp.SUM, group, self.ledger, MP_GRAD, self._mp_peers[id(group)])
                 if average:
                     g.div_(dist.get_world_size(group))
-            self._launch(b)
+            self._launch(b, final=True)
 
     def wait_all(self) -> None:
         for complete in list(self._inflight):   # each removes itself once done
@@ -326,7 +365,7 @@ class GradSync:
     def zero_grad(self) -> None:
         self.wait_all()
         self.partition_grad.zero_()
-        self._fresh = [True] * len(self.buckets)
+        self._out_state = [_FRESH] * len(self.buckets)
         for st in self._state:
             if st.buffer is not None and st.pooled:
                 self.pools[st.buffer.dtype].release(st.buffer)

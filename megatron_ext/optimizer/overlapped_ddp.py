@@ -14,8 +14,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm.backend import (available_grad_reduce, available_param_gather, build_grad_reduce,
-                            build_param_gather)
+from ..comm.backend import available_grad_reduce, available_param_gather
 from ..comm.ledger import CommLedger
 from ..comm.topology import Topology
 from .bucketing import Bucket, assign_buckets
@@ -24,8 +23,10 @@ from .grad_sync import GradSync
 from .group_collectives import group_device_types
 from .megatron_config import check_supported, per_token_loss
 from .model_parallel import model_parallel_grad_reductions
+from .memory import measured_model_state_bytes
 from .param_buffer import ParameterBuffer
 from .param_sync import ParamSync
+from .plan_comm import build_plan_comm
 
 
 class OverlappedDDP(torch.nn.Module):
@@ -53,17 +54,21 @@ class OverlappedDDP(torch.nn.Module):
         check_supported(module)
         self.module = module
         self.overlap_config = config
-        self.topology = Topology(dp_group, config.ranks_per_node)
+        # The plan's rules are checked before any group is created (group creation is a collective).
+        self.topology = Topology(dp_group, config.ranks_per_node, create_subgroups=False)
+        self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
+        self.topology.create_subgroups()
         self.ledger = CommLedger()
-        options = config.backend_options()
-        self.grad_backend = build_grad_reduce(config.grad_reduce, self.topology, self.ledger, options)
-        self.param_backend = build_param_gather(config.param_gather, self.topology, self.ledger, options)
-        alignment = _lcm(config.shard_alignment, self.grad_backend.shard_alignment,
-                         self.param_backend.shard_alignment)
+        self.comm = build_plan_comm(self.plan, self.topology, config.grad_reduce, config.param_gather, self.ledger,
+                                    config.backend_options())
+        self.grad_backend = self.comm.grad_reduce
+        self.param_backend = self.comm.param_gather
+        alignment = _lcm(config.shard_alignment, self.comm.shard_alignment)
         mp = model_parallel_grad_reductions(module)
         params = [p for _, p in named]
         self.param_names = {id(p): n for n, p in named}
-        self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.topology.size, alignment,
+        self.shard_rank = self.plan.shard_rank   # this rank's shard of every bucket (its rank in the optim group)
+        self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.plan.optim, alignment,
                                                     deferred=[id(p) in mp for p in params])
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
@@ -71,20 +76,22 @@ class OverlappedDDP(torch.nn.Module):
         self.main_grad_partition = torch.zeros(self.partition_numel, dtype=torch.float32, device=device)
         self.broadcast_params()
         self.grad_sync = GradSync(self.buckets, self.param_buffer, self.main_grad_partition, self.grad_backend,
-                                  rank=self.topology.rank, policy=config.accumulate,
+                                  plan=self.plan, replica_backend=self.comm.replica_reduce,
                                   pool_size=config.buffer_pool_size,
                                   grad_reduce_in_fp32=config.grad_reduce_in_fp32,
                                   overlap=config.overlap_grad_reduce, mp_reductions=mp, ledger=self.ledger,
                                   post_reduce_scale=self.topology.size if per_token_loss(module) else 1.0,
                                   param_name=lambda p: repr(self.param_names.get(id(p), "?")))
         self.param_sync = ParamSync(module, self.buckets, self.param_buffer, self.param_backend,
-                                    self.topology.rank, overlap=config.overlap_param_gather)
+                                    self.shard_rank, overlap=config.overlap_param_gather)
+        self.optimizer_memory = None   # set by the optimizer: a callable giving its bytes per component
         # Read by megatron-core's finalize_model_grads and training loop.
         self.ddp_config = types.SimpleNamespace(
             use_megatron_fsdp=False, use_custom_fsdp=False, use_distributed_optimizer=True,
             overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
             bucket_size=config.bucket_size, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-            average_in_collective=False, check_for_nan_in_grad=False, num_distributed_optimizer_instances=1)
+            average_in_collective=False, check_for_nan_in_grad=False,
+            num_distributed_optimizer_instances=self.plan.replicas)
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -166,6 +173,14 @@ class OverlappedDDP(torch.nn.Module):
 
     def param_name(self, p: torch.nn.Parameter) -> str:
         return self.param_names[id(p)]
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds per model-state component, measured from the tensors themselves (parameters,
+        gradients, bucket pool; optimizer states and master weights once an optimizer is attached)."""
+        report = measured_model_state_bytes(self)
+        if self.optimizer_memory is not None:
+            report.update(self.optimizer_memory())
+        return report
 
 
 def _check_group_serves(dp_group: Optional[dist.ProcessGroup], device: torch.device) -> None:

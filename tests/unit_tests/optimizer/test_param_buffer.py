@@ -20,7 +20,7 @@ def test_params_are_views_into_one_flat_buffer_per_dtype():
     params = list(m.parameters())
     values = [p.detach().clone() for p in params]
     dp = 3
-    buckets = assign_buckets(params, bucket_size=30, dp_size=dp, alignment=8)
+    buckets = assign_buckets(params, bucket_size=30, num_shards=dp, alignment=8)
     pb = ParameterBuffer(buckets, torch.device("cpu"))
     assert set(pb.flat) == {torch.float32, torch.bfloat16}
     assert {b.dtype for b in buckets} == {torch.float32, torch.bfloat16} and len(buckets) > 2
@@ -54,7 +54,7 @@ def test_every_element_outside_a_parameter_is_zero_even_from_dirty_memory(monkey
     monkeypatch.setattr(param_buffer.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     m = _mixed_dtype_module()
     params = list(m.parameters())
-    pb = ParameterBuffer(assign_buckets(params, bucket_size=30, dp_size=3, alignment=8), torch.device("cpu"))
+    pb = ParameterBuffer(assign_buckets(params, bucket_size=30, num_shards=3, alignment=8), torch.device("cpu"))
     monkeypatch.undo()
     for dtype, flat in pb.flat.items():
         covered = torch.zeros(flat.numel(), dtype=torch.bool)

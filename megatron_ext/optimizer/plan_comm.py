@@ -1,0 +1,62 @@
+"""The groups and backends that execute a resolved sharding plan (see [Note: executing a plan] in sharding.py).
+
+[Note: which stage a backend quantizes]
+A bucket's gradients are reduce-scattered inside the optim group, then all-reduced across its replicas; weights
+are all-gathered inside the optim group. ``qgz`` and ``bytegrad`` quantize the *cross-node* part of the reduction:
+a stage whose group spans several nodes runs the configured backend (qgZ: its hierarchical form over that group's
+nodes; across replicas: a quantized reduce-scatter then a quantized all-gather, every rank decoding alike), a
+node-local stage runs ``plain``. When no stage crosses nodes (one node) the configured backend runs every stage in
+its one-hop form, as without a plan. ``qwz`` quantizes the parameter gather, node-local or not: it was asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from ..comm.backend import GradReduce, ParamGather, build_grad_reduce, build_param_gather
+from ..comm.ledger import CommLedger
+from ..comm.topology import Topology
+from .sharding import ResolvedPlan
+
+
+@dataclasses.dataclass
+class PlanComm:
+    plan: ResolvedPlan
+    optim: Topology                      # the optim shard group: reduce-scatter and parameter all-gather
+    replicas: Optional[Topology]         # ranks holding the same shard (None: one replica)
+    grad_reduce: GradReduce
+    replica_reduce: Optional[GradReduce]
+    param_gather: ParamGather
+
+    @property
+    def shard_alignment(self) -> int:
+        """Elements a bucket shard must be a multiple of for every stage of this plan."""
+        align = _lcm(self.grad_reduce.shard_alignment, self.param_gather.shard_alignment)
+        if self.replica_reduce is not None:
+            align = _lcm(align, self.replica_reduce.all_reduce_alignment)
+        return align
+
+
+def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,
+                    options) -> PlanComm:
+    """Create this rank's plan groups (members only, same order on every rank) and the stage backends."""
+    optim = dp.subgroup(plan.optim_members)
+    replicas = dp.subgroup(plan.replica_members) if plan.replicas > 1 else None
+    stages = [t for t in (optim, replicas) if t is not None]
+    crossing = any(t.num_nodes > 1 for t in stages)
+
+    def grad_backend(t: Topology) -> GradReduce:
+        name = grad_reduce if (t.num_nodes > 1 or not crossing) else "plain"
+        return build_grad_reduce(name, t, ledger, options)
+
+    return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim),
+                    replica_reduce=grad_backend(replicas) if replicas is not None else None,
+                    param_gather=build_param_gather(param_gather, optim, ledger, options))
+
+
+def _lcm(*xs: int) -> int:
+    out = 1
+    for x in xs:
+        out = out * x // math.gcd(out, x)
+    return out
