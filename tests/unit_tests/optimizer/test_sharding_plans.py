@@ -277,3 +277,75 @@ def _only_rank0_builds_invalid():
 def test_invalid_plan_rejected_before_any_collective(spawn):
     msg = spawn(_only_rank0_builds_invalid, 6)[0]
     assert "--optim-shard-size" in msg and "aligned with nodes" in msg, msg
+
+
+# -- quantized backends inside plans: within the derived bound of the plain run of the same plan --------------
+QUANT_PLANS = {"amsp_7b": ShardingPlan.amsp_7b(2), "span_shard": ShardingPlan(grad=4, optim=4)}
+QUANT_COMBOS = {"plain": ("plain", "plain", 4), "qgz4+qwz": ("qgz", "qwz", 4), "bytegrad": ("bytegrad", "plain", 4)}
+Q_LR, Q_GROUP = 0.1, 32
+
+
+def _rounds(combo: str, plan: str) -> int:
+    """Quantization rounds a gradient goes through: qgZ's hierarchical reduce-scatter over a group spanning nodes
+    with several ranks per node quantizes twice (contributions, then node sums), with one rank per node once; the
+    replica all-reduce adds the quantized gather of the averaged piece; ByteGrad compresses twice per stage."""
+    if combo == "plain":
+        return 0
+    stages = {"amsp_7b": [("replica", 1)], "span_shard": [("optim", 2), ("replica", 1)]}[plan]
+    if combo.startswith("qgz"):
+        return sum(r + (1 if kind == "replica" else 0) for kind, r in stages)
+    return 2 * len(stages)
+
+
+def _quantized_plans():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    x = torch.randn(16, 11, generator=torch.Generator().manual_seed(10 + rank))
+    y = torch.randn(16, 7, generator=torch.Generator().manual_seed(20 + rank))
+    module = make_model()
+    torch.nn.functional.mse_loss(module(x), y).backward()
+    local_absmax = max(p.grad.abs().max().item() for p in module.parameters())
+    out = {"local_absmax": local_absmax}
+    for pname, plan in QUANT_PLANS.items():
+        for cname, (gr, pg, bits) in QUANT_COMBOS.items():
+            model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(
+                bucket_size=BUCKET, sharding=plan, ranks_per_node=2, grad_reduce=gr, param_gather=pg,
+                qgz_bits=bits, quant_group_size=Q_GROUP))
+            opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="sgd", lr=Q_LR, weight_decay=0.0,
+                                                                    clip_grad=0.0, sgd_momentum=0.0), model)
+            weights = []
+            for _ in range(3):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                model.finish_grad_sync()
+                assert opt.step()[0]
+                opt.zero_grad()
+                model.force_param_sync()
+                weights.append(torch.cat([p.detach().reshape(-1) for p in model.module.parameters()]))
+                if len(weights) == 1:
+                    ledger = model.ledger.summary()
+            out[(pname, cname)] = {"weights": weights, "ledger": ledger}
+    return out
+
+
+def test_quantized_backends_in_plans_within_derived_bounds(spawn):
+    per_rank = spawn(_quantized_plans, 8)
+    G = max(r["local_absmax"] for r in per_rank)
+    for pname in QUANT_PLANS:
+        plain = per_rank[0][(pname, "plain")]["weights"][0]
+        for cname in ("qgz4+qwz", "bytegrad"):
+            res = per_rank[0][(pname, cname)]
+            w = res["weights"][0]
+            q = 7 if cname.startswith("qgz") else 127.5
+            rounds = _rounds(cname, pname)
+            grad_bound = sum(G * (1 + 1 / (2 * q)) ** k / (2 * q) for k in range(rounds))
+            weight_bound = max(plain.abs().max().item(), w.abs().max().item()) / 254 if "qwz" in cname else 0.0
+            err = (w - plain).abs().max().item()
+            assert 0 < err <= Q_LR * grad_bound + weight_bound + 1e-6, (pname, cname, err, grad_bound, weight_bound)
+            for r in per_rank[1:]:   # quantized or not, every rank holds bit-identical weights
+                assert all(torch.equal(a, b) for a, b in zip(res["weights"], r[(pname, cname)]["weights"]))
+            ledger = res["ledger"]
+            quantized_inter = sum(v["inter"] for k, v in ledger.items() if k.startswith(("qgz", "bytegrad")))
+            assert quantized_inter > 0, (pname, cname, ledger)
+            # The cross-node part is quantized: full-precision gradient rows never leave the node.
+            for k in ("reduce_scatter", "all_reduce"):
+                assert ledger.get(k, {"inter": 0})["inter"] == 0, (pname, cname, k, ledger)
