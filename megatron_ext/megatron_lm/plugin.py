@@ -110,7 +110,7 @@ def overlap_config_from_megatron_args(args: Any):
     import megatron_ext as mx
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.training.arguments import dp_ranks_per_node
+    from megatron_ext.training.arguments import dp_ranks_per_node, sharding_plan_from_args
 
     try:
         check_megatron_lm_args(args)
@@ -123,7 +123,11 @@ def overlap_config_from_megatron_args(args: Any):
         rpn = dp_ranks_per_node(view)
     except ArgumentError as e:
         raise ValueError(str(e)) from None
-    kw = dict(accumulate=getattr(args, "odo_accumulate", "auto"),
+    try:
+        plan = sharding_plan_from_args(args, dp, rpn)
+    except ArgumentError as e:
+        raise ValueError(str(e)) from None
+    kw = dict(sharding=plan,
               overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
               overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
               grad_reduce=getattr(args, "grad_reduce", "plain"), param_gather=getattr(args, "param_gather", "plain"),

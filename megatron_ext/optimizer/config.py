@@ -56,7 +56,9 @@ def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:
     """The plan with ``--odo-accumulate`` applied to its gradient factor; a contradiction is an error."""
     if accumulate not in ACCUMULATE_POLICIES:
         raise ValueError(f"accumulate (--odo-accumulate) must be one of {ACCUMULATE_POLICIES}, got {accumulate!r}")
-    grad = {"auto": "auto", "local": plan.param, "shard": plan.optim}[accumulate]
+    if accumulate == "auto":    # the default: the plan's own gradient factor stands
+        return plan
+    grad = {"local": plan.param, "shard": plan.optim}[accumulate]
     if plan.grad == "auto" or plan.grad == grad:
         return dataclasses.replace(plan, grad=grad)
     raise ValueError(f"--odo-accumulate {accumulate} means grad (--grad-shard-size) = {grad or 'the DP size'}, but "

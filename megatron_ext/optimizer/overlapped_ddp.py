@@ -91,7 +91,7 @@ class OverlappedDDP(torch.nn.Module):
             overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
             bucket_size=config.bucket_size, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
             average_in_collective=False, check_for_nan_in_grad=False,
-            num_distributed_optimizer_instances=self.plan.replicas)
+            num_distributed_optimizer_instances=1)   # megatron-core's own instances: ours are in self.plan
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

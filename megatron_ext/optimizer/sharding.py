@@ -182,6 +182,11 @@ class ResolvedPlan:
     def grad_factor(self, multiple_micro_batches: bool) -> int:
         return 1 if self.accumulates_locally(multiple_micro_batches) else self.optim
 
+    def short(self) -> str:
+        """A few characters for the training log line, e.g. ``g1/o8x4`` (grad 1, optim 8, 4 replicas)."""
+        g = "a" if self.grad == "auto" else str(self.grad)
+        return f"g{g}/o{self.optim}x{self.replicas}"
+
     def describe(self) -> str:
         g = self.grad if self.grad != "auto" else f"auto(1|{self.optim})"
         return (f"param={self.plan.param} grad={g} optim={self.optim} (x{self.replicas} replicas), "

@@ -81,6 +81,17 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
                    "the world size simulates several nodes on one machine")
     g.add_argument("--hpz-partition-size", type=int, default=None, help="hpZ secondary partition size (ZeRO-3)")
+    g.add_argument("--param-shard-size", type=int, default=None,
+                   help="sharding plan: DP ranks a parameter is sharded over (1: full weights on every rank; > 1, "
+                   "ZeRO-3, is not implemented yet)")
+    g.add_argument("--grad-shard-size", type=int, default=None,
+                   help="sharding plan: DP ranks the accumulated gradient is sharded over, 1 (accumulate full "
+                   "gradients, reduce once per step) or --optim-shard-size (reduce-scatter every micro-batch); "
+                   "default: --odo-accumulate")
+    g.add_argument("--optim-shard-size", type=int, default=None,
+                   help="sharding plan: DP ranks the optimizer states are sharded over, replicated across those "
+                   "groups (default: the whole DP group; ranks per node: node-local, parameters gathered inside "
+                   "the node)")
     g.add_argument("--ladder-residual", action="store_true", help="Ladder Residual transformer layers")
     g.add_argument("--ladder-residual-layers", type=int, default=None, help="ladder on the last N layers only")
     g.add_argument("--desync-residual", choices=("2x", "4x"), default=None, help="Desynced Residual pattern")
@@ -162,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hysteresis", type=int, default=None, help="default 2")
 
     g = p.add_argument_group("distributed optimizer (Megatron-LM names)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="megatron-core's partial distributed optimizer: K replicas of optimizer states and "
+                   "gradients, i.e. --grad-shard-size = --optim-shard-size = DP / K")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="accepted: the ODO is a distributed (sharded) optimizer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -355,6 +369,37 @@ def _validate_backends(args: argparse.Namespace) -> None:
     args.qgz_bits = 4 if args.qgz_bits is None else args.qgz_bits
     args.quant_group_size = 2048 if args.quant_group_size is None else args.quant_group_size
     args.dp_ranks_per_node = dp_ranks_per_node(args)
+    sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
+
+
+def sharding_plan_from_args(args: argparse.Namespace, dp_size: int, dp_ranks_per_node: Optional[int]):
+    """The ShardingPlan of the plan flags (checked against the DP group's size and nodes). Raises ArgumentError.
+
+    ``--odo-accumulate`` and ``--num-distributed-optimizer-instances`` are spellings of the plan's factors; a
+    contradiction between them and ``--grad-shard-size`` / ``--optim-shard-size`` names both flags.
+    """
+    from megatron_ext.optimizer.config import fold_accumulate
+    from megatron_ext.optimizer.sharding import ShardingPlan
+
+    param = getattr(args, "param_shard_size", None)
+    grad = getattr(args, "grad_shard_size", None)
+    optim = getattr(args, "optim_shard_size", None)
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    try:
+        if instances != 1:
+            implied = ShardingPlan.from_instances(instances, dp_size)
+            for flag, v in (("--optim-shard-size", optim), ("--grad-shard-size", grad)):
+                if v is not None and v != implied.optim:
+                    _fail(f"--num-distributed-optimizer-instances {instances} means {flag} {implied.optim} at DP "
+                          f"size {dp_size}, but {flag} {v} was given: give one of the two")
+            optim = grad = implied.optim
+        plan = ShardingPlan(param=param or 1, grad="auto" if grad is None else grad, optim=optim,
+                            hpz=getattr(args, "hpz_partition_size", None) or 1)
+        plan = fold_accumulate(plan, getattr(args, "odo_accumulate", "auto") or "auto")
+        plan.resolve(dp_size, dp_ranks_per_node or dp_size, 0)
+    except ValueError as e:
+        _fail(str(e))
+    return plan
 
 
 def check_backend_flags(args: argparse.Namespace) -> None:
@@ -406,7 +451,10 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
         for dest, flag, default in (("odo_accumulate", "--odo-accumulate", "auto"), ("grad_reduce", "--grad-reduce",
                                     "plain"), ("param_gather", "--param-gather", "plain"),
                                     ("qgz_bits", "--qgz-bits", None), ("quant_group_size", "--quant-group-size", None),
-                                    ("ranks_per_node", "--ranks-per-node", None)):
+                                    ("ranks_per_node", "--ranks-per-node", None),
+                                    ("param_shard_size", "--param-shard-size", None),
+                                    ("grad_shard_size", "--grad-shard-size", None),
+                                    ("optim_shard_size", "--optim-shard-size", None)):
             if getattr(args, dest, default) != default:
                 _fail(f"{flag} needs --use-overlapped-distributed-optimizer (without it Megatron-LM's own optimizer "
                       "runs and the flag would be ignored)")

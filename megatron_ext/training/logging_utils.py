@@ -50,7 +50,7 @@ def _fmt_significant(x: float) -> str:
 def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                       tflops_per_rank: float, tokens_per_sec_per_rank: float, lr: float, global_batch_size: int,
                       lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float], skipped: int,
-                      nan_iters: int, intra_bytes: float, inter_bytes: float) -> str:
+                      nan_iters: int, intra_bytes: float, inter_bytes: float, plan: Optional[str] = None) -> str:
     """One Megatron-LM-style log line (values averaged over the log interval)."""
     ts = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
@@ -67,8 +67,10 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
-    parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan_iters:3d}",
-              f"bytes sent per step intra-node: {_fmt_bytes(intra_bytes)}",
+    parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan_iters:3d}"]
+    if plan is not None:
+        parts.append(f"sharding: {plan}")
+    parts += [f"bytes sent per step intra-node: {_fmt_bytes(intra_bytes)}",
               f"inter-node: {_fmt_bytes(inter_bytes)}"]
     return " | ".join(parts) + " |"
 

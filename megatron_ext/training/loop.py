@@ -194,7 +194,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                 elapsed_ms=elapsed * 1000, tflops_per_rank=flops_per_iter / (elapsed * args.world_size * 1e12),
                 tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
                 global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
-                skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter))
+                skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
+                plan=model.plan.short()))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
                                    "loss-scale": scale, "iteration-time": elapsed,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})

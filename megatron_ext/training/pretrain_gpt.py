@@ -75,7 +75,10 @@ def _build_optimizer(args: argparse.Namespace, model):
 def _overlap_config(args: argparse.Namespace):
     import megatron_ext as mx
 
-    return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, accumulate=args.odo_accumulate,
+    from .arguments import sharding_plan_from_args
+
+    plan = sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
+    return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, sharding=plan,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, grad_reduce=args.grad_reduce,
                             param_gather=args.param_gather, ranks_per_node=args.dp_ranks_per_node,
@@ -126,6 +129,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                      f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}), vocab "
                      f"{args.tokenizer_vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} "
                      "micro-batches per step")
+        print_rank_0(f"> sharding plan: {model.plan.describe()}; gradients {args.grad_reduce}, parameters "
+                     f"{args.param_gather}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
         if args.load:

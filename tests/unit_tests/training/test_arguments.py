@@ -60,7 +60,17 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--data-path", "x"], ["--tokenizer-type"]),
     (["--lr-warmup-iters", "10"], ["--lr-warmup-iters", "--lr-decay-iters"]),
     (["--ranks-per-node", "3"], ["--ranks-per-node"]),
-    (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not implemented"]),
+    (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not supported"]),
+    (["--param-shard-size", "2"], ["--param-shard-size", "not supported"]),
+    (["--optim-shard-size", "3"], ["--optim-shard-size", "does not divide"]),
+    (["--optim-shard-size", "2", "--grad-shard-size", "4"], ["--grad-shard-size", "param <= grad <= optim"]),
+    (["--optim-shard-size", "4", "--ranks-per-node", "2", "--grad-shard-size", "2"],
+     ["--grad-shard-size", "s_g in {s_p, s_os}"]),
+    (["--optim-shard-size", "2", "--odo-accumulate", "shard", "--grad-shard-size", "1"],
+     ["--odo-accumulate", "--grad-shard-size"]),
+    (["--num-distributed-optimizer-instances", "2", "--optim-shard-size", "4"],
+     ["--num-distributed-optimizer-instances", "--optim-shard-size"]),
+    (["--num-distributed-optimizer-instances", "3"], ["--num-distributed-optimizer-instances"]),
     (["--ladder-residual-layers", "1"], ["--ladder-residual-layers", "--ladder-residual"]),
     (["--ladder-residual", "--desync-residual", "2x"], ["--ladder-residual", "--desync-residual"]),
     (["--ladder-residual", "--ladder-residual-layers", "5"], ["--ladder-residual-layers", "--num-layers"]),
@@ -73,6 +83,19 @@ def test_conflicting_or_invalid_flags_named(capsys, argv, names):
     err = _error(capsys, argv)
     for n in names:
         assert n in err, err
+
+
+def test_plan_flags_build_the_plan():
+    from megatron_ext import ShardingPlan
+    from megatron_ext.training.arguments import sharding_plan_from_args
+
+    args = parse_args(BASE + ["--optim-shard-size", "2", "--odo-accumulate", "local", "--ranks-per-node", "2"],
+                      world_size=8)
+    assert sharding_plan_from_args(args, 8, 2) == ShardingPlan.amsp_7b(2)
+    args = parse_args(BASE + ["--num-distributed-optimizer-instances", "2"], world_size=8)
+    assert sharding_plan_from_args(args, 8, 8) == ShardingPlan.mics(4)
+    args = parse_args(BASE, world_size=8)
+    assert sharding_plan_from_args(args, 8, 8) == ShardingPlan()
 
 
 def test_unimplemented_backend_rejected_by_flag_name(capsys, monkeypatch):
