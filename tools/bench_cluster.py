@@ -17,7 +17,16 @@ Combos: plain, qwZ, qgZ (INT4), qwZ+qgZ, ByteGrad, and DeepSpeed ZeRO-2 as the p
 table shows milliseconds per step (max over ranks, median over iterations) and the speedup over plain, next to
 seed 000's low-bandwidth results (1 IB link, 384 V100: 1.79x-2.16x end to end).
 
+Sharding plans (gpt mode, ``--plans zero2,zero1,mics,amsp7b``): every combo runs under every plan (ZeRO-2 and
+ZeRO-1 over the whole DP group, MiCS/HSDP-like node-local gradients and optimizer states, AMSP's 7B plan with
+node-local optimizer states and full gradients), with ``--micro-batches`` micro-batches per step; the peers add
+FSDP2 HSDP (2-D mesh: sharded inside a node, replicated across nodes, ``--peers fsdp2-hsdp``) and DeepSpeed
+ZeRO-2. Every row also reports the bytes that actually left each node (the node namespace's eth0 counter, so
+peers are measured the same way as the ODO, TCP/IP headers included) and the model-state MB per rank.
+
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
+    sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
+        --peers fsdp2-hsdp,deepspeed-zero2 --rates 1gbit,100mbit
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -76,6 +85,53 @@ def _timed_continuous(step, flush, iters: int, warmup: int) -> List[float]:
         step()
     flush()
     return [(time.perf_counter() - t0) / iters]
+
+
+PLAN_PRESETS = {
+    "zero2": lambda rpn: _plan().zero2(),
+    "zero1": lambda rpn: _plan().zero1(),
+    "mics": lambda rpn: _plan().mics(rpn),
+    "amsp7b": lambda rpn: _plan().amsp_7b(rpn),
+}
+
+
+def _plan():
+    from megatron_ext import ShardingPlan
+    return ShardingPlan
+
+
+def _wire_tx_bytes() -> int:
+    """Bytes sent on this node namespace's link (0 outside the emulated cluster): cross-node traffic only, since
+    the ranks of a node talk over its loopback."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def _wire_per_node_per_step(topo, before: int, steps: int) -> float:
+    """Cross-node bytes per node per step from the eth0 counters (local rank 0 of each node reads its node's)."""
+    import torch
+    import torch.distributed as dist
+
+    sent = (_wire_tx_bytes() - before) if topo.local_rank == 0 else 0
+    t = torch.tensor([float(sent)], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / topo.num_nodes / max(1, steps)
+
+
+def _timed_steps(topo, step, flush, a) -> Dict:
+    """Back-to-back step time (max over ranks) and the wire bytes per node per step of the timed steps."""
+    import torch.distributed as dist
+
+    for _ in range(a.warmup):
+        step()
+    flush()
+    dist.barrier()
+    before = _wire_tx_bytes()
+    times = _max_over_ranks(_timed_continuous(step, flush, a.iters, 0))
+    return {"times_s": times, "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
 
 
 def _max_over_ranks(times: List[float]) -> List[float]:
@@ -144,47 +200,96 @@ def _init_model_parallel() -> None:
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 
-def _gpt_combo(topo, label, gr, pg, extra, a) -> Dict:
+def _gpt_setup(a, rank: int):
     import torch
-    from megatron.core.optimizer import OptimizerConfig
 
-    import megatron_ext as mx
-    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
+    from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
 
     _init_model_parallel()
     torch.manual_seed(1234)
     model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
+    batches = [synthetic_gpt_batch(a.micro_batch, a.seq, a.vocab, seed=1000 * rank + i) for i in range(a.micro_batches)]
+    return model, batches
+
+
+def _gpt_loss(model, batch):
+    from megatron_ext.models import gpt_loss_func
+
+    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return gpt_loss_func(batch["loss_mask"], out)[0]
+
+
+def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
+    import contextlib
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+
+    model, batches = _gpt_setup(a, topo.rank)
     ocfg = mx.OverlapConfig(bucket_size=a.bucket_numel, grad_reduce=gr, param_gather=pg,
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
                             quant_group_size=a.group_size, qgz_pipeline_stages=a.stages,
-                            qgz_bits=extra.get("qgz_bits", 4))
+                            qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node))
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
-    batch = synthetic_gpt_batch(a.micro_batch, a.seq, a.vocab, seed=topo.rank)
+    M = len(batches)
 
     def step():
-        out = ddp(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-        loss, _ = gpt_loss_func(batch["loss_mask"], out)
-        opt.scale_loss(loss).backward()
+        for i, batch in enumerate(batches):
+            with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
+                opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
         ddp.finish_grad_sync()
         opt.step()
         opt.zero_grad()
 
     ddp.ledger.enabled = False
-    times = _max_over_ranks(_timed_continuous(step, ddp.force_param_sync, a.iters, a.warmup))
+    out = _timed_steps(topo, step, ddp.force_param_sync, a)
     ddp.ledger.enabled = True
     ddp.ledger.reset()
     step()
-    return {"times_s": times, "ledger": _ledger_over_ranks(ddp.ledger, topo),
-            "params": sum(p.numel() for p in model.parameters())}
+    mem = ddp.memory_report()
+    return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
+            "params": sum(p.numel() for p in model.parameters()),
+            "model_state_bytes": sum(v for k, v in mem.items() if k != "bucket_pool"), "memory": mem}
+
+
+def _fsdp2_hsdp_combo(topo, a) -> Dict:
+    """FSDP2 HSDP: ``fully_shard`` per decoder layer and at the root on a (nodes x ranks-per-node) mesh, sharded
+    inside a node and replicated across nodes; ``reshard_after_forward=False`` keeps the weights gathered between
+    forward and backward, like the ODO's plans with full parameters."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, batches = _gpt_setup(a, topo.rank)
+    mesh = init_device_mesh("cpu", (topo.num_nodes, topo.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    M = len(batches)
+
+    def step():
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == M - 1)
+            (_gpt_loss(model, batch) / M).backward()
+        opt.step()
+        opt.zero_grad()
+
+    out = _timed_steps(topo, step, lambda: None, a)
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    states = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0)
+    return {**out, "model_state_bytes": 2 * local + states, "ledger": None,
+            "note": "FSDP2 is not instrumented by the ledger; model state = local parameter and gradient shards "
+                    "+ Adam states"}
 
 
 def _deepspeed_combo(topo, a) -> Dict:
-    """DeepSpeed ZeRO-2 (plain fp32 reduce-scatter/all-gather, its own bucketing) on the same GPT and batch."""
+    """DeepSpeed ZeRO-2 (plain fp32 reduce-scatter/all-gather, its own bucketing) on the same GPT and batches."""
     import deepspeed
     import torch
-
-    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
 
     # DeepSpeed compiles a small C++ op on first use: into a writable cache shared by the ranks (the orchestrator
     # sets it; torch's cpp_extension serialises concurrent builds with a lock file).
@@ -192,12 +297,11 @@ def _deepspeed_combo(topo, a) -> Dict:
     os.environ.setdefault("LOCAL_RANK", str(topo.local_rank))
     os.environ.setdefault("RANK", str(topo.rank))
     os.environ.setdefault("WORLD_SIZE", str(topo.size))
-    _init_model_parallel()
-    torch.manual_seed(1234)
-    model = build_gpt_model(a.layers, a.hidden, a.heads, a.vocab, a.seq)
+    model, batches = _gpt_setup(a, topo.rank)
+    M = len(batches)
     ds_config = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": M,
         "zero_optimization": {"stage": 2, "reduce_bucket_size": a.bucket_numel,
                               "allgather_bucket_size": a.bucket_numel, "overlap_comm": False,
                               "contiguous_gradients": True},
@@ -207,17 +311,33 @@ def _deepspeed_combo(topo, a) -> Dict:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
                                       dist_init_required=False)
-    batch = synthetic_gpt_batch(a.micro_batch, a.seq, a.vocab, seed=topo.rank)
 
     def step():
-        out = engine(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-        loss, _ = gpt_loss_func(batch["loss_mask"], out)
-        engine.backward(loss)
-        engine.step()
+        for batch in batches:
+            engine.backward(_gpt_loss(engine, batch))
+            engine.step()
 
-    times = _max_over_ranks(_timed_continuous(step, lambda: None, a.iters, a.warmup))
-    return {"times_s": times, "ledger": {"total": {"intra": 0, "inter": 0}, "per_node": {"intra": 0, "inter": 0}},
+    out = _timed_steps(topo, step, lambda: None, a)
+    return {**out, "ledger": None, "model_state_bytes": _deepspeed_model_state_bytes(engine),
             "note": "DeepSpeed ZeRO-2 is not instrumented by the ledger"}
+
+
+def _deepspeed_model_state_bytes(engine) -> Optional[int]:
+    """Full model parameters + this rank's fp32 partitions + Adam states (DeepSpeed's ZeRO-2 internals)."""
+    import torch
+
+    try:
+        zopt = engine.optimizer
+        params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+        parts = sum(t.numel() * t.element_size() for t in zopt.single_partition_of_fp32_groups)
+        states = sum(v.numel() * v.element_size() for st in zopt.optimizer.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+        return params + parts + states
+    except AttributeError:
+        return None
+
+
+PEERS = {"fsdp2-hsdp": ("FSDP2 HSDP", _fsdp2_hsdp_combo), "deepspeed-zero2": ("DeepSpeed ZeRO-2", _deepspeed_combo)}
 
 
 def default_extensions_dir() -> str:
@@ -239,26 +359,34 @@ def worker(a) -> None:
 
     topo = Topology(ranks_per_node=a.ranks_per_node)
     results = {}
-    for combo in COMBOS:
-        label = combo.label
-        if a.combos and label not in a.combos.split(","):
-            continue
-        fn = _raw_combo if a.mode == "raw" else _gpt_combo
-        results[label] = fn(topo, label, combo.grad_reduce, combo.param_gather, {"qgz_bits": combo.qgz_bits}, a)
-        if a.rank == 0:
-            print(f"  {label:<10} {1e3 * statistics.median(results[label]['times_s']):9.1f} ms/step", flush=True)
-    if a.mode == "gpt":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
+    plans = a.plans.split(",") if a.mode == "gpt" else ["zero2"]
+    for plan_name in plans:
+        for combo in COMBOS:
+            label = combo.label
+            if a.combos and label not in a.combos.split(","):
+                continue
+            row = label if len(plans) == 1 else f"{plan_name} {label}"
+            if a.mode == "raw":
+                results[row] = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather,
+                                          {"qgz_bits": combo.qgz_bits}, a)
+            else:
+                results[row] = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather,
+                                          {"qgz_bits": combo.qgz_bits}, a, plan_name)
             if a.rank == 0:
-                print("  DeepSpeed ZeRO-2: skipped (deepspeed is not installed)", flush=True)
-        else:
-            if not a.combos or "DeepSpeed" in a.combos:
-                results["DeepSpeed ZeRO-2"] = _deepspeed_combo(topo, a)
-                if a.rank == 0:
-                    print(f"  {'DS ZeRO-2':<10} {1e3 * statistics.median(results['DeepSpeed ZeRO-2']['times_s']):9.1f}"
-                          f" ms/step", flush=True)
+                print(f"  {row:<22} {1e3 * statistics.median(results[row]['times_s']):9.1f} ms/step", flush=True)
+    if a.mode == "gpt":
+        for key in [p for p in a.peers.split(",") if p]:
+            name, fn = PEERS[key]
+            if key.startswith("deepspeed"):
+                try:
+                    import deepspeed  # noqa: F401
+                except ImportError:
+                    if a.rank == 0:
+                        print(f"  {name}: skipped (deepspeed is not installed)", flush=True)
+                    continue
+            results[name] = fn(topo, a)
+            if a.rank == 0:
+                print(f"  {name:<22} {1e3 * statistics.median(results[name]['times_s']):9.1f} ms/step", flush=True)
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
@@ -317,26 +445,35 @@ def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
 def render(all_results: Dict[str, Dict], a) -> str:
     rates = list(all_results)
     labels = [l for l in all_results[rates[0]]]
+    base = labels[0]
     lines = [f"mode={a.mode}, {a.nodes} nodes x {a.ranks_per_node} ranks, "
              + (f"{a.buckets} bucket(s) of {a.bucket_numel / 1e6:.1f}M {a.dtype} elements" if a.mode == "raw"
-                else f"GPT {a.layers}x{a.hidden}, seq {a.seq}, micro-batch {a.micro_batch}"),
+                else f"GPT {a.layers}x{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.micro_batch} x "
+                     f"{a.micro_batches} per step, bucket {a.bucket_numel / 1e6:.2f}M elements"),
              ("ms per step (median over iterations of the max over ranks)" if a.mode == "raw" else
-              f"ms per step (mean of {a.iters} back-to-back steps, max over ranks)") + "; speedup = plain / combo"]
-    hdr = f"{'combo':<18}" + "".join(f"{r + ' ms':>14}{'speedup':>9}{'inter MiB/node':>16}" for r in rates)
+              f"ms per step (mean of {a.iters} back-to-back steps, max over ranks)") + f"; speedup = '{base}' / row; "
+             "ledger and wire = MiB sent across nodes per node per step (wire: eth0 counter, TCP/IP included); "
+             "state = model-state MB per rank"]
+    hdr = f"{'row':<24}" + "".join(f"{r + ' ms':>14}{'speedup':>9}{'ledger':>9}{'wire':>9}" for r in rates)
+    hdr += f"{'state MB':>10}"
     lines += [hdr, "-" * len(hdr)]
     for l in labels:
-        row = f"{l:<18}"
+        row = f"{l:<24}"
         for r in rates:
             res = all_results[r].get(l)
-            plain = all_results[r].get("plain")
+            ref = all_results[r].get(base)
             if res is None:
-                row += f"{'-':>14}{'-':>9}{'-':>16}"
+                row += f"{'-':>14}{'-':>9}{'-':>9}{'-':>9}"
                 continue
             med = statistics.median(res["times_s"])
-            speedup = f"{statistics.median(plain['times_s']) / med:>8.2f}x" if plain else f"{'-':>9}"
-            inter = res["ledger"]["per_node"]["inter"] / 2 ** 20
-            inter_s = f"{inter:>16.2f}" if "note" not in res else f"{'n/a':>16}"
-            row += f"{1e3 * med:>14.1f}{speedup}{inter_s}"
+            speedup = f"{statistics.median(ref['times_s']) / med:>8.2f}x" if ref else f"{'-':>9}"
+            ledger = res.get("ledger")
+            led = f"{ledger['per_node']['inter'] / 2 ** 20:>9.2f}" if ledger else f"{'n/a':>9}"
+            wire = res.get("wire_per_node")
+            wire_s = f"{wire / 2 ** 20:>9.2f}" if wire else f"{'-':>9}"
+            row += f"{1e3 * med:>14.1f}{speedup}{led}{wire_s}"
+        state = all_results[rates[0]][l].get("model_state_bytes")
+        row += f"{state / 1e6:>10.2f}" if state else f"{'-':>10}"
         lines.append(row)
     lines.append(SEED_000_LOW_BW)
     return "\n".join(lines)
@@ -357,6 +494,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)
                     + ",DeepSpeed (gpt mode)")
+    ap.add_argument("--plans", default="zero2",
+                    help="gpt mode: comma-separated sharding plans, of: " + ",".join(PLAN_PRESETS))
+    ap.add_argument("--micro-batches", type=int, default=1, help="gpt mode: micro-batches per step")
+    ap.add_argument("--peers", default="deepspeed-zero2",
+                    help="gpt mode: comma-separated peers, of: " + ",".join(PEERS) + " ('' for none)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)

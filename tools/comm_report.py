@@ -16,6 +16,10 @@ Next to it: seed 000's Table 1 (ZeRO-3: 3M -> 0.75M cross-node per step, ring ac
 the ODO's ZeRO-2 flow (reduce-scatter + all-gather = 2M plain -> qgZ 0.25M + qwZ 0.5M = 0.75M), with the closed
 forms of this ledger's pairwise accounting, their ring equivalents, and why qgZ measures (N-1)/N of the seed's M/Z.
 
+Sharding plans (``--plans zero2,zero1,mics,amsp7b``): one real ODO step per plan and combination (plain, qwZ+qgZ
+INT4) on a stack of ``--hidden`` x ``--hidden`` linear layers of about ``--params`` elements, with the per-step
+cross-node bytes per node (in units of M) and the model-state bytes per rank from ``model.memory_report()``.
+
     python tools/comm_report.py --params 20e6 --world 8 --ranks-per-node 4 --json comm_report.json
 """
 from __future__ import annotations
@@ -94,17 +98,61 @@ def _rank(rank: int, world: int, store: str, args: dict, outdir: str) -> None:
                 ledger.record(name, intra=d_intra * (count - 1), inter=d_inter * (count - 1),
                               calls=d_calls * (count - 1))
         result[label] = ledger.summary()
+    plans = _measure_plans(args, dtype) if args["plans"] else {}
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "node": topo.node, "local_rank": topo.local_rank, "ledger": result}, f)
+        json.dump({"rank": rank, "node": topo.node, "local_rank": topo.local_rank, "ledger": result,
+                   "plans": plans}, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
+PLAN_COMBOS = select_combos(["plain", "qwZ+qgZ INT4"])
+
+
+def _measure_plans(args: dict, dtype: torch.dtype) -> Dict[str, dict]:
+    """One ODO step per plan and combination: this rank's ledger and memory report."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext import ShardingPlan
+
+    presets = {"zero2": ShardingPlan.zero2(), "zero1": ShardingPlan.zero1(),
+               "mics": ShardingPlan.mics(args["ranks_per_node"]), "amsp7b": ShardingPlan.amsp_7b(args["ranks_per_node"])}
+    h = args["hidden"]
+    layers = max(1, round(args["params"] / (h * h)))
+    out = {}
+    for name in args["plans"]:
+        for combo in PLAN_COMBOS:
+            torch.manual_seed(0)
+            module = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(layers)]).to(dtype)
+            cfg = mx.OverlapConfig(bucket_size=args["bucket_size"], sharding=presets[name],
+                                   ranks_per_node=args["ranks_per_node"], grad_reduce=combo.grad_reduce,
+                                   param_gather=combo.param_gather, qgz_bits=combo.qgz_bits,
+                                   quant_group_size=args["group_size"], qgz_pipeline_stages=args["stages"],
+                                   grad_reduce_in_fp32=False)
+            model = mx.OverlappedDDP(module, cfg)
+            opt = mx.OverlappedDistributedOptimizer(
+                OptimizerConfig(optimizer="adam", lr=1e-4, bf16=dtype == torch.bfloat16,
+                                fp16=dtype == torch.float16), model)
+            x = torch.randn(2, h).to(dtype)
+            model.ledger.reset()
+            opt.scale_loss(model(x).float().pow(2).mean()).backward()
+            model.finish_grad_sync()
+            opt.step()
+            model.force_param_sync()
+            out[f"{name} {combo.label}"] = {"plan": model.plan.describe(), "ledger": model.ledger.summary(),
+                                            "memory": model.memory_report(),
+                                            "numel": sum(p.numel() for p in module.parameters())}
+            del model, opt, module
+    return out
+
+
 def measure(params: int, bucket_size: int, world: int, ranks_per_node: int, dtype: str, group_size: int,
-            stages: int) -> List[dict]:
+            stages: int, plans: List[str] = (), hidden: int = 1024) -> List[dict]:
     sizes = bucket_sizes(params, bucket_size, world, 64)
     args = dict(ranks_per_node=ranks_per_node, dtype=dtype, group_size=group_size, stages=stages,
-                sizes=sorted(sizes.items()))
+                sizes=sorted(sizes.items()), plans=list(plans), hidden=hidden, params=params,
+                bucket_size=bucket_size)
     with tempfile.TemporaryDirectory(prefix="mx_comm_report_") as d:
         store = os.path.join(d, "store")
         mp.start_processes(_rank, args=(world, store, args, d), nprocs=world, start_method="spawn", join=True)
@@ -225,6 +273,21 @@ def render(rows: List[dict], cfg: dict) -> str:
     return "\n".join(out)
 
 
+def render_plans(per_rank: List[dict], world: int, ranks_per_node: int, elem: int) -> str:
+    """Per plan and combination: cross-node bytes per node per step over M, and model-state MB per rank."""
+    nodes = world // ranks_per_node
+    rows = per_rank[0]["plans"]
+    out = ["", f"Sharding plans: one ODO step (M = model bytes in the model dtype), {nodes} nodes x {ranks_per_node}",
+           f"{'plan':<22} {'cross-node/node / M':>20} {'intra/rank MiB':>15} {'state MB/rank':>14}  plan"]
+    for key, r in rows.items():
+        M = r["numel"] * elem
+        inter = sum(pr["plans"][key]["ledger"]["total"]["inter"] for pr in per_rank) / nodes
+        intra = sum(pr["plans"][key]["ledger"]["total"]["intra"] for pr in per_rank) / world
+        state = sum(v for k, v in r["memory"].items() if k != "bucket_pool")
+        out.append(f"{key:<22} {inter / M:>20.3f} {intra / 2 ** 20:>15.2f} {state / 1e6:>14.2f}  {r['plan']}")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=20e6, help="model parameters (elements)")
@@ -234,19 +297,25 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--group-size", type=int, default=2048, help="--quant-group-size")
     ap.add_argument("--stages", type=int, default=2, help="qgZ pipeline stages")
+    ap.add_argument("--plans", default="zero2,zero1,mics,amsp7b",
+                    help="sharding plans measured with a real ODO step ('' to skip): zero2, zero1, mics, amsp7b")
+    ap.add_argument("--hidden", type=int, default=1024, help="width of the linear layers of the plans' model")
     ap.add_argument("--json", default="comm_report.json", help="where to write the JSON result ('' to skip)")
     a = ap.parse_args(argv)
     if a.world % a.ranks_per_node:
         ap.error(f"--ranks-per-node {a.ranks_per_node} must divide --world {a.world}")
     params, bucket = int(a.params), int(a.bucket_size)
     elem = torch.finfo(getattr(torch, a.dtype)).bits // 8
-    per_rank = measure(params, bucket, a.world, a.ranks_per_node, a.dtype, a.group_size, a.stages)
+    plans = [p for p in a.plans.split(",") if p]
+    per_rank = measure(params, bucket, a.world, a.ranks_per_node, a.dtype, a.group_size, a.stages, plans, a.hidden)
     padded = sum(s * c for s, c in bucket_sizes(params, bucket, a.world, 64).items())
     M = padded * elem
     cfg = dict(params=params, padded_params=padded, bucket_size=bucket, world=a.world,
                ranks_per_node=a.ranks_per_node, dtype=a.dtype, group_size=a.group_size, stages=a.stages, M=M)
     rows = aggregate(per_rank, a.world, a.ranks_per_node, M)
     print(render(rows, cfg))
+    if plans:
+        print(render_plans(per_rank, a.world, a.ranks_per_node, elem))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": cfg, "rows": rows, "seed_000_table_1_over_M": SEED_TABLE,

@@ -260,7 +260,18 @@ class GradSync:
             if accumulate and not (replica is not None and ar_tensor is target):
                 out.add_(target)
 
+        # The all-reduce travels in the dtype the reduce-scatter used (bf16 without grad_reduce_in_fp32).
+        wire = {}
+
+        def start_all_reduce() -> Work:
+            after_reduce_scatter()
+            t = wire["t"] = ar_tensor if buffer.dtype == ar_tensor.dtype else ar_tensor.to(buffer.dtype)
+            return replica.all_reduce(t)
+
         def after_all_reduce() -> Work:
+            t = wire.pop("t")
+            if t is not ar_tensor:
+                ar_tensor.copy_(t)
             if accumulate and ar_tensor is target:
                 out.add_(target)
             return CompletedWork()
@@ -270,9 +281,7 @@ class GradSync:
             epilogue: Optional[Callable[[], None]] = after_reduce_scatter
         else:
             rs = self.backend.reduce_scatter
-            work = ChainedWork([lambda: rs(buffer, target),
-                                lambda: (after_reduce_scatter(), replica.all_reduce(ar_tensor))[1],
-                                after_all_reduce])
+            work = ChainedWork([lambda: rs(buffer, target), start_all_reduce, after_all_reduce])
             epilogue = None
         for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
             earlier.advance()

@@ -349,3 +349,20 @@ def test_quantized_backends_in_plans_within_derived_bounds(spawn):
             # The cross-node part is quantized: full-precision gradient rows never leave the node.
             for k in ("reduce_scatter", "all_reduce"):
                 assert ledger.get(k, {"inter": 0})["inter"] == 0, (pname, cname, k, ledger)
+
+
+def _bf16_replica_all_reduce():
+    model = mx.OverlappedDDP(make_model().to(torch.bfloat16), mx.OverlapConfig(
+        bucket_size=BUCKET, sharding=ShardingPlan.mics(2), ranks_per_node=2, grad_reduce_in_fp32=False))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=LR, bf16=True), model)
+    x = torch.randn(4, 11, generator=torch.Generator().manual_seed(dist.get_rank())).to(torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    model.finish_grad_sync()
+    assert opt.step()[0]
+    return model.ledger.summary()["all_reduce"], [b.shard_numel for b in model.buckets]
+
+
+def test_replica_all_reduce_travels_in_the_reduce_scatter_dtype(spawn):
+    # Without grad_reduce_in_fp32 the cross-node all-reduce carries bf16 (2 bytes), not the fp32 reduced shard.
+    row, shards = spawn(_bf16_replica_all_reduce, 4)[0]
+    assert row["inter"] == sum(-(-2 * n * 2 // 2) for n in shards) and row["intra"] == 0
