@@ -26,6 +26,7 @@ class Bucket:
     dtype: torch.dtype
     params: List[torch.nn.Parameter]
     offsets: List[int]            # start of each param inside the bucket (elements)
+    sizes: List[int]              # elements of each param (ZeRO-3 empties p.data while a bucket is released)
     data_numel: int               # elements holding parameters
     shard_numel: int              # elements per rank
     num_shards: int
@@ -49,8 +50,8 @@ class Bucket:
         """``(param_idx, param_start, param_end, shard_start)`` for each param slice inside ``rank``'s shard."""
         lo, hi = self.shard_range(rank)
         pieces = []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            a, b = max(lo, off), min(hi, off + p.numel())
+        for i, (n, off) in enumerate(zip(self.sizes, self.offsets)):
+            a, b = max(lo, off), min(hi, off + n)
             if a < b:
                 pieces.append((i, a - off, b - off, a - lo))
         return pieces
@@ -103,5 +104,6 @@ def _make(params: List[torch.nn.Parameter], dtype: torch.dtype, num_shards: int,
     for p in params:
         offsets.append(off)
         off += p.numel()
-    return Bucket(index=-1, dtype=dtype, params=list(params), offsets=offsets, data_numel=off,
+    return Bucket(index=-1, dtype=dtype, params=list(params), offsets=offsets, sizes=[p.numel() for p in params],
+                  data_numel=off,
                   shard_numel=shard_numel_for(off, num_shards, alignment), num_shards=num_shards, deferred=deferred)

@@ -29,8 +29,8 @@ class BufferPool:
         # In-flight users in launch order: callables that complete the user's work and release its buffer.
         self._inflight: Deque[Callable[[], None]] = deque()
 
-    def acquire(self, numel: int) -> torch.Tensor:
-        """A zeroed buffer of ``numel`` elements (a view of a pooled buffer)."""
+    def acquire(self, numel: int, zero: bool = True) -> torch.Tensor:
+        """A buffer of ``numel`` elements (a view of a pooled buffer), zeroed unless ``zero=False``."""
         if numel > self.numel:
             raise ValueError(f"bucket of {numel} elements exceeds the pool's buffer size {self.numel}")
         while not self._free and self._allocated >= self.size and self._inflight:
@@ -45,7 +45,8 @@ class BufferPool:
         self._live += 1
         self.peak_live = max(self.peak_live, self._live)
         view = buf[:numel]
-        view.zero_()
+        if zero:
+            view.zero_()
         view._mx_pool_base = buf  # type: ignore[attr-defined]
         return view
 

@@ -29,6 +29,7 @@ class OverlapConfig:
     qgz_bits: int = 4                      # --qgz-bits
     qgz_pipeline_stages: int = 2
     shard_alignment: int = 64              # elements; at least 128 bytes for 2-byte dtypes
+    gather_pool_size: int = 4              # ZeRO-3: full-weight bucket buffers alive at once (prefetch bound)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
@@ -38,6 +39,8 @@ class OverlapConfig:
         if self.accumulate is not None:
             object.__setattr__(self, "sharding", fold_accumulate(self.sharding, self.accumulate))
             object.__setattr__(self, "accumulate", None)
+        if self.gather_pool_size < 1:
+            raise ValueError(f"gather_pool_size must be >= 1, got {self.gather_pool_size}")
         if self.buffer_pool_size < 1:
             raise ValueError(f"buffer_pool_size must be >= 1, got {self.buffer_pool_size}")
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
@@ -58,6 +61,9 @@ def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:
         raise ValueError(f"accumulate (--odo-accumulate) must be one of {ACCUMULATE_POLICIES}, got {accumulate!r}")
     if accumulate == "auto":    # the default: the plan's own gradient factor stands
         return plan
+    if accumulate == "local" and plan.param != 1:
+        raise ValueError("--odo-accumulate local keeps full gradients between micro-batches, which parameter "
+                         "sharding (--param-shard-size > 1) does not have: use shard or auto")
     grad = {"local": plan.param, "shard": plan.optim}[accumulate]
     if plan.grad == "auto" or plan.grad == grad:
         return dataclasses.replace(plan, grad=grad)

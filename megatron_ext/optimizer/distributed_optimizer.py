@@ -117,14 +117,16 @@ class OverlappedDistributedOptimizer:
     # -- construction helpers -----------------------------------------------------------------------
     def _param_groups(self) -> List[dict]:
         """megatron-core's default grouping: no weight decay for biases and 1-D params; same groups on all ranks."""
-        def key(name: str, p: torch.nn.Parameter) -> Tuple[float, float]:
-            no_wd = name.endswith(".bias") or p.dim() == 1
+        def key(name: str, shape: torch.Size) -> Tuple[float, float]:
+            no_wd = name.endswith(".bias") or len(shape) == 1
             return (0.0 if no_wd else 1.0, 1.0)
 
-        all_keys = sorted({key(c.param_name(p), p) for c in self.chunks for b in c.buckets for p in b.params})
+        all_keys = sorted({key(c.param_name(p), c.param_shape(p)) for c in self.chunks for b in c.buckets
+                           for p in b.params})
         groups = {k: [] for k in all_keys}
         for pc in self.pieces:
-            groups[key(pc.name.split(".", 1)[1] if len(self.chunks) > 1 else pc.name, pc.param)].append(pc.master)
+            name = pc.name.split(".", 1)[1] if len(self.chunks) > 1 else pc.name
+            groups[key(name, self.chunks[pc.chunk].param_shape(pc.param))].append(pc.master)
         out = []
         for (wd_mult, lr_mult), params in groups.items():
             out.append({"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult,
@@ -232,11 +234,16 @@ class OverlappedDistributedOptimizer:
         for c in self.chunks:
             c.force_param_sync()
 
+    def _settle(self) -> None:
+        """No gather in flight: ZeRO-2's weights are then current; ZeRO-3's shards are never touched by one."""
+        for c in self.chunks:
+            c.param_sync.wait_all()
+
     @torch.no_grad()
     def reload_model_params(self, state_dict=None) -> None:
         """Copy the model's current weights into the fp32 masters (after loading model weights only)."""
         for ci, c in enumerate(self.chunks):
-            c.force_param_sync()
+            c.param_sync.wait_all()
             for b in c.buckets:
                 view = c.param_buffer.shard_view(b, c.shard_rank)
                 master = self.master_shards[ci][b.index]
@@ -246,11 +253,12 @@ class OverlappedDistributedOptimizer:
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's pieces, keyed by parameter name, in the parameter's flattened coordinates."""
-        self.force_param_sync()
+        self._settle()
         params: Dict[str, dict] = {}
         step = 0
         for pc in self.pieces:
-            entry = {"shape": tuple(pc.param.shape), "numel": pc.param.numel(), "start": pc.start, "end": pc.end,
+            shape = self.chunks[pc.chunk].param_shape(pc.param)
+            entry = {"shape": tuple(shape), "numel": shape.numel(), "start": pc.start, "end": pc.end,
                      "master": pc.master.detach().clone()}
             for k, v in self.inner.state.get(pc.master, {}).items():
                 if torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0:
@@ -260,7 +268,8 @@ class OverlappedDistributedOptimizer:
             params[pc.name] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         all_names = {c.param_name(p) if len(self.chunks) == 1 else f"{ci}.{c.param_name(p)}": (
-            tuple(p.shape), p.numel()) for ci, c in enumerate(self.chunks) for b in c.buckets for p in b.params}
+            tuple(c.param_shape(p)), c.param_shape(p).numel()) for ci, c in enumerate(self.chunks) for b in c.buckets
+            for p in b.params}
         step = int(self._all_reduce(torch.tensor([float(step)], dtype=torch.float64, device=self.grad_device),
                                     dist.ReduceOp.MAX).item())
         plan = self.chunks[0].plan
@@ -282,7 +291,7 @@ class OverlappedDistributedOptimizer:
             raise ValueError("a rank-local optimizer state saved at DP size "
                              f"{state_dict['dp_size']} cannot be loaded at DP size {self.chunks[0].topology.size}: "
                              "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)")
-        self.force_param_sync()
+        self._settle()
         step = state_dict.get("step", 0)
         for pc in self.pieces:
             pc.master.copy_(state_slice(state_dict, pc.name, "master", pc.start, pc.end))
@@ -294,7 +303,7 @@ class OverlappedDistributedOptimizer:
                 self.inner.state[pc.master] = st
         self._load_groups_and_scaler(state_dict)
         self._publish_masters()
-        self.force_param_sync()
+        self._settle()
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
         raise NotImplementedError(

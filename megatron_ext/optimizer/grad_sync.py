@@ -131,6 +131,9 @@ class GradSync:
         self._deferred_done = False
         self._next_launch = 0
         self._hooks = []
+        # ZeRO-3: told when a bucket's gradients are all in (its weights can go) and when a backward ends.
+        self.on_bucket_complete: Optional[Callable[[Bucket], None]] = None
+        self.on_backward_end: Optional[Callable[[], None]] = None
         self.first_backward_order: Optional[List[int]] = None
         self._order_seen: Optional[List[int]] = []
         for b in buckets:
@@ -161,6 +164,8 @@ class GradSync:
         st.arrived.add(id(param))
         if len(st.arrived) < len(b.params):
             return
+        if self.on_bucket_complete is not None:
+            self.on_bucket_complete(b)
         if self._order_seen is not None:
             self._order_seen.append(b.index)
         if self._comm_this_micro and not b.deferred and (self.overlap or st.pooled):
@@ -193,6 +198,8 @@ class GradSync:
 
     def _end_micro(self) -> None:
         self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         if self._order_seen is not None:
             self.first_backward_order = list(self._order_seen)
             if self.first_backward_order != sorted(self.first_backward_order):
@@ -358,9 +365,9 @@ class GradSync:
         """Model-parallel all-reduce of tied / sequence-parallel grads, then their DP reduce-scatter."""
         for b in self.deferred:
             buffer = self._writable_buffer(b, self._state[b.index])
-            for p, off in zip(b.params, b.offsets):
+            for p, off, n in zip(b.params, b.offsets, b.sizes):
                 group, average = self.mp_reductions[id(p)]
-                g = buffer[off:off + p.numel()]
+                g = buffer[off:off + n]
                 all_reduce_(g, dist.ReduceOp.SUM, group, self.ledger, MP_GRAD, self._mp_peers[id(group)])
                 if average:
                     g.div_(dist.get_world_size(group))

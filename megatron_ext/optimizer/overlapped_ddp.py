@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..comm.backend import available_grad_reduce, available_param_gather
 from ..comm.ledger import CommLedger
+from ..comm.plain import all_gather_recorded
 from ..comm.topology import Topology
 from .bucketing import Bucket, assign_buckets
 from .config import OverlapConfig
@@ -25,7 +26,9 @@ from .megatron_config import check_supported, per_token_loss
 from .model_parallel import model_parallel_grad_reductions
 from .memory import measured_model_state_bytes
 from .param_buffer import ParameterBuffer
+from .param_schedule import ShardedParamSync
 from .param_sync import ParamSync
+from .sharded_params import ShardedParameterStore
 from .plan_comm import build_plan_comm
 
 
@@ -67,6 +70,7 @@ class OverlappedDDP(torch.nn.Module):
         mp = model_parallel_grad_reductions(module)
         params = [p for _, p in named]
         self.param_names = {id(p): n for n, p in named}
+        self._param_shapes = {id(p): p.shape for _, p in named}
         self.shard_rank = self.plan.shard_rank   # this rank's shard of every bucket (its rank in the optim group)
         self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.plan.optim, alignment,
                                                     deferred=[id(p) in mp for p in params])
@@ -82,8 +86,23 @@ class OverlappedDDP(torch.nn.Module):
                                   overlap=config.overlap_grad_reduce, mp_reductions=mp, ledger=self.ledger,
                                   post_reduce_scale=self.topology.size if per_token_loss(module) else 1.0,
                                   param_name=lambda p: repr(self.param_names.get(id(p), "?")))
-        self.param_sync = ParamSync(module, self.buckets, self.param_buffer, self.param_backend,
-                                    self.shard_rank, overlap=config.overlap_param_gather)
+        if self.plan.param > 1:
+            # ZeRO-3: the full buffer above only lived to broadcast rank 0's weights; keep this rank's shards.
+            self.param_buffer = ShardedParameterStore(self.param_buffer, self.buckets, self.shard_rank,
+                                                      self.plan.hpz, self.plan.hpz_rank, config.gather_pool_size)
+            self.grad_sync.param_buffer = self.param_buffer
+            secondary = None
+            if self.comm.hpz is not None:
+                hpz_topo = self.comm.hpz
+                secondary = lambda piece, out: all_gather_recorded(hpz_topo, self.ledger, piece, out,  # noqa: E731
+                                                                   "hpz_all_gather")
+            self.param_sync = ShardedParamSync(module, self.buckets, self.param_buffer, self.param_backend,
+                                               secondary, overlap=config.overlap_param_gather)
+            self.grad_sync.on_bucket_complete = self.param_sync.on_bucket_grads_complete
+            self.grad_sync.on_backward_end = self.param_sync.on_backward_end
+        else:
+            self.param_sync = ParamSync(module, self.buckets, self.param_buffer, self.param_backend,
+                                        self.shard_rank, overlap=config.overlap_param_gather)
         self.optimizer_memory = None   # set by the optimizer: a callable giving its bytes per component
         # Read by megatron-core's finalize_model_grads and training loop.
         self.ddp_config = types.SimpleNamespace(
@@ -151,15 +170,26 @@ class OverlappedDDP(torch.nn.Module):
 
     # -- helpers ------------------------------------------------------------------------------------
     def force_param_sync(self) -> None:
-        self.param_sync.wait_all()
+        """Every weight readable now (ZeRO-3: gathered, until the next forward or step releases it)."""
+        self.param_sync.gather_all()
 
     def state_dict(self, *args, **kwargs):
-        self.param_sync.wait_all()
-        return self.module.state_dict(*args, **kwargs)
+        self.param_sync.gather_all()
+        sd = self.module.state_dict(*args, **kwargs)
+        if self.plan.param > 1:   # the gathered buffers go back to the pool: hand out copies
+            sd = type(sd)((k, v.clone() if torch.is_tensor(v) else v) for k, v in sd.items())
+            self.param_sync.release_all()
+        return sd
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        self.param_sync.wait_all()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        self.param_sync.gather_all()
+        out = self.module.load_state_dict(state_dict, strict=strict)
+        if self.plan.param > 1:   # the loaded weights become the primary shards; hpZ pieces are stale
+            for b in self.buckets:
+                self.param_buffer.write_back(b)
+            self.param_sync.release_all()
+            self.param_buffer.invalidate_secondary()
+        return out
 
     def sharded_state_dict(self, *args, **kwargs):
         self.param_sync.wait_all()
@@ -173,6 +203,10 @@ class OverlappedDDP(torch.nn.Module):
 
     def param_name(self, p: torch.nn.Parameter) -> str:
         return self.param_names[id(p)]
+
+    def param_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        """The parameter's shape (under ZeRO-3 ``p.shape`` is empty while its bucket is released)."""
+        return self._param_shapes[id(p)]
 
     def memory_report(self) -> dict:
         """Bytes this rank holds per model-state component, measured from the tensors themselves (parameters,

@@ -48,6 +48,31 @@ class _ReadGuardedParameters(dict):
         return (dict, (dict(self),))
 
 
+def owner_buckets(module: torch.nn.Module, bucket_of_param: Dict[int, int]) -> Dict[int, Set[int]]:
+    """``{id(m): buckets of the parameters m owns}`` for every module that owns bucketed parameters."""
+    out: Dict[int, Set[int]] = {}
+    for m in module.modules():
+        own = {bucket_of_param[id(p)] for p in m._parameters.values() if p is not None and id(p) in bucket_of_param}
+        if own:
+            out[id(m)] = own
+    return out
+
+
+def guard_parameter_reads(module: torch.nn.Module, bucket_of_param: Dict[int, int], sync) -> None:
+    """Replace every owner's ``_parameters`` by a read guard calling ``sync.on_read(bucket)`` (mechanism 2)."""
+    for m in module.modules():
+        if isinstance(m._parameters, _ReadGuardedParameters):
+            continue
+        bucket_of = {n: bucket_of_param[id(p)] for n, p in m._parameters.items()
+                     if p is not None and id(p) in bucket_of_param}
+        if not bucket_of:
+            continue
+        guarded = _ReadGuardedParameters(m._parameters)
+        guarded._mx_sync = sync
+        guarded._mx_bucket_of = bucket_of
+        m._parameters = guarded
+
+
 class _FirstForwardAudit(TorchFunctionMode):
     """Notes parameters consumed by ops before the hooks / read guards would have waited for their bucket."""
 
@@ -80,12 +105,7 @@ class ParamSync:
         order = {id(p): i for i, p in enumerate(module.parameters())}
         self.forward_order = sorted(buckets, key=lambda b: min(order.get(id(p), 1 << 60) for p in b.params))
         self.bucket_of_param: Dict[int, int] = {id(p): b.index for b in buckets for p in b.params}
-        self._owner_buckets: Dict[int, Set[int]] = {}
-        for m in module.modules():
-            own = {self.bucket_of_param[id(p)] for p in m._parameters.values()
-                   if p is not None and id(p) in self.bucket_of_param}
-            if own:
-                self._owner_buckets[id(m)] = own
+        self._owner_buckets = owner_buckets(module, self.bucket_of_param)
         self.learning = True                  # the first forward audits reads (mechanism 3)
         self.covered: Set[int] = set()        # buckets mechanisms 1-2 have waited for so far in that forward
         self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
@@ -96,14 +116,7 @@ class ParamSync:
             self.enable_hooks()
 
     def _guard_parameter_reads(self) -> None:
-        for m in self.module.modules():
-            if id(m) not in self._owner_buckets or isinstance(m._parameters, _ReadGuardedParameters):
-                continue
-            guarded = _ReadGuardedParameters(m._parameters)
-            guarded._mx_sync = self
-            guarded._mx_bucket_of = {n: self.bucket_of_param[id(p)] for n, p in m._parameters.items()
-                                     if p is not None and id(p) in self.bucket_of_param}
-            m._parameters = guarded
+        guard_parameter_reads(self.module, self.bucket_of_param, self)
 
     # -- hooks --------------------------------------------------------------------------------------
     def enable_hooks(self) -> None:
@@ -171,6 +184,10 @@ class ParamSync:
     def wait_all(self) -> None:
         for b in self.forward_order:
             self.wait_bucket(b.index)
+
+    def gather_all(self) -> None:
+        """Every weight readable (ZeRO-2 keeps full weights: the in-flight gathers are all there is to wait for)."""
+        self.wait_all()
 
     @property
     def pending(self) -> int:

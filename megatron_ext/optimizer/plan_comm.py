@@ -28,6 +28,7 @@ class PlanComm:
     grad_reduce: GradReduce
     replica_reduce: Optional[GradReduce]
     param_gather: ParamGather
+    hpz: Optional[Topology] = None       # hpZ secondary group (node-local), when the plan has one
 
     @property
     def shard_alignment(self) -> int:
@@ -35,6 +36,8 @@ class PlanComm:
         align = _lcm(self.grad_reduce.shard_alignment, self.param_gather.shard_alignment)
         if self.replica_reduce is not None:
             align = _lcm(align, self.replica_reduce.all_reduce_alignment)
+        if self.hpz is not None:   # the bucket (optim shards) cuts into hpz equal secondary pieces
+            align = _lcm(align, self.hpz.size)
         return align
 
 
@@ -50,9 +53,10 @@ def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_ga
         name = grad_reduce if (t.num_nodes > 1 or not crossing) else "plain"
         return build_grad_reduce(name, t, ledger, options)
 
+    hpz = dp.subgroup(plan.hpz_members) if plan.hpz > 1 else None
     return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim),
                     replica_reduce=grad_backend(replicas) if replicas is not None else None,
-                    param_gather=build_param_gather(param_gather, optim, ledger, options))
+                    param_gather=build_param_gather(param_gather, optim, ledger, options), hpz=hpz)
 
 
 def _lcm(*xs: int) -> int:

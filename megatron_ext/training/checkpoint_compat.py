@@ -146,9 +146,10 @@ def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
     problems = []
     for pc in getattr(optimizer, "pieces", []):
         entry = saved["params"].get(pc.name)
-        if entry is not None and entry.get("numel") != pc.param.numel():
+        numel = optimizer.chunks[pc.chunk].param_shape(pc.param).numel()   # p.numel() is 0 under ZeRO-3
+        if entry is not None and entry.get("numel") != numel:
             problems.append(f"{pc.name}: optimizer state for {entry.get('numel')} elements, this model has "
-                            f"{pc.param.numel()}")
+                            f"{numel}")
             continue
         for key in keys:
             try:
