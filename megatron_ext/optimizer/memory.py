@@ -50,4 +50,4 @@ def measured_model_state_bytes(ddp) -> Dict[str, int]:
             "hpz_secondary": sum(_bytes(t) for t in getattr(store, "secondary_flat", {}).values()),
             "gradients": _bytes(ddp.main_grad_partition) + sum(_bytes(t) for t in gs._local.values()),
             "bucket_pool": sum(p.allocated_bytes for p in gs.pools.values()),
-            "gather_pool": sum(p.allocated_bytes for p in getattr(store, "pools", {}).values())}
+            "gather_pool": store.gathered_bytes() if hasattr(store, "gathered_bytes") else 0}

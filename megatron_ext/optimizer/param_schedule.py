@@ -256,7 +256,7 @@ class ShardedParamSync:
             for idx in sorted(self.calls[i][1]):
                 if self.store.is_gathered(idx) or idx in self._works:
                     continue
-                if self.store.pools[self.buckets[idx].dtype].live >= self.store.pools[self.buckets[idx].dtype].size:
+                if not self.store.has_room():
                     return
                 self._launch(idx, prefer_secondary=direction < 0)
             i += direction

@@ -3,9 +3,13 @@
 [Note: storage]
 With a sharding plan's ``param > 1`` a rank keeps, per parameter dtype, one flat *primary* tensor holding its shard
 of every bucket (the same shard the optimizer updates; in model dtype). A bucket's full weights exist only while
-it is *gathered*: a buffer from a bounded pool, all-gathered from the primary shards of the param group (or from
-the hpZ secondary shards inside the node), with every parameter's ``.data`` a view into it. Released, a parameter's
-``.data`` is an empty tensor of its dtype: a stray read fails loudly instead of seeing stale values. With hpZ
+it is *gathered*: every bucket has its own full-size tensor, every parameter's ``.data`` a fixed view into it, whose
+storage is resized to zero bytes when the bucket is released and back to full size (then all-gathered from the
+primary shards of the param group, or from the hpZ secondary pieces inside the node) when it is needed again. Views
+that autograd saved in forward (``weight.t()`` of a linear layer) keep pointing at that storage, so backward reads
+the re-gathered values (FSDP's resize-storage technique; a pool of shared buffers would hand backward another
+bucket's weights). A read of a released bucket fails loudly (empty storage) instead of seeing stale values. The
+number of gathered buckets is bounded by ``gather_pool_size`` (prefetching stops there). With hpZ
 (``hpz > 1``) the release after forward first copies this rank's slice of the full bucket -- the bucket cut into
 ``hpz`` equal pieces, piece ``dp_rank % hpz`` -- into a flat *secondary* tensor, valid until the weights change
 (optimizer step, state-dict load), when :meth:`invalidate_secondary` drops it.
@@ -17,7 +21,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .bucketing import Bucket
-from .buffer_pool import BufferPool
 from .param_buffer import ParameterBuffer
 
 
@@ -48,12 +51,16 @@ class ShardedParameterStore:
                     self._secondary[b.index] = self.secondary_flat[dt][soff:soff + b.numel // hpz]
                     soff += b.numel // hpz
         self.secondary_valid = [False] * len(buckets)
-        self.pools: Dict[torch.dtype, BufferPool] = {
-            dt: BufferPool(pool_size, max(b.numel for b in buckets if b.dtype == dt), dt, device) for dt in self.flat}
-        self._full: List[Optional[torch.Tensor]] = [None] * len(buckets)
-        self._empty = {dt: torch.empty(0, dtype=dt, device=device) for dt in self.flat}
+        self.pool_size = pool_size
+        self._full: List[torch.Tensor] = []
+        self._gathered = [False] * len(buckets)
+        self._live = self._peak = self._overflows = 0
         for b in buckets:
-            self._set_empty(b)
+            t = torch.empty(b.numel, dtype=b.dtype, device=device)
+            for p, off, n in zip(b.params, b.offsets, b.sizes):
+                p.data = t[off:off + n].view(self._shapes[id(p)])
+            t.untyped_storage().resize_(0)
+            self._full.append(t)
 
     # -- views --------------------------------------------------------------------------------------------------
     def shard_view(self, b: Bucket, rank: int) -> torch.Tensor:
@@ -66,10 +73,9 @@ class ShardedParameterStore:
         return self._secondary[b.index]
 
     def bucket_view(self, b: Bucket) -> torch.Tensor:
-        full = self._full[b.index]
-        if full is None:
+        if not self._gathered[b.index]:
             raise RuntimeError(f"bucket {b.index} is not gathered")
-        return full
+        return self._full[b.index]
 
     def locate(self, p: torch.nn.Parameter) -> Tuple[Bucket, int]:
         return self._where[id(p)]
@@ -79,18 +85,25 @@ class ShardedParameterStore:
 
     # -- gathered buckets -----------------------------------------------------------------------------------------
     def is_gathered(self, idx: int) -> bool:
-        return self._full[idx] is not None
+        return self._gathered[idx]
+
+    def has_room(self) -> bool:
+        """Whether another bucket may be gathered ahead of need (prefetch) within ``gather_pool_size``."""
+        return self._live < self.pool_size
 
     def acquire(self, b: Bucket) -> torch.Tensor:
-        """A pooled buffer for ``b``'s full weights (contents undefined until a gather fills it)."""
-        return self.pools[b.dtype].acquire(b.numel, zero=False)
+        """``b``'s full tensor with its storage back (contents undefined until a gather fills it)."""
+        t = self._full[b.index]
+        if t.untyped_storage().nbytes() == 0:
+            t.untyped_storage().resize_(b.numel * t.element_size())
+            self._live += 1
+            self._overflows += self._live > self.pool_size
+            self._peak = max(self._peak, self._live)
+        return t
 
     def materialize(self, b: Bucket, full: torch.Tensor) -> None:
-        """Point every parameter of ``b`` into the gathered ``full`` buffer."""
-        self._full[b.index] = full
-        for p, off in zip(b.params, b.offsets):
-            shape = self._shapes[id(p)]
-            p.data = full[off:off + _numel(shape)].view(shape)
+        """The gather into ``full`` (``b``'s own tensor) completed: its parameters are readable."""
+        self._gathered[b.index] = True
 
     def keep_secondary(self, b: Bucket) -> None:
         """Copy this rank's hpZ piece of the gathered bucket (before it is released after forward)."""
@@ -99,12 +112,12 @@ class ShardedParameterStore:
             self._secondary[b.index].copy_(self.bucket_view(b)[self.hpz_rank * m:(self.hpz_rank + 1) * m])
             self.secondary_valid[b.index] = True
 
-    def release(self, b: Bucket, buffer: Optional[torch.Tensor] = None) -> None:
-        full = self._full[b.index] if buffer is None else buffer
-        self._full[b.index] = None
-        self._set_empty(b)
-        if full is not None:
-            self.pools[b.dtype].release(full)
+    def release(self, b: Bucket) -> None:
+        t = self._full[b.index]
+        self._gathered[b.index] = False
+        if t.untyped_storage().nbytes():
+            t.untyped_storage().resize_(0)
+            self._live -= 1
 
     def write_back(self, b: Bucket) -> None:
         """The gathered bucket's values become this rank's primary shard (after a load into the full weights)."""
@@ -114,23 +127,22 @@ class ShardedParameterStore:
     def invalidate_secondary(self) -> None:
         self.secondary_valid = [False] * len(self.buckets)
 
-    def _set_empty(self, b: Bucket) -> None:
-        for p in b.params:
-            p.data = self._empty[b.dtype]
-
     # -- accounting -----------------------------------------------------------------------------------------------
     def live(self) -> int:
-        return sum(p.live for p in self.pools.values())
+        return self._live
 
     def peak_live(self) -> int:
-        return sum(p.peak_live for p in self.pools.values())
+        return self._peak
 
     def reset_peak(self) -> None:
-        for p in self.pools.values():
-            p.reset_peak()
+        self._peak = self._live
 
     def overflows(self) -> int:
-        return sum(p.overflows for p in self.pools.values())
+        """Gathers that went past ``gather_pool_size`` (a call needing more buckets at once than the pool)."""
+        return self._overflows
+
+    def gathered_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._full)
 
 
 def _numel(shape: torch.Size) -> int:

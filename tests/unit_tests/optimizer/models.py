@@ -92,3 +92,79 @@ def odo_train_step(model, opt, step: int, rank: int, micro_batches: int, use_no_
     out = opt.step()
     opt.zero_grad()
     return out
+
+
+class TiedNet(torch.nn.Module):
+    """A tied embedding read again by the output projection (outside its owner), one block called twice, and a
+    second block optionally recomputed (reentrant checkpoint, like megatron's full recomputation; a block called
+    twice cannot be: its second recomputed backward would accumulate its gradients again)."""
+
+    VOCAB, DIM = 13, 12
+
+    def __init__(self, recompute: bool = False) -> None:
+        super().__init__()
+        self.recompute = recompute
+        self.emb = torch.nn.Embedding(self.VOCAB, self.DIM)
+        self.block = torch.nn.Sequential(torch.nn.Linear(self.DIM, 2 * self.DIM), torch.nn.Tanh(),
+                                         torch.nn.Linear(2 * self.DIM, self.DIM))
+        self.block2 = torch.nn.Sequential(torch.nn.Linear(self.DIM, 2 * self.DIM), torch.nn.GELU(),
+                                          torch.nn.Linear(2 * self.DIM, self.DIM))
+        self.norm = torch.nn.LayerNorm(self.DIM)
+
+    def _block2(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.block2(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for _ in range(2):   # the same block twice
+            h = h + self.block(h)
+        if self.recompute:
+            h = torch.utils.checkpoint.checkpoint(self._block2, h, use_reentrant=True)
+        else:
+            h = self._block2(h)
+        return torch.nn.functional.linear(self.norm(h), self.emb.weight)   # tied output layer
+
+
+def make_tied(seed: int = 0, recompute: bool = False) -> TiedNet:
+    torch.manual_seed(seed)
+    return TiedNet(recompute)
+
+
+def token_batch(step: int, rank: int, micro: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7000 + 1000 * step + 100 * rank + micro)
+    return (torch.randint(0, TiedNet.VOCAB, (3, 5), generator=g),
+            torch.randint(0, TiedNet.VOCAB, (3, 5), generator=g))
+
+
+def tied_loss(model, tokens, targets) -> torch.Tensor:
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def reference_tied(dp: int, micro_batches: int, steps: int, lr: float, weight_decay: float, clip: float,
+                   optimizer: str = "adam") -> Dict[str, torch.Tensor]:
+    """Single process on the concatenated global batch (no recomputation: the same math)."""
+    model = make_tied()
+    groups = param_groups(model, weight_decay)
+    opt = (torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8) if optimizer == "adam"
+           else torch.optim.SGD(groups, lr=lr, momentum=0.9))
+    for step in range(steps):
+        opt.zero_grad()
+        toks, tgts = zip(*[token_batch(step, r, i) for r in range(dp) for i in range(micro_batches)])
+        tied_loss(model, torch.cat(toks), torch.cat(tgts)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def odo_tied_step(model, opt, step: int, rank: int, micro_batches: int):
+    for i in range(micro_batches):
+        tokens, targets = token_batch(step, rank, i)
+        ctx = model.no_sync() if i < micro_batches - 1 else contextlib.nullcontext()
+        with ctx:
+            opt.scale_loss(tied_loss(model, tokens, targets) / micro_batches).backward()
+    model.finish_grad_sync()
+    out = opt.step()
+    opt.zero_grad()
+    return out
