@@ -111,6 +111,9 @@ class ShardedParamSync:
     def _learn_post(self, module, args, output) -> None:
         k = self._stack.pop()
         self._ends.append(k)
+        # Another forward may release these buckets before this one's backward (pipeline schedules run several
+        # forwards first): the recording forward's outputs get backward gathers like any other.
+        self._register_backward(frozenset(self._uses[k]), output)
 
     def note_use(self, idx: int) -> None:
         if self._recorder is not None and self._stack:
@@ -148,8 +151,7 @@ class ShardedParamSync:
         if _in_backward():
             return
         if self._recorder is not None:
-            # First forward: every bucket stays gathered for this backward, which releases them as their
-            # gradients complete.
+            # First forward: every bucket stays gathered (until a later forward or this backward releases it).
             self._learn_post(module, args, output)
             self._finish_learning()
             return
