@@ -174,6 +174,7 @@ class OverlappedDDP(torch.nn.Module):
         self.param_sync.gather_all()
 
     def state_dict(self, *args, **kwargs):
+        """Collective under ZeRO-3 (the weights are gathered on every rank): call it on every DP rank."""
         self.param_sync.gather_all()
         sd = self.module.state_dict(*args, **kwargs)
         if self.plan.param > 1:   # the gathered buffers go back to the pool: hand out copies
@@ -182,14 +183,8 @@ class OverlappedDDP(torch.nn.Module):
         return sd
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        self.param_sync.gather_all()
-        out = self.module.load_state_dict(state_dict, strict=strict)
-        if self.plan.param > 1:   # the loaded weights become the primary shards; hpZ pieces are stale
-            for b in self.buckets:
-                self.param_buffer.write_back(b)
-            self.param_sync.release_all()
-            self.param_buffer.invalidate_secondary()
-        return out
+        self.param_sync.gather_all()   # ZeRO-3: the module's load hooks then write the primary shards back
+        return self.module.load_state_dict(state_dict, strict=strict)
 
     def sharded_state_dict(self, *args, **kwargs):
         self.param_sync.wait_all()

