@@ -228,3 +228,52 @@ def test_direct_module_state_dict_and_load(spawn):
     assert "force_param_sync()" in direct, direct
     for k, v in target.items():
         assert torch.equal(loaded[k], v), k
+
+
+# -- qwZ and qgZ under ZeRO-3 + hpZ, within their derived bounds -------------------------------------------------
+def _fixed_gradient_runs():
+    """A linear model whose gradient does not depend on its weights (d/dW sum(c * (Wx + b)) = c^T x): qwZ changes
+    only the weights the model computes with, never the gradients, so the fp32 masters isolate qgZ's error and the
+    model weights qwZ's."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(300 + rank)
+    x, c = torch.randn(8, 13, generator=g), torch.randn(8, 37, generator=g)
+    torch.manual_seed(0)
+    local = torch.nn.Linear(13, 37)
+    (local(x) * c).sum().backward()
+    out = {"local_absmax": max(p.grad.abs().max().item() for p in local.parameters())}
+    for label, (gr, pg) in {"plain": ("plain", "plain"), "qgz8+qwz": ("qgz", "qwz")}.items():
+        torch.manual_seed(0)
+        model = mx.OverlappedDDP(torch.nn.Linear(13, 37), mx.OverlapConfig(
+            bucket_size=200, sharding=ShardingPlan.zero3(hpz=2), ranks_per_node=2, grad_reduce=gr, param_gather=pg,
+            qgz_bits=8, quant_group_size=32))
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="sgd", lr=0.1, weight_decay=0.0,
+                                                                clip_grad=0.0, sgd_momentum=0.0), model)
+        for _ in range(2):
+            (model(x) * c).sum().backward()
+            model.finish_grad_sync()
+            assert opt.step()[0]
+            opt.zero_grad()
+        model.force_param_sync()
+        out[label] = {"masters": torch.cat([m.clone() for m in opt.masters]),
+                      "weights": torch.cat([p.detach().reshape(-1).clone() for p in model.module.parameters()]),
+                      "owned": [(pc.name, pc.start, pc.end) for pc in opt.pieces]}
+    return out
+
+
+def test_zero3_qwz_qgz_within_derived_bounds(spawn):
+    per_rank = spawn(_fixed_gradient_runs, 4)
+    G = max(r["local_absmax"] for r in per_rank)
+    q = 127   # INT8 for both
+    # qgZ over 2 nodes x 2 ranks quantizes twice (contributions, then node sums), each round within half a step of
+    # its group's absmax, which grows by at most that much per round; two SGD steps of lr 0.1 add two such errors.
+    grad_bound = sum(G * (1 + 1 / (2 * q)) ** k / (2 * q) for k in range(2))
+    for r in per_rank:
+        err = (r["qgz8+qwz"]["masters"] - r["plain"]["masters"]).abs().max().item()
+        assert 0 < err <= 2 * 0.1 * grad_bound + 1e-6, (err, grad_bound)
+        # Weights: every rank decodes qwZ's INT8 codes of the masters (half a step of the group absmax).
+        w_err = (r["qgz8+qwz"]["weights"] - r["plain"]["weights"]).abs().max().item()
+        w_max = max(r["plain"]["weights"].abs().max().item(), r["qgz8+qwz"]["weights"].abs().max().item())
+        assert 0 < w_err <= w_max / 254 + 2 * 0.1 * grad_bound + 1e-6, w_err
+    for r in per_rank[1:]:
+        assert torch.equal(r["qgz8+qwz"]["weights"], per_rank[0]["qgz8+qwz"]["weights"])
