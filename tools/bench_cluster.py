@@ -92,6 +92,8 @@ PLAN_PRESETS = {
     "zero1": lambda rpn: _plan().zero1(),
     "mics": lambda rpn: _plan().mics(rpn),
     "amsp7b": lambda rpn: _plan().amsp_7b(rpn),
+    "zero3": lambda rpn: _plan().zero3(),
+    "zero3hpz": lambda rpn: _plan().zero3(hpz=rpn),
 }
 
 
@@ -254,19 +256,23 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
             "model_state_bytes": sum(v for k, v in mem.items() if k != "bucket_pool"), "memory": mem}
 
 
-def _fsdp2_hsdp_combo(topo, a) -> Dict:
-    """FSDP2 HSDP: ``fully_shard`` per decoder layer and at the root on a (nodes x ranks-per-node) mesh, sharded
-    inside a node and replicated across nodes; ``reshard_after_forward=False`` keeps the weights gathered between
-    forward and backward, like the ODO's plans with full parameters."""
+def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
+    """FSDP2 ``fully_shard`` per decoder layer and at the root. ``hsdp``: a (nodes x ranks-per-node) mesh, sharded
+    inside a node and replicated across nodes; otherwise one mesh over all ranks. ``reshard`` is
+    ``reshard_after_forward``: False keeps the weights gathered between forward and backward (the ODO's plans with
+    full parameters), True is ZeRO-3, an int re-gathers the backward inside groups of that many ranks (hpZ-like)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model, batches = _gpt_setup(a, topo.rank)
-    mesh = init_device_mesh("cpu", (topo.num_nodes, topo.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (topo.num_nodes, topo.ranks_per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (topo.size,))
     for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     M = len(batches)
 
@@ -286,8 +292,9 @@ def _fsdp2_hsdp_combo(topo, a) -> Dict:
                     "+ Adam states"}
 
 
-def _deepspeed_combo(topo, a) -> Dict:
-    """DeepSpeed ZeRO-2 (plain fp32 reduce-scatter/all-gather, its own bucketing) on the same GPT and batches."""
+def _deepspeed_combo(topo, a, stage: int = 2, hpz: int = 1) -> Dict:
+    """DeepSpeed ZeRO-2 or ZeRO-3 (``hpz > 1``: ``zero_hpz_partition_size``), plain fp32 collectives, its own
+    bucketing, on the same GPT and batches."""
     import deepspeed
     import torch
 
@@ -302,12 +309,18 @@ def _deepspeed_combo(topo, a) -> Dict:
     ds_config = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": M,
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": a.bucket_numel,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": a.bucket_numel,
                               "allgather_bucket_size": a.bucket_numel, "overlap_comm": False,
                               "contiguous_gradients": True},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if stage == 3:
+        zo = ds_config["zero_optimization"]
+        zo.pop("allgather_bucket_size")
+        zo["stage3_prefetch_bucket_size"] = a.bucket_numel
+        if hpz > 1:
+            zo["zero_hpz_partition_size"] = hpz
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config,
                                       dist_init_required=False)
@@ -319,7 +332,7 @@ def _deepspeed_combo(topo, a) -> Dict:
 
     out = _timed_steps(topo, step, lambda: None, a)
     return {**out, "ledger": None, "model_state_bytes": _deepspeed_model_state_bytes(engine),
-            "note": "DeepSpeed ZeRO-2 is not instrumented by the ledger"}
+            "note": "DeepSpeed is not instrumented by the ledger"}
 
 
 def _deepspeed_model_state_bytes(engine) -> Optional[int]:
@@ -337,7 +350,14 @@ def _deepspeed_model_state_bytes(engine) -> Optional[int]:
         return None
 
 
-PEERS = {"fsdp2-hsdp": ("FSDP2 HSDP", _fsdp2_hsdp_combo), "deepspeed-zero2": ("DeepSpeed ZeRO-2", _deepspeed_combo)}
+PEERS = {
+    "fsdp2-hsdp": ("FSDP2 HSDP", lambda topo, a: _fsdp2_combo(topo, a, True, False)),
+    "fsdp2-zero3": ("FSDP2 reshard=True", lambda topo, a: _fsdp2_combo(topo, a, False, True)),
+    "fsdp2-hpz": ("FSDP2 reshard=rpn", lambda topo, a: _fsdp2_combo(topo, a, False, topo.ranks_per_node)),
+    "deepspeed-zero2": ("DeepSpeed ZeRO-2", lambda topo, a: _deepspeed_combo(topo, a)),
+    "deepspeed-zero3": ("DeepSpeed ZeRO-3", lambda topo, a: _deepspeed_combo(topo, a, 3)),
+    "deepspeed-zero3-hpz": ("DeepSpeed ZeRO-3+hpZ", lambda topo, a: _deepspeed_combo(topo, a, 3, topo.ranks_per_node)),
+}
 
 
 def default_extensions_dir() -> str:

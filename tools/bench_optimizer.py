@@ -81,6 +81,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LR = 1e-4
 WEIGHT_DECAY = 0.01
+HPZ = 2   # hpZ secondary group (ranks) for the --zero3 rows
 MB = 1024 * 1024
 
 
@@ -244,11 +245,18 @@ class Config:
     micro_batches: int
     accumulate: str = ""           # odo only
     overlap: bool = True           # odo only
+    variant: str = ""              # "zero3" / "zero3-hpz": parameter sharding (odo, fsdp2, deepspeed)
 
     @property
     def label(self) -> str:
+        v = {"": "", "zero3": " ZeRO-3", "zero3-hpz": " ZeRO-3 + hpZ"}[self.variant]
         if self.kind == "odo":
-            return f"ODO {self.accumulate} overlap={'on' if self.overlap else 'off'}"
+            return f"ODO{v} {self.accumulate} overlap={'on' if self.overlap else 'off'}"
+        if self.variant:
+            return {"fsdp2": {"zero3": "FSDP2 reshard_after_forward=True",
+                              "zero3-hpz": "FSDP2 reshard_after_forward=2 (hpZ-like)"},
+                    "deepspeed": {"zero3": "DeepSpeed ZeRO-3", "zero3-hpz": "DeepSpeed ZeRO-3 + hpZ 2"}}[
+                        self.kind][self.variant]
         return {"ddp+zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
                 "deepspeed": "DeepSpeed ZeRO-2", "mcore": "megatron-core DDP + DistributedOptimizer",
                 "no-comm": "no-comm (local AdamW)"}[self.kind]
@@ -262,9 +270,11 @@ def _setup_odo(cfg: Config, args: dict, batches) -> Setup:
     import megatron_ext as mx
     from megatron.core.optimizer import OptimizerConfig
 
+    plan = {"": mx.ShardingPlan(), "zero3": mx.ShardingPlan.zero3(),
+            "zero3-hpz": mx.ShardingPlan.zero3(hpz=HPZ)}[cfg.variant]
     model = mx.OverlappedDDP(build_model(args), mx.OverlapConfig(
         bucket_size=args["bucket_size"], accumulate=cfg.accumulate, overlap_grad_reduce=cfg.overlap,
-        overlap_param_gather=cfg.overlap, grad_reduce="plain", param_gather="plain"))
+        overlap_param_gather=cfg.overlap, grad_reduce="plain", param_gather="plain", sharding=plan))
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(
         optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=args["clip_grad"],
         bf16=args["dtype"] == "bf16", fp16=False), model)
@@ -312,9 +322,10 @@ def _setup_fsdp2(cfg: Config, args: dict, batches) -> Setup:
 
     mesh = init_device_mesh(args["device"], (dist.get_world_size(),))
     model = build_model(args)
+    reshard = {"": False, "zero3": True, "zero3-hpz": HPZ}[cfg.variant]
     for b in model.blocks:
-        fully_shard(b, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(param_groups(model), lr=LR, foreach=True)
     n = len(batches)
 
@@ -354,6 +365,12 @@ def _setup_deepspeed(cfg: Config, args: dict, batches) -> Setup:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if cfg.variant:
+        ds_config["zero_optimization"] = {"stage": 3, "reduce_bucket_size": args["bucket_size"],
+                                          "stage3_prefetch_bucket_size": args["bucket_size"], "overlap_comm": False,
+                                          "contiguous_gradients": True}
+        if cfg.variant == "zero3-hpz":
+            ds_config["zero_optimization"]["zero_hpz_partition_size"] = HPZ
     engine, opt, _, _ = deepspeed.initialize(model=module, optimizer=client_opt, config=ds_config)
 
     def step() -> float:
@@ -558,9 +575,16 @@ def deepspeed_status() -> Optional[str]:
 
 
 def configs(micro_batches: List[int], skip_peers: bool, ds_ok: bool, device: str = "cpu",
-            accumulate: Tuple[str, ...] = ("shard", "local", "auto")) -> List[Config]:
+            accumulate: Tuple[str, ...] = ("shard", "local", "auto"), zero3: bool = False) -> List[Config]:
     out: List[Config] = []
     for m in micro_batches:
+        if zero3:   # parameter sharding, against FSDP2's reshard_after_forward and DeepSpeed ZeRO-3 (+ hpZ)
+            for v in ("zero3", "zero3-hpz"):
+                out.append(Config("odo", m, "auto", True, v))
+                if not skip_peers:
+                    out.append(Config("fsdp2", m, variant=v))
+                    if ds_ok:
+                        out.append(Config("deepspeed", m, variant=v))
         out.append(Config("no-comm", m))
         if not skip_peers:
             if device == "cuda":
@@ -635,6 +659,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clipping for all (default 1.0)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--zero3", action="store_true",
+                   help="add parameter-sharding rows: ODO ZeRO-3 and ZeRO-3 + hpZ (2), FSDP2 with "
+                   "reshard_after_forward=True and =2, DeepSpeed ZeRO-3 with and without zero_hpz_partition_size 2")
     p.add_argument("--skip-peers", action="store_true",
                    help="only the ODO configurations and the no-comm floor (no DDP+ZeRO, FSDP2, DeepSpeed)")
     p.add_argument("--only", type=str, default="",
@@ -700,7 +727,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif ds_reason:
         skipped["deepspeed"] = ds_reason
         print(f"DeepSpeed ZeRO-2 skipped: {ds_reason}", flush=True)
-    cfgs = configs(a.micro_batch_list, a.skip_peers, ds_reason is None, a.device, a.odo_accumulate)
+    cfgs = configs(a.micro_batch_list, a.skip_peers, ds_reason is None, a.device, a.odo_accumulate, a.zero3)
     if a.only:
         kinds = {k.strip() for k in a.only.split(",")}
         cfgs = [c for c in cfgs if c.kind in kinds]
