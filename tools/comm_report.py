@@ -16,9 +16,10 @@ Next to it: seed 000's Table 1 (ZeRO-3: 3M -> 0.75M cross-node per step, ring ac
 the ODO's ZeRO-2 flow (reduce-scatter + all-gather = 2M plain -> qgZ 0.25M + qwZ 0.5M = 0.75M), with the closed
 forms of this ledger's pairwise accounting, their ring equivalents, and why qgZ measures (N-1)/N of the seed's M/Z.
 
-Sharding plans (``--plans zero2,zero1,mics,amsp7b``): one real ODO step per plan and combination (plain, qwZ+qgZ
-INT4) on a stack of ``--hidden`` x ``--hidden`` linear layers of about ``--params`` elements, with the per-step
-cross-node bytes per node (in units of M) and the model-state bytes per rank from ``model.memory_report()``.
+Sharding plans (``--plans zero2,zero1,mics,amsp7b,zero3,zero3hpz``): real ODO steps per plan and combination
+(plain, qwZ+qgZ INT4) on a stack of ``--hidden`` x ``--hidden`` linear layers of about ``--params`` elements, with the
+per-step cross-node bytes per node (in units of M) and the model-state bytes per rank from ``model.memory_report()``;
+then seed 000's Table 1 (ZeRO-3 3M -> ZeRO++ 0.75M) reproduced from the ZeRO-3 rows.
 
     python tools/comm_report.py --params 20e6 --world 8 --ranks-per-node 4 --json comm_report.json
 """
@@ -116,8 +117,10 @@ def _measure_plans(args: dict, dtype: torch.dtype) -> Dict[str, dict]:
     import megatron_ext as mx
     from megatron_ext import ShardingPlan
 
-    presets = {"zero2": ShardingPlan.zero2(), "zero1": ShardingPlan.zero1(),
-               "mics": ShardingPlan.mics(args["ranks_per_node"]), "amsp7b": ShardingPlan.amsp_7b(args["ranks_per_node"])}
+    rpn = args["ranks_per_node"]
+    presets = {"zero2": ShardingPlan.zero2(), "zero1": ShardingPlan.zero1(), "mics": ShardingPlan.mics(rpn),
+               "amsp7b": ShardingPlan.amsp_7b(rpn), "zero3": ShardingPlan.zero3(),
+               "zero3hpz": ShardingPlan.zero3(hpz=rpn)}
     h = args["hidden"]
     layers = max(1, round(args["params"] / (h * h)))
     out = {}
@@ -135,11 +138,12 @@ def _measure_plans(args: dict, dtype: torch.dtype) -> Dict[str, dict]:
                 OptimizerConfig(optimizer="adam", lr=1e-4, bf16=dtype == torch.bfloat16,
                                 fp16=dtype == torch.float16), model)
             x = torch.randn(2, h).to(dtype)
-            model.ledger.reset()
-            opt.scale_loss(model(x).float().pow(2).mean()).backward()
-            model.finish_grad_sync()
-            opt.step()
-            model.force_param_sync()
+            for _ in range(2):   # ZeRO-3 records its schedule in the first step: measure the second
+                model.ledger.reset()
+                opt.scale_loss(model(x).float().pow(2).mean()).backward()
+                model.finish_grad_sync()
+                opt.step()
+                opt.zero_grad()
             out[f"{name} {combo.label}"] = {"plan": model.plan.describe(), "ledger": model.ledger.summary(),
                                             "memory": model.memory_report(),
                                             "numel": sum(p.numel() for p in module.parameters())}
@@ -288,6 +292,36 @@ def render_plans(per_rank: List[dict], world: int, ranks_per_node: int, elem: in
     return "\n".join(out)
 
 
+def render_zero3_table(per_rank: List[dict], world: int, ranks_per_node: int, elem: int) -> str:
+    """Seed 000 Table 1 by measurement: cross-node bytes per node per step of ZeRO-3 and ZeRO++ (qwZ + hpZ + qgZ)."""
+    plans = per_rank[0]["plans"]
+    if "zero3 plain" not in plans or "zero3hpz qwZ+qgZ INT4" not in plans:
+        return ""
+    P, D = world, ranks_per_node
+    N = P // D
+    to_ring = (P - 1) / P / (D * (N - 1) / N)   # pairwise collective -> ring (see above); all-to-alls unchanged
+    M = plans["zero3 plain"]["numel"] * elem
+
+    def per_node(key: str, name: str) -> float:
+        return sum(pr["plans"][key]["ledger"].get(name, {}).get("inter", 0) for pr in per_rank) / N / M
+
+    ag = per_node("zero3 plain", "all_gather") * to_ring
+    rs = per_node("zero3 plain", "reduce_scatter") * to_ring
+    qwz = per_node("zero3hpz qwZ+qgZ INT4", "qwz_all_gather") * to_ring
+    hpz = per_node("zero3hpz qwZ+qgZ INT4", "hpz_all_gather")
+    qgz = per_node("zero3hpz qwZ+qgZ INT4", "qgz_inter_all_to_all")
+    return "\n".join([
+        "", f"Seed 000 Table 1 by measurement (one ZeRO-3 step, cross-node bytes per node / M, ring-equivalent; "
+        f"{N} nodes x {D}):",
+        f"  {'':<28} {'ZeRO-3':>8} {'seed':>6}   {'ZeRO++ (qwZ+hpZ+qgZ INT4)':>26} {'seed':>6}",
+        f"  {'forward all-gather':<28} {ag / 2:>8.3f} {'M':>6}   {qwz:>26.3f} {'0.5M':>6}",
+        f"  {'backward all-gather':<28} {ag / 2:>8.3f} {'M':>6}   {hpz:>26.3f} {'0':>6}",
+        f"  {'gradient reduce-scatter':<28} {rs:>8.3f} {'M':>6}   {qgz:>26.3f} {'0.25M':>6}",
+        f"  {'total':<28} {ag + rs:>8.3f} {'3M':>6}   {qwz + hpz + qgz:>26.3f} {'0.75M':>6}",
+        "  (measured = closed form: ring (P-1)/P of each plain collective; qwZ INT8 and qgZ INT4 codes plus fp32 "
+        "scales; qgZ's all-to-all sends (N-1)/N of its M/4 across nodes, reaching the seed's M/4 as N grows)"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=20e6, help="model parameters (elements)")
@@ -297,8 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--group-size", type=int, default=2048, help="--quant-group-size")
     ap.add_argument("--stages", type=int, default=2, help="qgZ pipeline stages")
-    ap.add_argument("--plans", default="zero2,zero1,mics,amsp7b",
-                    help="sharding plans measured with a real ODO step ('' to skip): zero2, zero1, mics, amsp7b")
+    ap.add_argument("--plans", default="zero2,zero1,mics,amsp7b,zero3,zero3hpz",
+                    help="sharding plans measured with a real ODO step ('' to skip): zero2, zero1, mics, amsp7b, "
+                    "zero3, zero3hpz (ZeRO-3 with hpZ over a node)")
     ap.add_argument("--hidden", type=int, default=1024, help="width of the linear layers of the plans' model")
     ap.add_argument("--json", default="comm_report.json", help="where to write the JSON result ('' to skip)")
     a = ap.parse_args(argv)
@@ -316,6 +351,7 @@ def main(argv=None) -> int:
     print(render(rows, cfg))
     if plans:
         print(render_plans(per_rank, a.world, a.ranks_per_node, elem))
+        print(render_zero3_table(per_rank, a.world, a.ranks_per_node, elem))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": cfg, "rows": rows, "seed_000_table_1_over_M": SEED_TABLE,
