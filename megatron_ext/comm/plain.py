@@ -1,6 +1,8 @@
 """The ``plain`` backend: torch.distributed reduce-scatter and all-gather over the whole DP group."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -60,9 +62,8 @@ class PlainParamGather(ParamGather):
         return all_gather_recorded(self.topology, self.ledger, shard, out_bucket, "all_gather")
 
 
-def all_gather_recorded(topo: Topology, ledger: CommLedger, shard: torch.Tensor, out: torch.Tensor,
-                        name: str) -> Work:
-    """Async all-gather of equal shards into ``out`` (``shard`` may alias its own slice), recorded as ``name``."""
+def local_gather(topo: Topology, shard: torch.Tensor, out: torch.Tensor) -> Optional[Work]:
+    """Checks an all-gather's sizes; the finished work when nothing needs sending (one rank, empty shard)."""
     n = shard.numel()
     if out.numel() != n * topo.size:
         raise ValueError(f"bucket of {out.numel()} elements does not split into {topo.size} shards of {n}")
@@ -70,6 +71,16 @@ def all_gather_recorded(topo: Topology, ledger: CommLedger, shard: torch.Tensor,
         if shard.data_ptr() != out.data_ptr():
             out.copy_(shard)
         return CompletedWork()
+    return CompletedWork() if n == 0 else None
+
+
+def all_gather_recorded(topo: Topology, ledger: CommLedger, shard: torch.Tensor, out: torch.Tensor,
+                        name: str) -> Work:
+    """Async all-gather of equal shards into ``out`` (``shard`` may alias its own slice), recorded as ``name``."""
+    done = local_gather(topo, shard, out)
+    if done is not None:
+        return done
+    n = shard.numel()
     intra, inter = topo.peers()
     ledger.record_pairwise(name, n * shard.element_size(), intra, inter)
     return TorchWork(_all_gather(out, shard, group=topo.group))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .backend import CompletedWork, ParamGather, TorchWork, Work, register_param_gather
+from .backend import ParamGather, TorchWork, Work, register_param_gather
 
 QWZ_BITS = 8
 
@@ -81,15 +81,12 @@ def quantized_all_gather(topo, ledger, shard: torch.Tensor, out_bucket: torch.Te
     rank's row -- the owner's too -- into ``out_bucket``: identical values on every rank (see the module note)."""
     from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
 
+    from .plain import local_gather
+
+    done = local_gather(topo, shard, out_bucket)
+    if done is not None:
+        return done
     n = shard.numel()
-    if out_bucket.numel() != n * topo.size:
-        raise ValueError(f"bucket of {out_bucket.numel()} elements does not split into {topo.size} shards of {n}")
-    if topo.size == 1:
-        if shard.data_ptr() != out_bucket.data_ptr():
-            out_bucket.copy_(shard)
-        return CompletedWork()
-    if n == 0:
-        return CompletedWork()
     group = gather_group(n, group_size, bits)
     codes, scales = quantize_symmetric(shard.contiguous(), bits=bits, group_size=group)
     row = pack_codes_scales(codes, scales)

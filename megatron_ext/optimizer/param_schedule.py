@@ -26,33 +26,16 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..comm.backend import ParamGather, Work
 from .bucketing import Bucket
-from .param_sync import guard_parameter_reads, owner_buckets
+from .param_sync import ParamUseAudit, guard_parameter_reads, owner_buckets
 from .sharded_params import ShardedParameterStore
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _Recorder(TorchFunctionMode):
-    """First forward: notes every bucketed parameter an op consumes, for the innermost running call."""
-
-    def __init__(self, sync: "ShardedParamSync") -> None:
-        super().__init__()
-        self.sync = sync
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            idx = self.sync.bucket_of_param.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-            if idx is not None:
-                self.sync.note_use(idx)
-        return func(*args, **kwargs)
 
 
 class ShardedParamSync:
@@ -76,7 +59,7 @@ class ShardedParamSync:
         self._stack: List[int] = []                      # running calls (indices into self.calls / _uses)
         self._uses: List[Set[int]] = []
         self._ends: List[int] = []                        # call indices in the order they ended
-        self._recorder: Optional[_Recorder] = None
+        self._recorder: Optional[ParamUseAudit] = None
         self._learn_handles: List = []
         self._handles: List = []
         # Per forward.
@@ -105,7 +88,7 @@ class ShardedParamSync:
                     self._learn_handles.append(m.register_forward_pre_hook(self._learn_pre))
                     self._learn_handles.append(m.register_forward_hook(self._learn_post, always_call=True))
             self._learn_pre(self.module, args)
-            self._recorder = _Recorder(self)
+            self._recorder = ParamUseAudit(self.bucket_of_param, self.note_use)
             self._recorder.__enter__()
 
     def _learn_pre(self, module, args) -> None:

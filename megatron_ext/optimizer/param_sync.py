@@ -73,21 +73,20 @@ def guard_parameter_reads(module: torch.nn.Module, bucket_of_param: Dict[int, in
         m._parameters = guarded
 
 
-class _FirstForwardAudit(TorchFunctionMode):
-    """Notes parameters consumed by ops before the hooks / read guards would have waited for their bucket."""
+class ParamUseAudit(TorchFunctionMode):
+    """Calls ``on_use(bucket)`` for every bucketed parameter an op consumes (the first forward's audit)."""
 
-    def __init__(self, sync: "ParamSync") -> None:
+    def __init__(self, bucket_of_param: Dict[int, int], on_use) -> None:
         super().__init__()
-        self.sync = sync
+        self.bucket_of_param = bucket_of_param
+        self.on_use = on_use
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        bucket_of = self.sync.bucket_of_param
         for leaf in tree_leaves((args, kwargs)):
-            idx = bucket_of.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-            if idx is not None and idx not in self.sync.covered:
-                self.sync.root_buckets.add(idx)
-                self.sync.covered.add(idx)
+            idx = self.bucket_of_param.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if idx is not None:
+                self.on_use(idx)
         return func(*args, **kwargs)
 
 
@@ -109,7 +108,7 @@ class ParamSync:
         self.learning = True                  # the first forward audits reads (mechanism 3)
         self.covered: Set[int] = set()        # buckets mechanisms 1-2 have waited for so far in that forward
         self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
-        self._audit: Optional[_FirstForwardAudit] = None
+        self._audit: Optional[ParamUseAudit] = None
         self._handles: List = []
         if overlap:
             self._guard_parameter_reads()
@@ -140,11 +139,17 @@ class ParamSync:
     def _root_pre_hook(self, module, args) -> None:
         if self.learning and self._audit is None:
             self.wait_all()  # nothing is read stale while the audit learns
-            self._audit = _FirstForwardAudit(self)
+            self._audit = ParamUseAudit(self.bucket_of_param, self._note_uncovered)
             self._audit.__enter__()
             return
         for idx in self.root_buckets:
             self.wait_bucket(idx)
+
+    def _note_uncovered(self, idx: int) -> None:
+        """A weight consumed before mechanisms 1-2 waited for its bucket: wait for it at the root from now on."""
+        if idx not in self.covered:
+            self.root_buckets.add(idx)
+            self.covered.add(idx)
 
     def _root_post_hook(self, module, args, output) -> None:
         if self._audit is not None:
