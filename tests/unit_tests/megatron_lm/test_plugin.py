@@ -277,3 +277,33 @@ def test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size(spawn, tm
                     assert torch.equal(got_state["params"][name][key], entry[key]), (world, name, key)
             for name, w in want_w.items():
                 assert torch.equal(got_w[name], w), (world, name)
+
+
+def _plan_from_megatron_args():
+    from megatron_ext.megatron_lm import overlap_config_from_megatron_args
+
+    from ..test_utilities import Utils
+
+    Utils.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        base = dict(use_overlapped_distributed_optimizer=True, world_size=4, tensor_model_parallel_size=1,
+                    ranks_per_node=2)
+        amsp = overlap_config_from_megatron_args(argparse.Namespace(**base, optim_shard_size=2, odo_accumulate="local"))
+        inst = overlap_config_from_megatron_args(argparse.Namespace(**base, num_distributed_optimizer_instances=2))
+        try:
+            overlap_config_from_megatron_args(argparse.Namespace(**base, optim_shard_size=3))
+            bad = "accepted"
+        except ValueError as e:
+            bad = str(e)
+        return amsp.sharding, inst.sharding, bad
+    finally:
+        Utils.destroy_model_parallel()
+
+
+def test_plan_flags_reach_the_plugin(spawn):
+    import megatron_ext as mx
+
+    amsp, inst, bad = spawn(_plan_from_megatron_args, 4)[0]
+    assert amsp == mx.ShardingPlan.amsp_7b(2)
+    assert inst == mx.ShardingPlan.mics(2)   # megatron-core's K instances: grad = optim = DP / K
+    assert "--optim-shard-size" in bad and "does not divide" in bad
