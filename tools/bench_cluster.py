@@ -246,7 +246,9 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
         opt.zero_grad()
 
     ddp.ledger.enabled = False
-    out = _timed_steps(topo, step, ddp.force_param_sync, a)
+    # Flushing completes the communication in flight (ZeRO-3's force_param_sync would gather every weight).
+    out = _timed_steps(topo, step, ddp.param_sync.wait_all, a)
+    step()   # steady state again before the step whose bytes the ledger counts
     ddp.ledger.enabled = True
     ddp.ledger.reset()
     step()
