@@ -1,4 +1,5 @@
 """fp16 dynamic loss scaling (overflow skips the step everywhere) and bf16 params with fp32 masters."""
+import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
@@ -17,11 +18,11 @@ def _poison_hook_factory():
     return hook
 
 
-def _fp16_injected_inf():
+def _fp16_injected_inf(plan=None):
     model_inner = make_model().half()
     hook = _poison_hook_factory()
     model_inner.lin.weight.register_hook(hook)   # runs before accumulation, on rank 1 only when armed
-    model = mx.OverlappedDDP(model_inner, mx.OverlapConfig(bucket_size=500))
+    model = mx.OverlappedDDP(model_inner, mx.OverlapConfig(bucket_size=500, sharding=plan or mx.ShardingPlan()))
     opt = mx.OverlappedDistributedOptimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, fp16=True, initial_loss_scale=2.0 ** 10, hysteresis=1,
                         clip_grad=1.0), model)
@@ -47,8 +48,9 @@ def _fp16_injected_inf():
     return results
 
 
-def test_fp16_inf_on_one_rank_skips_step_everywhere(spawn):
-    per_rank = spawn(_fp16_injected_inf, 2)
+@pytest.mark.parametrize("plan", [None, mx.ShardingPlan.zero3()], ids=["zero2", "zero3"])
+def test_fp16_inf_on_one_rank_skips_step_everywhere(spawn, plan):
+    per_rank = spawn(_fp16_injected_inf, 2, plan)
     for r, res in enumerate(per_rank):
         assert res[0]["ok"] and not res[0]["unchanged"], f"rank {r}: clean step must update"
         assert res[1]["ok"] is False and res[1]["norm"] is None, f"rank {r}: overflow step must be skipped"
