@@ -255,7 +255,8 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
     mem = ddp.memory_report()
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
             "params": sum(p.numel() for p in model.parameters()),
-            "model_state_bytes": sum(v for k, v in mem.items() if k != "bucket_pool"), "memory": mem}
+            "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
+            "memory": mem}
 
 
 def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
@@ -286,8 +287,12 @@ def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
         opt.zero_grad()
 
     out = _timed_steps(topo, step, lambda: None, a)
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    states = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+    def local_bytes(t) -> int:   # FSDP2's parameters and Adam states are DTensors: count this rank's shard
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    local = sum(local_bytes(p) for p in model.parameters())
+    states = sum(local_bytes(v) for st in opt.state.values() for v in st.values()
                  if torch.is_tensor(v) and v.dim() > 0)
     return {**out, "model_state_bytes": 2 * local + states, "ledger": None,
             "note": "FSDP2 is not instrumented by the ledger; model state = local parameter and gradient shards "
@@ -338,18 +343,24 @@ def _deepspeed_combo(topo, a, stage: int = 2, hpz: int = 1) -> Dict:
 
 
 def _deepspeed_model_state_bytes(engine) -> Optional[int]:
-    """Full model parameters + this rank's fp32 partitions + Adam states (DeepSpeed's ZeRO-2 internals)."""
+    """This rank's model state as DeepSpeed holds it: parameters (ZeRO-3: the partitions ``ds_tensor`` and hpZ's
+    ``ds_secondary_tensor``; ZeRO-2: the full module), fp32 partitions and Adam states."""
     import torch
 
-    try:
-        zopt = engine.optimizer
-        params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
-        parts = sum(t.numel() * t.element_size() for t in zopt.single_partition_of_fp32_groups)
-        states = sum(v.numel() * v.element_size() for st in zopt.optimizer.state.values() for v in st.values()
-                     if torch.is_tensor(v) and v.dim() > 0)
-        return params + parts + states
-    except AttributeError:
-        return None
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+    zopt = engine.optimizer
+    params = list(engine.module.parameters())
+    if hasattr(params[0], "ds_tensor"):
+        held = sum(nbytes(p.ds_tensor) + nbytes(getattr(p, "ds_secondary_tensor", None)) for p in params)
+        fp32 = sum(nbytes(t) for t in getattr(zopt, "fp32_partitioned_groups_flat", []))
+    else:
+        held = sum(nbytes(p) for p in params)
+        fp32 = sum(nbytes(t) for t in getattr(zopt, "single_partition_of_fp32_groups", []))
+    inner = getattr(zopt, "optimizer", zopt)
+    states = sum(nbytes(v) for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+    return held + fp32 + states or None
 
 
 PEERS = {
