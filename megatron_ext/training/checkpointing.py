@@ -9,7 +9,7 @@
   and unsharded (the DP shards are gathered and merged with ``merge_optimizer_shards``), so it loads at any DP
   size, bucket size or backend;
 * ``rng/rank_NNNNN.pt`` (every rank): CPU/CUDA/NumPy/Python RNG and megatron-core's model-parallel RNG tracker;
-* ``manifest.json`` (written last): every file with its size.
+* ``manifest.json`` (written last): every file with its size and CRC-32, computed while the file was written.
 
 ``<dir>/latest_checkpointed_iteration.txt`` (Megatron-LM's tracker name) names the newest complete checkpoint.
 
@@ -38,7 +38,7 @@ fsync/close-to-open semantics make it.
 
 [Note: loading]
 Every rank reads its files and checks everything that could fail before anything is applied: the tracker, manifest
-and file sizes; the saved flags that fix the model's shape (Megatron-LM's ``check_checkpoint_args``:
+and file sizes; the CRC-32 of every file (the ranks share the files, each reading its own part once); the saved flags that fix the model's shape (Megatron-LM's ``check_checkpoint_args``:
 :data:`MODEL_FLAGS`); every model tensor's name and shape; the optimizer type and every parameter's optimizer state;
 and the LR schedule (Megatron-LM's ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``;
 with neither, a schedule flag that differs from the checkpoint is an error). The ranks then agree in one all-reduce,
@@ -49,11 +49,13 @@ size may differ (the RNG streams are then re-seeded instead of restored, since r
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
 import re
 import shutil
+import zlib
 from typing import Any, Dict, List, Optional
 
 import numpy
@@ -106,14 +108,44 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # ---- save -------------------------------------------------------------------------------------------------------
 
 
-def _fsync_save(obj: Any, path: str) -> None:
-    """torch.save, then fsync the file and the directory that holds its name (see the durability note)."""
+class _CrcWriter(io.RawIOBase):
+    """A write-only file that keeps a running CRC-32 of the bytes going through it (no second read of the file)."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self._f = f
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self._f.write(b)
+
+
+def _fsync_save(obj: Any, path: str) -> int:
+    """torch.save, then fsync the file and the directory that holds its name (see the durability note); returns
+    the CRC-32 of the bytes written (the manifest records it, ``--load`` verifies it)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        w = _CrcWriter(f)
+        torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(os.path.dirname(path))
+    return w.crc
+
+
+def file_crc32(path: str, chunk: int = 1 << 22) -> int:
+    """CRC-32 of a file, read in chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return crc
+            crc = zlib.crc32(b, crc)
 
 
 def _crash_hook(iteration: int) -> None:
@@ -145,23 +177,29 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
         os.makedirs(tmp)
     dist.barrier()
 
-    written: List[str] = []
+    written: Dict[str, int] = {}   # path -> CRC-32 of what was written
+
+    def save(obj: Any, path: str) -> None:
+        written[path] = _fsync_save(obj, path)
+
     mp_dir = os.path.join(tmp, mp_dir_name(tp_rank, pp_rank))
     if save_optim:
         # Each DP rank writes its own shard; DP rank 0 merges them from disk into the canonical per-parameter file.
         from megatron_ext.optimizer.checkpoint import write_canonical_optimizer_state
 
         optim_path = os.path.join(mp_dir, "optim.pt")
-        if write_canonical_optimizer_state(optimizer.state_dict(), optim_path, dp_group, save=_fsync_save):
-            written.append(optim_path)
+
+        def save_optim_file(obj: Any, path: str) -> None:   # the per-rank shards are merged and removed
+            crc = _fsync_save(obj, path)
+            if path == optim_path:
+                written[path] = crc
+
+        write_canonical_optimizer_state(optimizer.state_dict(), optim_path, dp_group, save=save_optim_file)
     if dp_rank == 0:
         from megatron_ext.optimizer.checkpoint import to_cpu
 
-        _fsync_save(to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
-        written.append(os.path.join(mp_dir, "model.pt"))
-    rng_path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
-    _fsync_save(get_rng_state(), rng_path)
-    written.append(rng_path)
+        save(to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
+    save(get_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         common = {"format": FORMAT, "iteration": iteration, "consumed_train_samples": consumed_train_samples,
                   "consumed_valid_samples": consumed_valid_samples,
@@ -171,13 +209,12 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
                   "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                   "data_parallel_size": ps.get_data_parallel_world_size(), "has_optim": save_optim,
                   "args": args_dict}
-        _fsync_save(common, os.path.join(tmp, "common.pt"))
-        written.append(os.path.join(tmp, "common.pt"))
+        save(common, os.path.join(tmp, "common.pt"))
     _crash_hook(iteration)
 
     # One collective doubles as "every rank finished writing": a dead rank makes it fail, so nothing is published.
-    files = {os.path.relpath(p, tmp): os.path.getsize(p) for p in written}
-    everyone: Optional[List[Dict[str, int]]] = [None] * dist.get_world_size() if rank == 0 else None
+    files = {os.path.relpath(p, tmp): {"size": os.path.getsize(p), "crc32": crc} for p, crc in written.items()}
+    everyone: Optional[List[Dict[str, dict]]] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(files, everyone, dst=0)
     if rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "files": {}}
@@ -299,14 +336,34 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         raise CheckpointError(f"--load {load_dir}: {manifest_path} is missing (incomplete checkpoint)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"--load {load_dir}: corrupt manifest {manifest_path} ({e.msg})") from None
-    for rel, size in manifest.get("files", {}).items():
+    for rel, entry in manifest.get("files", {}).items():
         p = os.path.join(ckpt, rel)
+        size = entry["size"] if isinstance(entry, dict) else entry   # checkpoints before checksums: sizes only
         if not os.path.isfile(p):
             raise CheckpointError(f"--load {load_dir}: corrupt checkpoint: {p} is missing")
         if os.path.getsize(p) != size:
             raise CheckpointError(f"--load {load_dir}: corrupt checkpoint: {p} has {os.path.getsize(p)} bytes, "
                                   f"the manifest says {size}")
     return ckpt
+
+
+def verify_checksums(ckpt: str, rank: int = 0, world: int = 1) -> int:
+    """Check the CRC-32 the manifest records for this rank's share of the files (file i goes to rank i % world, so
+    the ranks read the checkpoint once between them); raises CheckpointError naming the first damaged file.
+    Returns the bytes read. Checkpoints saved before checksums (sizes only) are not checked."""
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        files = sorted(json.load(f).get("files", {}).items())
+    read = 0
+    for i, (rel, entry) in enumerate(files):
+        if i % world != rank or not isinstance(entry, dict) or "crc32" not in entry:
+            continue
+        p = os.path.join(ckpt, rel)
+        crc = file_crc32(p)
+        read += os.path.getsize(p)
+        if crc != entry["crc32"]:
+            raise CheckpointError(f"corrupt checkpoint file {p}: its CRC-32 is {crc:08x}, the manifest recorded "
+                                  f"{entry['crc32']:08x} when it was written (the file changed after the save)")
+    return read
 
 
 def _load(path: str, mmap: bool = False) -> Any:
@@ -327,6 +384,11 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
     agree that all of them succeeded before anything is applied, and otherwise all raise CheckpointError.
     """
     error: Optional[str] = None
+    try:   # the checksums first, agreed by all ranks, so no rank unpickles a damaged file another rank has checked
+        verify_checksums(ckpt, dist.get_rank(), dist.get_world_size())
+    except CheckpointError as e:
+        error = str(e)
+    agree_on_error(error)
     loaded = None
     try:
         loaded = _read_checkpoint(ckpt, load_optim, load_rng)
