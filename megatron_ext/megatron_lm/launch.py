@@ -43,6 +43,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_ext.megatron_lm.launch: {argv[0]}: no such file")
     sys.path.insert(0, os.path.dirname(script))  # the checkout root, so `import megatron.training` resolves there
+    from megatron_ext.training.notices import quiet_known_notices
+
+    quiet_known_notices()   # megatron-core's fallback notices once, on rank 0 (before the checkout imports it)
     install()
     patch_pretrain()
     sys.argv = [script] + argv[1:]

@@ -196,6 +196,9 @@ def _find_checkpoint_or_fail(args: argparse.Namespace):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .notices import quiet_known_notices
+
+    quiet_known_notices()   # before megatron-core is imported: its import-time notices once, on rank 0
     from .checkpointing import CheckpointError
 
     try:
