@@ -216,17 +216,36 @@ def install(training_module: Any = None, get_args: Optional[Callable[[], Any]] =
     _ORIGINALS["get_megatron_optimizer"] = training_module.get_megatron_optimizer
     training_module.DDP = _make_ddp_switch(training_module.DDP, get_args)
     training_module.get_megatron_optimizer = _make_get_optimizer(training_module.get_megatron_optimizer, get_args)
-    # unwrap_model(model, module_instances=ALL_MODULE_WRAPPER_CLASSNAMES) binds its default at definition time.
-    utils = utils_module if utils_module is not None else _optional_import("megatron.training.utils")
-    if utils is not None and hasattr(utils, "ALL_MODULE_WRAPPER_CLASSNAMES"):
-        _ORIGINALS["utils"] = utils
-        _ORIGINALS["wrappers"] = utils.ALL_MODULE_WRAPPER_CLASSNAMES
-        utils.ALL_MODULE_WRAPPER_CLASSNAMES = tuple(utils.ALL_MODULE_WRAPPER_CLASSNAMES) + (OverlappedDDP,)
-        fn = getattr(utils, "unwrap_model", None)
-        if fn is not None and fn.__defaults__:
-            _ORIGINALS["unwrap_defaults"] = fn.__defaults__
-            fn.__defaults__ = tuple(utils.ALL_MODULE_WRAPPER_CLASSNAMES if d is _ORIGINALS["wrappers"] else d
-                                    for d in fn.__defaults__)
+    # unwrap_model(model, module_instances=None) builds its default wrapper list (megatron-core's DDP, FSDP,
+    # Float16Module) inside megatron.core.utils, and the checkout imports it by name into several modules: every
+    # binding of that function is replaced by one that peels OverlappedDDP first.
+    original_unwrap = getattr(training_module, "unwrap_model", None)
+    if original_unwrap is not None:
+        holders = [m for m in [training_module, utils_module] + _loaded_megatron_modules()
+                   if m is not None and getattr(m, "unwrap_model", None) is original_unwrap]
+        unwrap = _make_unwrap(original_unwrap, OverlappedDDP)
+        _ORIGINALS["unwrap"] = (original_unwrap, holders)
+        for m in holders:
+            m.unwrap_model = unwrap
+
+
+def _make_unwrap(original: Callable, wrapper_cls: type) -> Callable:
+    def unwrap_model(model, module_instances=None):
+        """Megatron-LM's unwrap_model, which also removes the OverlappedDDP wrapper."""
+        def peel(m):
+            while isinstance(m, wrapper_cls):
+                m = m.module
+            return m
+        model = [peel(m) for m in model] if isinstance(model, list) else peel(model)
+        return original(model, module_instances)
+
+    unwrap_model.original = original  # type: ignore[attr-defined]
+    return unwrap_model
+
+
+def _loaded_megatron_modules() -> list:
+    import sys
+    return [m for name, m in list(sys.modules.items()) if name.startswith("megatron.") and m is not None]
 
 
 def uninstall() -> None:
@@ -236,11 +255,10 @@ def uninstall() -> None:
     mod = _ORIGINALS["module"]
     mod.DDP = _ORIGINALS["DDP"]
     mod.get_megatron_optimizer = _ORIGINALS["get_megatron_optimizer"]
-    utils = _ORIGINALS.get("utils")
-    if utils is not None:
-        utils.ALL_MODULE_WRAPPER_CLASSNAMES = _ORIGINALS["wrappers"]
-        if "unwrap_defaults" in _ORIGINALS:
-            utils.unwrap_model.__defaults__ = _ORIGINALS["unwrap_defaults"]
+    if "unwrap" in _ORIGINALS:
+        original, holders = _ORIGINALS["unwrap"]
+        for m in holders:
+            m.unwrap_model = original
     _ORIGINALS.clear()
 
 

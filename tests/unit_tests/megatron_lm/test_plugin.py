@@ -27,17 +27,52 @@ def test_add_args_and_chain():
 
 
 class _OriginalDDP:
-    def __init__(self, config, ddp_config, module, **kwargs):
+    def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None):
         self.module = module
 
 
-def _fake_checkout(args):
+def _checkout_modules():
+    """Stand-ins shaped like Megatron-LM core_v0.16.1 (checked against megatron_lm/contract.py below): the training
+    module's DDP / get_megatron_optimizer / pretrain / unwrap_model, and unwrap_model imported by name elsewhere."""
     def unwrap_model(model, module_instances=None):
-        return model
-    utils = types.SimpleNamespace(ALL_MODULE_WRAPPER_CLASSNAMES=(_OriginalDDP,), unwrap_model=unwrap_model)
-    utils.unwrap_model.__defaults__ = (utils.ALL_MODULE_WRAPPER_CLASSNAMES,)
-    training = types.SimpleNamespace(DDP=_OriginalDDP, get_megatron_optimizer=lambda cfg, chunks, *a, **k: "original")
-    return training, utils
+        module_instances = module_instances or (_OriginalDDP,)
+        models = model if isinstance(model, list) else [model]
+        out = []
+        for m in models:
+            while isinstance(m, module_instances):
+                m = m.module
+            out.append(m)
+        return out if isinstance(model, list) else out[0]
+
+    def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True, **kw):
+        return "original"
+
+    def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                 process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, **kw):
+        return extra_args_provider
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return None
+
+    training = types.SimpleNamespace(DDP=_OriginalDDP, get_megatron_optimizer=get_megatron_optimizer,
+                                     pretrain=pretrain, unwrap_model=unwrap_model)
+    return {"megatron.training.training": training,
+            "megatron.training": types.SimpleNamespace(pretrain=pretrain, get_args=lambda: None),
+            "megatron.training.arguments": types.SimpleNamespace(parse_args=parse_args),
+            "megatron.core.utils": types.SimpleNamespace(unwrap_model=unwrap_model),
+            "megatron.training.checkpointing": types.SimpleNamespace(unwrap_model=unwrap_model)}
+
+
+def _fake_checkout(args):
+    mods = _checkout_modules()
+    return mods["megatron.training.training"], mods["megatron.training.checkpointing"]
+
+
+def test_stand_ins_match_the_contract():
+    from megatron_ext.megatron_lm.contract import check
+
+    mods = _checkout_modules()
+    assert check(mods.__getitem__) == []
 
 
 def _plugin_world(enabled: bool):
@@ -61,8 +96,8 @@ def _plugin_world(enabled: bool):
         # Megatron-LM calls DDP positionally in some versions and by keyword in others.
         ddp = training.DDP(config=None, ddp_config=None, module=module, disable_bucketing=False)
         assert isinstance(ddp, training.DDP)
-        assert mx.OverlappedDDP in utils.ALL_MODULE_WRAPPER_CLASSNAMES
-        assert utils.unwrap_model.__defaults__[0] is utils.ALL_MODULE_WRAPPER_CLASSNAMES
+        # The checkout's save/load code unwraps the chunks through every binding of unwrap_model.
+        assert training.unwrap_model(ddp) is module and utils.unwrap_model([ddp]) == [module]
         opt = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
         if not enabled:
             return type(ddp).__name__, opt
@@ -78,6 +113,7 @@ def _plugin_world(enabled: bool):
     finally:
         mxlm.uninstall()
         assert training.DDP is _OriginalDDP
+        assert getattr(training.unwrap_model, "original", None) is None   # every binding restored
         ps.destroy_model_parallel()
 
 

@@ -1,0 +1,50 @@
+"""The verdict logic of tools/megatron_lm_check.sh, on synthetic Megatron-LM log text (the script needs GPUs)."""
+from __future__ import annotations
+
+import subprocess
+
+from ..tool_loader import TOOLS, loaded_tool
+
+LOG = (" [2026-11-24 12:00:0{i}] iteration {i:8d}/      40 | consumed samples: {s:12d} | elapsed time per iteration "
+       "(ms): 812.3 | learning rate: 3.000000E-04 | global batch size:    16 | lm loss: {loss:.6E} | loss scale: 1.0 |"
+       " grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def _log(losses, start=1):
+    return "\n".join(["some startup line", "[WARNING] unrelated"] +
+                     [LOG.format(i=i, s=16 * i, loss=l) for i, l in enumerate(losses, start)])
+
+
+def test_parse_and_compare():
+    with loaded_tool("megatron_lm_verdict") as v:
+        ref = v.parse_losses(_log([10.5, 9.8, 9.1, 8.7]))
+        assert ref == {1: 10.5, 2: 9.8, 3: 9.1, 4: 8.7}
+        close = v.parse_losses(_log([10.5, 9.8 * (1 + 2 ** -9), 9.1, 8.7 * (1 - 2 ** -8)]))
+        ok, worst, its = v.compare(ref, close, v.DEFAULT_RTOL)
+        assert ok and its == [1, 2, 3, 4] and 0 < worst <= 2 ** -7
+        broken = v.parse_losses(_log([10.5, 9.8, 9.6, 9.4]))     # stops learning after step 2
+        assert not v.compare(ref, broken, v.DEFAULT_RTOL)[0]
+        resumed = v.parse_losses(_log([9.1, 8.7], start=3))
+        assert v.compare(ref, resumed, 0.0, first=3) == (True, 0.0, [3, 4])
+        assert v.compare(ref, {}, 0.0) == (False, float("inf"), [])
+
+
+def test_cli_exit_codes(tmp_path):
+    a, b, c = tmp_path / "a.log", tmp_path / "b.log", tmp_path / "c.log"
+    a.write_text(_log([10.5, 9.8, 9.1]))
+    b.write_text(_log([10.5, 9.8, 9.1]))
+    c.write_text("no losses here")
+    run = lambda *args: subprocess.run(["python", str(TOOLS / "megatron_lm_verdict.py"), *args],  # noqa: E731
+                                       capture_output=True, text=True)
+    out = run("same", str(a), str(b), "--rtol", "0")
+    assert out.returncode == 0 and out.stdout.startswith("same: PASS")
+    out = run("empty", str(a), str(c))
+    assert out.returncode == 2 and "FAIL" in out.stdout
+
+
+def test_check_script_refuses_without_a_checkout_or_gpu(tmp_path):
+    script = TOOLS / "megatron_lm_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), str(tmp_path / "nowhere"), str(tmp_path / "out")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "pretrain_gpt.py" in out.stderr

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
+#
+# Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
+# --overlap-param-gather, --ckpt-format torch) on every GPU of this machine and prints one verdict line per check:
+#   (a) Megatron-LM's own distributed optimizer against the ODO (launch module), and the ODO through the two-line
+#       form (install() + add_args in a copy of pretrain_gpt.py): loss curves within two bf16 ulps (2^-7, see
+#       tools/megatron_lm_verdict.py for why);
+#   (b) the ODO saves at iteration HALF through Megatron-LM's checkpointing (save_parameter_state), resumes, and
+#       logs the same losses as the uninterrupted run (exact);
+#   (c) a resume of that checkpoint at another --ddp-bucket-size: within the bf16 tolerance of the uninterrupted run.
+# Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
+# (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
+set -uo pipefail
+
+checkout=${1:-}
+out=${2:-./megatron_lm_check}
+if [ -z "$checkout" ] || [ ! -f "$checkout/pretrain_gpt.py" ]; then
+  echo "usage: $0 MEGATRON_LM_CHECKOUT [OUT]  (no pretrain_gpt.py in '${checkout}')" >&2
+  exit 2
+fi
+checkout=$(cd "$checkout" && pwd)
+ngpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+if [ -z "$ngpu" ] || [ "$ngpu" -lt 1 ]; then
+  echo "$0: no CUDA GPU visible to torch: Megatron-LM's initialize_megatron requires CUDA" >&2
+  exit 2
+fi
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
+iters=${MX_CHECK_ITERS:-40}
+half=$((iters / 2))
+export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH="$checkout${PYTHONPATH:+:$PYTHONPATH}"
+
+common=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
+        --micro-batch-size 2 --global-batch-size $((4 * ngpu)) --train-iters "$iters" --log-interval 1
+        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 4 --weight-decay 0.01 --clip-grad 1.0
+        --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 1023 --seed 1234
+        --hidden-dropout 0.0 --attention-dropout 0.0 --no-gradient-accumulation-fusion
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ckpt-format torch
+        --transformer-impl local --eval-iters 0 --eval-interval 100000)
+launch=(python -m torch.distributed.run --standalone --nproc-per-node "$ngpu")
+
+run() {  # run NAME ARGS... : one training run, log in $out/NAME.log
+  local name=$1; shift
+  echo "== $name" >&2
+  "$@" > "$out/$name.log" 2>&1 || echo "   ($name exited with status $?, see $out/$name.log)" >&2
+}
+
+# The two-line form: a copy of the checkout's script with install() and add_args.
+sed -e '0,/^from megatron.training import/s//import megatron_ext.megatron_lm as mxlm; mxlm.install()\nfrom megatron.training import/' \
+    -e 's/extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None/extra_args_provider=mxlm.chain(add_modelopt_args if has_nvidia_modelopt else None)/' \
+    "$checkout/pretrain_gpt.py" > "$out/pretrain_gpt_two_lines.py"
+grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-line edit did not apply: check $out/pretrain_gpt_two_lines.py)" >&2
+
+odo=(--use-overlapped-distributed-optimizer)
+rm -rf "$out/ckpt" "$out/ckpt_bucket"
+run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
+run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
+run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
+run odo_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}" \
+    --save "$out/ckpt" --save-interval "$half" --exit-interval "$half"
+cp -r "$out/ckpt" "$out/ckpt_bucket"
+run odo_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}" \
+    --load "$out/ckpt" --save "$out/ckpt"
+run odo_resume_bucket "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
+    "${odo[@]}" --load "$out/ckpt_bucket" --ddp-bucket-size 100000
+
+status=0
+verdict() { python "$here/megatron_lm_verdict.py" "$@" | tee -a "$out/verdicts.txt" || status=1; }
+: > "$out/verdicts.txt"
+verdict "(a) ODO (launch module) vs Megatron-LM distributed optimizer" "$out/megatron_dist_opt.log" "$out/odo_launch.log"
+verdict "(a) ODO (two-line form) vs Megatron-LM distributed optimizer" "$out/megatron_dist_opt.log" "$out/odo_two_lines.log"
+verdict "(b) ODO save at $half and resume vs uninterrupted" "$out/odo_launch.log" "$out/odo_resume.log" --rtol 0 --first $((half + 1))
+verdict "(c) ODO resume at another bucket size vs uninterrupted" "$out/odo_launch.log" "$out/odo_resume_bucket.log" --first $((half + 1))
+echo "logs: $out" >&2
+exit $status
