@@ -211,6 +211,15 @@ def test_ranks_that_see_different_checkpoints_all_stop(spawn):
         assert errors[0] == errors[1] and "ranks see different checkpoints in --load" in errors[0], errors
 
 
+def _flip_middle_byte(path: str) -> None:
+    """XOR one bit of the file's middle byte (twice restores it)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
 def _flip_each_file(argv, ckpt):
     """For every file of the checkpoint: flip one byte, load (every rank must fail naming it), restore it."""
     from megatron_ext.training.checkpointing import CheckpointError
@@ -222,11 +231,7 @@ def _flip_each_file(argv, ckpt):
     for rel in files:
         p = os.path.join(ckpt, rel)
         if dist.get_rank() == 0:
-            with open(p, "r+b") as f:
-                f.seek(os.path.getsize(p) // 2)
-                b = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([b[0] ^ 0x01]))
+            _flip_middle_byte(p)
         dist.barrier()
         try:
             pretrain(argv)
@@ -235,11 +240,7 @@ def _flip_each_file(argv, ckpt):
             out[rel] = str(e)
         dist.barrier()
         if dist.get_rank() == 0:
-            with open(p, "r+b") as f:
-                f.seek(os.path.getsize(p) // 2)
-                b = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([b[0] ^ 0x01]))
+            _flip_middle_byte(p)
         dist.barrier()
     out["clean"] = pretrain(argv)
     return out
