@@ -66,6 +66,7 @@ class ShardedParamSync:
         self._next = 0
         self._on_schedule = True
         self._call_of_module: Dict[int, List[int]] = {}
+        self._running: Dict[int, Optional[int]] = {}     # module id -> the recorded call it is running (or None)
         guard_parameter_reads(module, self.bucket_of_param, self)
         self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(module.register_forward_hook(self._root_post, always_call=True))
@@ -161,17 +162,17 @@ class ShardedParamSync:
                 for idx in self.calls[i][1]:
                     self._ensure(idx)
                 self._prefetch(i + 1, +1)
-                module._mx_call = i
+                self._running[mid] = i
             else:
                 self._on_schedule = False
                 for idx in self._buckets_of_module(mid):
                     self._ensure(idx)
-                module._mx_call = None
+                self._running[mid] = None
         return hook
 
     def _make_post(self, mid: int):
         def hook(module, args, output) -> None:
-            i = getattr(module, "_mx_call", None)
+            i = self._running.get(mid)
             if _in_backward():
                 self._register_backward(frozenset(self._buckets_of_module(mid)), output)
                 return
