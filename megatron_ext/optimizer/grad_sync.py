@@ -341,11 +341,48 @@ class GradSync:
 
     # -- public -------------------------------------------------------------------------------------
     def start_grad_sync(self) -> None:
-        """Launch every bucket not yet launched (for callers that do not overlap)."""
+        """Launch every bucket not yet launched (for callers that do not overlap), and the replica all-reduce of
+        shards that every micro-batch reduced inside ``no_sync()`` only (Megatron-LM's pipeline schedules run all
+        backwards of a stage under no_sync and then call this)."""
         if self._pending_local or (self.step_mode == "pool" and self._next_launch < len(self.regular)):
             self._next_launch = 0 if self._pending_local else self._next_launch
             self._launch_ready(complete_all=True, final=True)
             self._pending_local = False
+        self._reduce_partial_shards()
+
+    def _reduce_partial_shards(self) -> None:
+        """All-reduce across replicas every bucket shard still holding a partial sum, in bucket order on every
+        rank (after the reduce-scatters that fill it: see [Note: sharding plans])."""
+        partial = [b for b in self.regular if self._out_state[b.index] == _PARTIAL]
+        if not partial or self.replica_backend is None:
+            return
+        self.wait_all()
+        for b in partial:
+            out = self.partition_grad[b.partition_offset:b.partition_offset + b.shard_numel]
+            gd = self.grad_dtype[b.dtype]
+            wire = out if gd == out.dtype else out.to(gd)
+            work = self.replica_backend.all_reduce(wire)
+            self._out_state[b.index] = _REDUCED
+            if work.multi_phase and not work.done:
+                self._inflight_works.append(work)
+            self._inflight.append(self._completer(work, wire, out))
+
+    def _completer(self, work: Work, wire: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """Completion of a replica all-reduce of a partial shard (earlier launches first, like ``_launch``)."""
+        def complete() -> None:
+            if complete not in self._inflight:
+                return
+            for older in list(self._inflight):
+                if older is complete:
+                    break
+                older()
+            work.wait()
+            if wire is not out:
+                out.copy_(wire)
+            self._inflight.remove(complete)
+            if work in self._inflight_works:
+                self._inflight_works.remove(work)
+        return complete
 
     def finish_grad_sync(self) -> None:
         if self._in_backward:
@@ -355,6 +392,7 @@ class GradSync:
             self._next_launch = 0
             self._launch_ready(complete_all=True, final=True)
             self._pending_local = False
+        self._reduce_partial_shards()
         if self.deferred and self.step_mode is not None and not self._deferred_done:
             self._reduce_deferred()
             self._deferred_done = True

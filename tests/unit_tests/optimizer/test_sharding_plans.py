@@ -369,3 +369,38 @@ def test_replica_all_reduce_travels_in_the_reduce_scatter_dtype(spawn):
     # Without grad_reduce_in_fp32 the cross-node all-reduce carries bf16 (2 bytes), not the fp32 reduced shard.
     row, shards = spawn(_bf16_replica_all_reduce, 4)[0]
     assert row["inter"] == sum(-(-2 * n * 2 // 2) for n in shards) and row["intra"] == 0
+
+
+def _all_micro_batches_in_no_sync(plan):
+    """Megatron-LM's pipeline schedules (and virtual pipelining) run every backward of a stage inside no_sync()
+    and then call start_grad_sync(): replicated shards must still be all-reduced across the replicas."""
+    import contextlib  # noqa: F401
+
+    from .models import batch
+
+    rank = dist.get_rank()
+    model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=BUCKET, sharding=plan, ranks_per_node=2))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD,
+                                                            clip_grad=CLIP), model)
+    micro = 2
+    for step in range(STEPS):
+        with model.no_sync():
+            for i in range(micro):
+                x, y = batch(step, rank, i)
+                opt.scale_loss(torch.nn.functional.mse_loss(model(x), y) / micro).backward()
+        model.start_grad_sync()
+        model.finish_grad_sync()
+        assert opt.step()[0]
+        opt.zero_grad()
+    model.force_param_sync()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("plan", [ShardingPlan.mics(2), ShardingPlan(grad=2, optim=2), ShardingPlan.zero3(2)],
+                         ids=["mics", "grad_eq_optim", "zero3_node"])
+def test_replicas_all_reduced_when_every_backward_runs_in_no_sync(spawn, plan):
+    per_rank = spawn(_all_micro_batches_in_no_sync, 4, plan)
+    ref, _ = reference_training(4, 2, STEPS, LR, WD, CLIP)
+    for n, t in ref.items():
+        torch.testing.assert_close(per_rank[0][n], t, rtol=1e-5, atol=1e-6, msg=n)
+        assert all(torch.equal(per_rank[0][n], r[n]) for r in per_rank[1:]), n
