@@ -169,6 +169,10 @@ class OverlappedDDP(torch.nn.Module):
             dist.broadcast(flat, src=src, group=self.topology.group)
 
     # -- helpers ------------------------------------------------------------------------------------
+    def drop_gathered_weights(self) -> None:
+        """ZeRO-3: release every gathered bucket now (after a save gathered them all); no-op otherwise."""
+        self.param_sync.release_all()
+
     def force_param_sync(self) -> None:
         """Every weight readable now (ZeRO-3: gathered, until the next forward or step releases it)."""
         self.param_sync.gather_all()

@@ -1,5 +1,11 @@
 """ZeRO-3 parameter path: gather a bucket just before a module needs it, prefetch the next, release after last use.
 
+[Note: reads outside the schedule]
+A weight read through its module attribute (``module.weight``) while its bucket is released gathers the bucket on
+the spot: that is a collective, so such reads (user code between steps, logging) must happen on every DP rank, or be
+preceded by ``force_param_sync()`` on every rank. A read that bypasses attributes (a stored reference, iterating
+``parameters()``) of a released bucket touches empty storage: undefined, it may crash the process. Gather first.
+
 [Note: the schedule]
 The first forward runs with every bucket gathered and records, per call of a module that reads bucketed weights
 (its own, through the read guard, or through any op: the audit of ``param_sync``), which buckets the call used, in
@@ -74,7 +80,7 @@ class ShardedParamSync:
         # copy into a released bucket's empty storage would write out of bounds.
         module.register_load_state_dict_pre_hook(lambda *a, **k: self.gather_all())
         module.register_load_state_dict_post_hook(lambda *a, **k: self._after_load())
-        module.register_state_dict_pre_hook(lambda *a, **k: self._check_readable())
+        module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._check_readable(keep_vars))
 
     # -- learning -------------------------------------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
@@ -268,9 +274,13 @@ class ShardedParamSync:
         if not self.store.is_gathered(idx):
             self._ensure(idx, prefer_secondary=_in_backward())
 
-    def _check_readable(self) -> None:
+    def _check_readable(self, keep_vars: bool) -> None:
         """``module.state_dict()`` issues no collective (callers run it on DP rank 0 only): it needs every bucket
-        gathered already, by ``force_param_sync()`` or the wrapper's ``state_dict()`` on every rank."""
+        gathered already, by ``force_param_sync()`` or the wrapper's ``state_dict()`` on every rank. With
+        ``keep_vars=True`` it hands out the parameters themselves (names and shapes are right, as checkpoint checks
+        use them); their values must not be read while released."""
+        if keep_vars:
+            return
         released = [i for i in range(len(self.buckets)) if not self.store.is_gathered(i)]
         if released:
             raise RuntimeError(f"ZeRO-3: {len(released)} weight buckets are not gathered; call "

@@ -194,6 +194,9 @@ class ParamSync:
         """Every weight readable (ZeRO-2 keeps full weights: the in-flight gathers are all there is to wait for)."""
         self.wait_all()
 
+    def release_all(self) -> None:
+        """ZeRO-2 keeps its full weights: nothing to release."""
+
     @property
     def pending(self) -> int:
         return len(self._work)

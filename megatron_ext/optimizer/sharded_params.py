@@ -8,7 +8,8 @@ storage is resized to zero bytes when the bucket is released and back to full si
 primary shards of the param group, or from the hpZ secondary pieces inside the node) when it is needed again. Views
 that autograd saved in forward (``weight.t()`` of a linear layer) keep pointing at that storage, so backward reads
 the re-gathered values (FSDP's resize-storage technique; a pool of shared buffers would hand backward another
-bucket's weights). A read of a released bucket fails loudly (empty storage) instead of seeing stale values. The
+bucket's weights). Reading a released bucket's storage directly is undefined (an error or a crash, never stale
+values); attribute reads gather it (param_schedule.py, [Note: reads outside the schedule]). The
 number of gathered buckets is bounded by ``gather_pool_size`` (prefetching stops there). With hpZ
 (``hpz > 1``) the release after forward first copies this rank's slice of the full bucket -- the bucket cut into
 ``hpz`` equal pieces, piece ``dp_rank % hpz`` -- into a flat *secondary* tensor, valid until the weights change

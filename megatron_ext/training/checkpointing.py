@@ -210,6 +210,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
                   "data_parallel_size": ps.get_data_parallel_world_size(), "has_optim": save_optim,
                   "args": args_dict}
         save(common, os.path.join(tmp, "common.pt"))
+    if hasattr(model, "drop_gathered_weights"):
+        model.drop_gathered_weights()   # ZeRO-3: the full weights gathered for model.pt go again
     _crash_hook(iteration)
 
     # One collective doubles as "every rank finished writing": a dead rank makes it fail, so nothing is published.
@@ -388,6 +390,8 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
         verify_checksums(ckpt, dist.get_rank(), dist.get_world_size())
     except CheckpointError as e:
         error = str(e)
+    except Exception as e:  # noqa: BLE001 - an I/O error here must reach the agreement, not strand the peers
+        error = f"{ckpt}: {type(e).__name__} while checking the checksums: {e}"
     agree_on_error(error)
     loaded = None
     try:
@@ -417,7 +421,7 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
         optimizer.reload_model_params()
     if rng_state is not None:
         set_rng_state(rng_state)
-    optimizer.force_param_sync()
+    model.start_param_sync(force_sync=True)   # gathers in flight done (ZeRO-3 gathers as the next forward goes)
     return common
 
 

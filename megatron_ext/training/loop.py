@@ -77,8 +77,9 @@ def train_step(args: argparse.Namespace, fb: Callable, model, optimizer, schedul
 
 @torch.no_grad()
 def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iterator) -> Optional[float]:
-    """Average lm loss over ``--eval-iters`` global batches of the validation set, on fresh weights."""
-    optimizer.force_param_sync()
+    """Average lm loss over ``--eval-iters`` global batches of the validation set, on fresh weights (the gathers in
+    flight complete; ZeRO-3 gathers as the forward goes, never the whole model at once)."""
+    model.start_param_sync(force_sync=True)
     model.eval()
     total, n = 0.0, 0
     try:

@@ -268,3 +268,41 @@ def test_flipped_byte_in_any_file_fails_every_rank_naming_it(spawn, text_dataset
         cost = tool.measure(it, repeat=1)
     assert {r["file"] for r in cost["files"]} == set(manifest)
     assert cost["total"]["bytes"] == sum(e["size"] for e in manifest.values())
+
+
+def test_zero3_resumes_exactly(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """ZeRO-3 + hpZ through pretrain_gpt: save mid-run (the weights gathered for model.pt are released again),
+    resume (the load checks read names and shapes of released weights), same losses as the uninterrupted run."""
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "6",
+                                                           "--param-shard-size", "2", "--hpz-partition-size", "2",
+                                                           "--eval-interval", "3", "--eval-iters", "1"]
+    ckpt = str(tmp_path / "ckpt")
+    straight = base
+    first = base + ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
+    second = base + ["--load", ckpt]
+    a, b, c = spawn(_runs, 2, [straight, first, second], timeout=200)[-1]
+    assert sorted(c["losses"]) == [4, 5, 6]
+    assert _ordered({**b["losses"], **c["losses"]}) == _ordered(a["losses"])
+
+
+def _load_with_io_error(argv):
+    import megatron_ext.training.checkpointing as ck
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    if dist.get_rank() == 1:   # a rank-local I/O error while checking its share of the checksums
+        def broken(path, chunk=1 << 22):
+            raise OSError(5, "Input/output error", path)
+        ck.file_crc32 = broken
+    try:
+        pretrain(argv)
+    except ck.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_io_error_in_checksum_check_fails_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
+    spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+    errs = spawn(_load_with_io_error, 2, base + ["--load", ckpt], timeout=120)
+    assert all("OSError" in e and "checksums" in e for e in errs), errs
