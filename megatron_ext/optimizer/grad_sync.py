@@ -301,13 +301,7 @@ class GradSync:
             nonlocal work, target, buffer, epilogue
             if work is None:
                 return
-            # Earlier launches first (see [Note: multi-hop]): finishing a multi-hop reduction issues its remaining
-            # hops, and this keeps every group's collective sequence in launch order on every rank, whichever
-            # bucket (buffer reuse, pool exhaustion) forced the wait.
-            for older in list(self._inflight):
-                if older is complete:
-                    break
-                older()
+            self._complete_older(complete)
             work.wait()
             if epilogue is not None:
                 epilogue()
@@ -367,15 +361,21 @@ class GradSync:
                 self._inflight_works.append(work)
             self._inflight.append(self._completer(work, wire, out))
 
+    def _complete_older(self, complete: Callable[[], None]) -> None:
+        """Earlier launches first (see [Note: multi-hop]): finishing a multi-hop reduction issues its remaining hops,
+        and this keeps every group's collective sequence in launch order on every rank, whichever bucket (buffer
+        reuse, pool exhaustion) forced the wait."""
+        for older in list(self._inflight):
+            if older is complete:
+                break
+            older()
+
     def _completer(self, work: Work, wire: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """Completion of a replica all-reduce of a partial shard (earlier launches first, like ``_launch``)."""
         def complete() -> None:
             if complete not in self._inflight:
                 return
-            for older in list(self._inflight):
-                if older is complete:
-                    break
-                older()
+            self._complete_older(complete)
             work.wait()
             if wire is not out:
                 out.copy_(wire)
