@@ -1,0 +1,148 @@
+"""The model as the planner sees it: parameter shapes, FLOPs and activation memory, from a GPT shape.
+
+[Note: what the planner needs of a model]
+Three things: the parameter numels in registration order (so the ODO's own bucketing gives the exact padded buckets
+a plan would build), the training FLOPs per token (Megatron-LM's formula, the one seed 004 uses for MFU: attention
+FLOPs are *not* halved for the causal mask), and the activation bytes per micro-batch (Korthikanti et al. 2022, the
+formula Megatron-LM's memory report uses). The parameter list mirrors megatron-core's ``GPTModel`` with the local
+or TE layer spec: embedding (word, learned positions), then per layer input norm, ``linear_proj``, ``linear_qkv``,
+pre-MLP norm, ``linear_fc1``, ``linear_fc2``, then the final norm and the output layer (absent when tied). A test
+checks it against a real megatron-core model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A GPT shape in Megatron's terms (``--num-layers``, ``--hidden-size``, ...)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: Optional[int] = None       # default 4h (2/3 * 4h rounded for SwiGLU presets)
+    num_query_groups: Optional[int] = None      # GQA; None: = heads
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"            # or "RMSNorm" (no bias)
+    position_embedding: str = "learned_absolute"   # or "rope" (no parameters)
+    untie_embeddings: bool = True               # megatron-ext's pretrain_gpt default (output layer separate)
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
+                             f"{self.num_attention_heads}")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    # -- parameters -------------------------------------------------------------------------------------------
+    def param_numels(self, tp: int = 1) -> List[int]:
+        """Per-rank parameter numels in megatron-core's registration order, with tensor parallelism ``tp`` (column
+        and row parallel weights split, norms and row-parallel biases replicated, vocabulary split)."""
+        h, f = self.hidden_size, self.ffn
+        kv = h // self.num_attention_heads * self.query_groups
+        norm = [h, h] if self.normalization == "LayerNorm" else [h]
+        bias = self.add_bias_linear
+        out: List[int] = [self.vocab_size * h // tp]
+        if self.position_embedding == "learned_absolute":
+            out.append(self.seq_length * h)
+        fc1 = (2 if self.swiglu else 1) * f
+        for _ in range(self.num_layers):
+            out += norm
+            out += [h * h // tp] + ([h] if bias else [])
+            out += [(h + 2 * kv) * h // tp] + ([(h + 2 * kv) // tp] if bias else [])
+            out += norm
+            out += [fc1 * h // tp] + ([fc1 // tp] if bias else [])
+            out += [h * f // tp] + ([h] if bias else [])
+        out += norm
+        if self.untie_embeddings:
+            out.append(self.vocab_size * h // tp)
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.param_numels())
+
+    # -- compute ----------------------------------------------------------------------------------------------
+    def flops_per_sequence(self) -> float:
+        """Forward + backward FLOPs of one sequence (Megatron-LM's ``num_floating_point_operations``)."""
+        h, L, s = self.hidden_size, self.num_layers, self.seq_length
+        gated = 1.5 if self.swiglu else 1.0
+        attn = 1 + self.query_groups / self.num_attention_heads + s / h
+        mlp = self.ffn / h * gated
+        logit = self.vocab_size / (2 * L * h)
+        return 12.0 * s * L * h * h * (attn + mlp + logit)
+
+    # -- activations ------------------------------------------------------------------------------------------
+    def activation_bytes(self, micro_batch: int, *, tp: int = 1, pp: int = 1, micro_batches: int = 1,
+                         recompute: str = "none", sequence_parallel: bool = True,
+                         stores_attention_scores: bool = False) -> int:
+        """Activation bytes on the busiest rank (pipeline stage 0) for 16-bit activations.
+
+        Korthikanti et al. 2022 per layer and micro-batch: ``s*b*h*(34 + 5*a*s/h)/t`` with sequence parallelism
+        (``10 + 24/t`` instead of ``34/t`` without); flash/fused attention keeps no ``a*s*s`` scores
+        (``stores_attention_scores=False``, the GPU default); selective recompute drops the scores too; full
+        recompute keeps each layer's input (``2*s*b*h/t``) plus one layer's working set. Stage 0 of a 1F1B
+        pipeline holds ``min(pp, M)`` micro-batches of its ``L/pp`` layers. The logits (fp32, with their
+        gradient) are added on the last stage's share.
+        """
+        s, b, h, a = self.seq_length, micro_batch, self.hidden_size, self.num_attention_heads
+        base = 34.0 / tp if sequence_parallel else 10.0 + 24.0 / tp
+        scores = 5.0 * a * s / h / tp if (stores_attention_scores and recompute == "none") else 0.0
+        per_layer = s * b * h * (base + scores)
+        layers = -(-self.num_layers // pp)
+        in_flight = min(pp, micro_batches)
+        if recompute == "full":
+            held = layers * 2.0 * s * b * h / (tp if sequence_parallel else 1) * in_flight + per_layer
+        elif recompute in ("none", "selective"):
+            held = layers * per_layer * in_flight
+        else:
+            raise ValueError(f"recompute must be none, selective or full (--recompute-granularity), got {recompute!r}")
+        logits = 8.0 * s * b * self.vocab_size / tp
+        return int(held + logits)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, vocab_size=32000, seq_length=4096, ffn_hidden_size=ffn,
+                     swiglu=True, add_bias_linear=False, normalization="RMSNorm", position_embedding="rope")
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, seq: int = 2048) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, vocab_size=50304, seq_length=seq)
+
+
+# Seed 004 trains LLaMA-7B/13B/30B (shapes of the LLaMA paper). Seed 000's Table 2 names 18B-138B GPT models
+# without their shapes (they are in an appendix the seed does not include): the shapes below are assumptions
+# with the stated parameter counts (12 L h^2 + embeddings), written down so the simulation can be rerun.
+MODEL_PRESETS: Dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama-7b", 32, 4096, 32, 11008),
+    _llama("llama-13b", 40, 5120, 40, 13824),
+    _llama("llama-30b", 60, 6656, 52, 17920),
+    _llama("llama-65b", 80, 8192, 64, 22016),
+    _gpt("gpt-18b", 40, 6144, 48),
+    _gpt("gpt-49b", 60, 8192, 64),
+    _gpt("gpt-91b", 72, 10240, 80),
+    _gpt("gpt-138b", 76, 12288, 96),
+)}
+
+
+def model_preset(name: str, **overrides) -> ModelSpec:
+    """A named shape (``--model``), with Megatron flags overriding its fields (e.g. ``seq_length``)."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"--model must be one of {sorted(MODEL_PRESETS)}, got {name!r}")
+    spec = MODEL_PRESETS[name]
+    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,220 @@
+"""Closed-form communication of one training step: every collective a rank issues, with its bytes per link class.
+
+[Note: one source for bytes]
+The byte counts come from the backends' own closed forms (``qgz_bytes``, ``qwz_row_bytes``, ``bytegrad_bytes`` and
+the pairwise model of the ledger for the plain collectives), applied to the exact padded buckets the ODO builds
+(``optimizer.bucketing.assign_buckets`` on the model's parameter numels). The same calls feed the ledger check
+(tests: these sums equal ``model.ledger`` for every plan that runs) and the time model (``planner/cost.py``), so
+the planner can never predict a time for traffic the ODO does not send.
+
+Per step with ``M`` micro-batches (a rank's view; ``G`` group size, ``D`` of its ranks per node):
+
+- gradient reduction inside the optim group: every micro-batch (grad = optim) or once (grad = 1: full gradients
+  accumulated locally); ZeRO-3 reduces every micro-batch;
+- across the optim group's replicas: one all-reduce of the shard at the micro-batch that completes the step;
+- weights: one all-gather inside the optim group after the step (full parameters), or -- ZeRO-3 -- a forward and a
+  backward gather per micro-batch, the backward one from the hpZ pieces inside the node when ``hpz > 1``;
+- a stage whose group crosses nodes runs the chosen gradient backend; a node-local stage runs ``plain`` (unless no
+  stage crosses nodes), as ``optimizer/plan_comm.py`` does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Sequence, Tuple
+
+from ..comm.bytegrad import bytegrad_bytes
+from ..comm.qgz import qgz_bytes
+from ..comm.qwz import qwz_row_bytes
+from ..optimizer.sharding import ResolvedPlan
+from .candidate import Candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A collective's group: ``size`` ranks, ``per_node`` of them on each of its ``nodes`` nodes."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.size // self.per_node
+
+    @property
+    def peers(self) -> Tuple[int, int]:
+        return self.per_node - 1, self.size - self.per_node
+
+
+def group_of(size: int, ranks_per_node: int) -> Group:
+    """A contiguous (or strided, one per block) group of ``size`` DP ranks on nodes of ``ranks_per_node``."""
+    return Group(size, min(size, ranks_per_node))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective (or one hop of a multi-hop one) a rank issues in a step.
+
+    ``intra`` / ``inter``: bytes this rank sends (ledger model). ``hop``: position inside a chained reduction (a
+    hop waits for the previous one of the same ``key``). ``kernel_elems``: elements the quantization kernels read
+    for this hop on this rank (quantize, dequantize, reduce passes).
+    """
+
+    name: str            # ledger row
+    op: str              # reduce_scatter | all_gather | all_reduce | all_to_all | reduce | broadcast
+    phase: str           # grad | replica | gather | fwd_gather | bwd_gather
+    bucket: int
+    group: Group
+    intra: int
+    inter: int
+    key: Tuple = ()
+    hop: int = 0
+    kernel_elems: int = 0
+    micro_batch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketShape:
+    numel: int          # padded elements (optim shards x shard_numel)
+    shard_numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WireOptions:
+    param_bytes: int = 2         # model dtype bytes (bf16)
+    grad_bytes: int = 4          # reduction dtype bytes (fp32 with grad_reduce_in_fp32, the megatron default)
+    quant_group_size: int = 2048
+    qgz_pipeline_stages: int = 2
+    bytegrad_chunk_size: int = 0
+
+
+# -- one reduction / gather per backend ---------------------------------------------------------------------
+def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOptions, local_rank: int,
+                    **tag) -> List[Call]:
+    """Reduce-scatter of ``g.size * n`` elements into ``n`` per rank."""
+    if g.size == 1 or n == 0:
+        return []
+    if backend == "qgz":
+        intra, inter = qgz_bytes(n, g.nodes, g.per_node, bits, o.qgz_pipeline_stages, o.quant_group_size)
+        B = n * g.size
+        calls = []
+        if g.per_node > 1:
+            calls.append(Call("qgz_intra_all_to_all", "all_to_all", intra=intra, inter=0, group=g, hop=0,
+                              kernel_elems=2 * B + B // g.per_node, **tag))   # swizzle+quantize, dequant-reduce
+        if g.nodes > 1:
+            calls.append(Call("qgz_inter_all_to_all", "all_to_all", intra=0, inter=inter, group=g, hop=1,
+                              kernel_elems=B // g.per_node + n, **tag))
+        return calls
+    if backend == "bytegrad":
+        leader = local_rank == 0
+        intra, inter = bytegrad_bytes(n, g.nodes, g.per_node, e, o.bytegrad_chunk_size, leader)
+        B = n * g.size
+        if g.nodes == 1:
+            return [Call("bytegrad_flat", "all_to_all", intra=intra, inter=0, group=g, kernel_elems=3 * B, **tag)]
+        half = inter // 2
+        lead_elems = 2 * B // g.nodes + B if leader else 0
+        return [Call("bytegrad_intra_reduce", "reduce", intra=0 if leader else intra, inter=0, group=g, hop=0,
+                     **tag),
+                Call("bytegrad_inter_all_to_all", "all_to_all", intra=0, inter=half, group=g, hop=1,
+                     kernel_elems=lead_elems, **tag),
+                Call("bytegrad_inter_all_gather", "all_gather", intra=0, inter=inter - half, group=g, hop=2,
+                     kernel_elems=B if leader else 0, **tag),
+                Call("bytegrad_intra_broadcast", "broadcast", intra=intra if leader else 0, inter=0, group=g, hop=3,
+                     **tag)]
+    a, b = g.peers
+    return [Call("reduce_scatter", "reduce_scatter", intra=a * n * e, inter=b * n * e, group=g, **tag)]
+
+
+def _all_reduce(backend: str, bits: int, numel: int, g: Group, e: int, o: WireOptions, local_rank: int,
+                **tag) -> List[Call]:
+    """All-reduce of a ``numel``-element shard across the replicas (``GradReduce.all_reduce``)."""
+    if g.size == 1 or numel == 0:
+        return []
+    if backend == "plain":
+        a, b = g.peers
+        per_peer = math.ceil(2 * numel * e / g.size)
+        return [Call("all_reduce", "all_reduce", intra=a * per_peer, inter=b * per_peer, group=g, **tag)]
+    if backend == "bytegrad":   # Bagua's own flow is an all-reduce
+        return _reduce_scatter("bytegrad", bits, numel // g.size, g, e, o, local_rank, **tag)
+    piece = numel // g.size     # qgZ: quantized reduce-scatter, then a quantized all-gather of the pieces
+    calls = _reduce_scatter("qgz", bits, piece, g, e, o, local_rank, **tag)
+    row = qwz_row_bytes(piece, o.quant_group_size, bits)
+    a, b = g.peers
+    last = max((c.hop for c in calls), default=-1)
+    calls.append(Call("qgz_all_gather", "all_gather", intra=a * row, inter=b * row, group=g, hop=last + 1,
+                      kernel_elems=piece + numel, **tag))
+    return calls
+
+
+def _all_gather(backend: str, n: int, g: Group, e: int, o: WireOptions, name: str = "all_gather",
+                **tag) -> List[Call]:
+    if g.size == 1 or n == 0:
+        return []
+    a, b = g.peers
+    if backend == "qwz":
+        row = qwz_row_bytes(n, o.quant_group_size)
+        return [Call("qwz_all_gather", "all_gather", intra=a * row, inter=b * row, group=g,
+                     kernel_elems=n + n * g.size, **tag)]
+    return [Call(name, "all_gather", intra=a * n * e, inter=b * n * e, group=g, **tag)]
+
+
+# -- a whole step -------------------------------------------------------------------------------------------
+def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShape], micro_batches: int,
+               wire: WireOptions = WireOptions()) -> List[Call]:
+    """Every call DP rank ``plan.dp_rank`` issues in one steady-state step, in issue order per bucket."""
+    rpn, M = plan.ranks_per_node, micro_batches
+    local = plan.dp_rank % rpn
+    optim = group_of(plan.optim, rpn)
+    replicas = Group(plan.replicas, max(1, min(plan.replicas, rpn // plan.optim))) if plan.replicas > 1 else None
+    crossing = optim.nodes > 1 or (replicas is not None and replicas.nodes > 1)
+
+    def backend_for(g: Group) -> str:
+        return cand.grad_reduce if (g.nodes > 1 or not crossing) else "plain"
+
+    bits, e_g, e_p = cand.qgz_bits, wire.grad_bytes, wire.param_bytes
+    zero3 = plan.param > 1
+    every_micro = zero3 or not plan.accumulates_locally(M > 1)
+    reductions = range(M) if every_micro else [M - 1]
+    calls: List[Call] = []
+    optim_local = local % plan.optim if plan.optim < rpn else local
+    replica_local = (local // plan.optim) if replicas is not None and plan.optim < rpn else 0
+    for k, b in enumerate(buckets):
+        n = b.shard_numel
+        for m in range(M):
+            if zero3:
+                calls += _all_gather(cand.param_gather, n, optim, e_p, wire, phase="fwd_gather", bucket=k,
+                                     key=("fg", k, m), micro_batch=m)
+                if plan.hpz > 1:
+                    hg = Group(plan.hpz, plan.hpz)
+                    calls += _all_gather("plain", b.numel // plan.hpz, hg, e_p, wire, name="hpz_all_gather",
+                                         phase="bwd_gather", bucket=k, key=("bg", k, m), micro_batch=m)
+                else:
+                    calls += _all_gather(cand.param_gather, n, optim, e_p, wire, phase="bwd_gather", bucket=k,
+                                         key=("bg", k, m), micro_batch=m)
+            if m in reductions:
+                calls += _reduce_scatter(backend_for(optim), bits, n, optim, e_g, wire, optim_local, phase="grad",
+                                         bucket=k, key=("rs", k, m), micro_batch=m)
+        if replicas is not None:
+            rs = _reduce_scatter(backend_for(optim), bits, n, optim, e_g, wire, optim_local, phase="grad", bucket=k)
+            first = max((c.hop for c in rs), default=-1) + 1
+            for c in _all_reduce(backend_for(replicas), bits, n, replicas, e_g, wire, replica_local, phase="replica",
+                                 bucket=k, key=("rs", k, M - 1), micro_batch=M - 1):
+                calls.append(dataclasses.replace(c, hop=c.hop + first))
+        if not zero3:
+            calls += _all_gather(cand.param_gather, n, optim, e_p, wire, phase="gather", bucket=k, key=("ag", k))
+    return calls
+
+
+def ledger_totals(calls: Sequence[Call]) -> Dict[str, int]:
+    """``{"intra": bytes, "inter": bytes}`` one rank sends per step (the ledger's totals, scalar rows excluded)."""
+    return {"intra": sum(c.intra for c in calls), "inter": sum(c.inter for c in calls)}
+
+
+def ledger_rows(calls: Sequence[Call]) -> Dict[str, List[int]]:
+    """``{ledger row: [intra, inter]}``."""
+    out: Dict[str, List[int]] = {}
+    for c in calls:
+        row = out.setdefault(c.name, [0, 0])
+        row[0] += c.intra
+        row[1] += c.inter
+    return out
