@@ -1,0 +1,173 @@
+"""``python -m megatron_ext.planner``: rank the plans for a model and cluster, print the table and the flags.
+
+    python -m megatron_ext.planner --model llama-7b --gpus 1024 --gpus-per-node 8 --gpu-memory 80GB \\
+        --micro-batch-size 1 --global-batch-size 1024 --seq-length 4096 --hardware dgx-a100
+
+Megatron model flags (``--num-layers --hidden-size --num-attention-heads --vocab-size ...``) may replace
+``--model``; ``--profile FILE`` (written by ``tools/calibrate_comm.py``) replaces ``--hardware``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import List, Optional
+
+from .cost import Workload
+from .memory import TrainingSetup
+from .model_spec import MODEL_PRESETS, ModelSpec, model_preset
+from .profile import PRESETS, HardwareProfile, load_profile
+from .search import DEFAULT_BUCKET_SIZES, Ranking, solve
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB`` / ``80GiB`` / ``512MB`` / a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--gpu-memory: cannot read {text!r} (e.g. 80GB)")
+    unit = (m.group(2) or "B").upper()
+    # GPU memory is quoted in GiB by vendors ("80GB" A100 = 80 GiB): both spellings mean powers of 1024.
+    mult = {"B": 1, "KB": 2 ** 10, "KIB": 2 ** 10, "MB": 2 ** 20, "MIB": 2 ** 20, "GB": 2 ** 30, "GIB": 2 ** 30,
+            "TB": 2 ** 40, "TIB": 2 ** 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model (a preset, or Megatron's model flags)")
+    g.add_argument("--model", choices=sorted(MODEL_PRESETS), help="a named shape")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--swiglu", action="store_true", default=None)
+    g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+
+
+def model_from_args(a: argparse.Namespace) -> ModelSpec:
+    fields = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                  ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups, vocab_size=a.vocab_size,
+                  seq_length=a.seq_length, swiglu=a.swiglu, normalization=a.normalization,
+                  position_embedding=a.position_embedding_type,
+                  add_bias_linear=None if a.disable_bias_linear is None else not a.disable_bias_linear)
+    if a.model:
+        return model_preset(a.model, **fields)
+    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+               if fields[f] is None]
+    if missing:
+        raise ValueError("give --model NAME or the Megatron model flags; missing: "
+                         + ", ".join("--" + m.replace("_", "-") for m in missing))
+    name = f"gpt-{a.num_layers}x{a.hidden_size}"
+    return ModelSpec(name=name, **{k: v for k, v in fields.items() if v is not None})
+
+
+def workload_from(spec: ModelSpec, *, gpus: int, gpus_per_node: int, micro_batch: int, global_batch: int,
+                  tp: int = 1, pp: int = 1, recompute: str = "none", setup: TrainingSetup = TrainingSetup()
+                  ) -> Workload:
+    """DP size, DP ranks per node and micro-batches per step from the cluster and batch sizes (Megatron's rank
+    order: TP fastest, then DP, PP outermost)."""
+    if gpus % (tp * pp):
+        raise ValueError(f"--gpus {gpus} is not a multiple of TP x PP = {tp * pp}")
+    dp = gpus // (tp * pp)
+    if gpus_per_node % tp and tp % gpus_per_node:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide --gpus-per-node {gpus_per_node}")
+    rpn = max(1, min(dp, gpus_per_node // tp))
+    if dp % rpn:
+        raise ValueError(f"{dp} DP ranks do not fill nodes of {rpn} DP ranks (--gpus-per-node {gpus_per_node})")
+    if global_batch % (micro_batch * dp):
+        raise ValueError(f"--global-batch-size {global_batch} must be a multiple of --micro-batch-size x DP = "
+                         f"{micro_batch} x {dp}")
+    return Workload(spec, dp, rpn, micro_batch, global_batch // (micro_batch * dp), tp, pp, recompute, setup)
+
+
+def format_ranking(r: Ranking, top: int) -> str:
+    wl, prof = r.workload, r.profile
+    lines = [f"model {wl.spec.name}: {wl.spec.num_params / 1e9:.2f}B parameters; DP {wl.dp} ({wl.ranks_per_node} "
+             f"per node), TP {wl.tp}, PP {wl.pp}; {wl.micro_batches} micro-batch(es) of {wl.micro_batch} x "
+             f"{wl.spec.seq_length} tokens per step; hardware {prof.name}; memory cap "
+             f"{r.memory_cap / 2 ** 30:.1f} GiB; {len(r.ranked)} plans fit, {r.infeasible} over the cap",
+             f"{'#':>3} {'plan':<36}{'step ms':>10}{'exposed ms':>11}{'MFU':>6}{'GiB/GPU':>9}{'x-node MiB':>11}  why"]
+    for i, p in enumerate(r.ranked[:top]):
+        lines.append(f"{i + 1:>3} {p.candidate.label:<36}{1e3 * p.step_s:>10.1f}{1e3 * p.exposed_s:>11.1f}"
+                     f"{p.mfu(prof):>6.2f}{p.memory['total'] / 2 ** 30:>9.1f}"
+                     f"{p.wire_bytes_per_node / 2 ** 20:>11.0f}  {r.reason(p)}")
+    return "\n".join(lines)
+
+
+def ranking_json(r: Ranking, top: int) -> dict:
+    def row(p):
+        return {"label": p.candidate.label, "plan": p.candidate.describe(r.workload.dp, r.workload.ranks_per_node),
+                "step_s": p.step_s, "compute_s": p.compute_s, "exposed_s": p.exposed_s,
+                "mfu": p.mfu(r.profile), "memory": p.memory, "wire_bytes_per_node": p.wire_bytes_per_node,
+                "ledger_inter_bytes_per_node": p.inter_bytes_per_node, "flags": p.candidate.flags(),
+                "reason": r.reason(p)}
+    return {"hardware": r.profile.name, "memory_cap": r.memory_cap, "infeasible": r.infeasible,
+            "ranked": [row(p) for p in r.ranked[:top]]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megatron_ext.planner", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    c = ap.add_argument_group("cluster and batch")
+    c.add_argument("--gpus", type=int, required=True)
+    c.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
+    c.add_argument("--gpu-memory", default=None, help="memory cap per GPU, e.g. 80GB (default: the profile's)")
+    c.add_argument("--micro-batch-size", type=int, required=True)
+    c.add_argument("--global-batch-size", type=int, required=True)
+    c.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    c.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    c.add_argument("--recompute-granularity", choices=("none", "selective", "full"), default="none")
+    c.add_argument("--params-dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    h = ap.add_argument_group("hardware")
+    h.add_argument("--hardware", choices=sorted(PRESETS), help="a named cluster (sources in --list-hardware)")
+    h.add_argument("--profile", help="a profile JSON written by tools/calibrate_comm.py")
+    h.add_argument("--list-hardware", action="store_true", help="print the presets and their sources, then exit")
+    s = ap.add_argument_group("search")
+    s.add_argument("--allow-quantized", action="store_true",
+                   help="also search the lossy backends (qwZ, qgZ INT4/INT8, ByteGrad)")
+    s.add_argument("--bucket-sizes", default=",".join(str(b) for b in DEFAULT_BUCKET_SIZES),
+                   help="comma-separated bucket sizes (elements) to search")
+    s.add_argument("--top", type=int, default=10)
+    s.add_argument("--json", help="also write the ranking here")
+    return ap
+
+
+def plan_from_args(a: argparse.Namespace) -> Ranking:
+    prof: HardwareProfile = load_profile(a.hardware, a.profile)
+    spec = model_from_args(a)
+    setup = TrainingSetup(params_dtype=a.params_dtype)
+    wl = workload_from(spec, gpus=a.gpus, gpus_per_node=a.gpus_per_node or prof.gpus_per_node,
+                       micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
+                       tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+                       recompute=a.recompute_granularity, setup=setup)
+    cap = parse_bytes(a.gpu_memory) if a.gpu_memory else prof.gpu_memory_bytes
+    buckets = [int(float(x)) for x in a.bucket_sizes.split(",") if x]
+    return solve(wl, prof, cap, allow_quantized=a.allow_quantized, bucket_sizes=buckets)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--list-hardware" in argv:
+        for name, p in sorted(PRESETS.items()):
+            print(f"{name}: {p.source}")
+        return 0
+    a = ap.parse_args(argv)
+    try:
+        r = plan_from_args(a)
+        best = r.best
+    except ValueError as e:
+        ap.error(str(e))
+    print(format_ranking(r, a.top))
+    print("\npretrain_gpt flags for the first plan:\n  " + " ".join(best.candidate.flags()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(ranking_json(r, a.top), f, indent=1)
+    return 0

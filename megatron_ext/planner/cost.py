@@ -1,0 +1,239 @@
+"""Step time of a candidate: the ODO's overlap structure replayed on two communication channels.
+
+[Note: the overlap model]
+One step is replayed in program order on three timelines: the compute stream (forward, backward, optimizer; plus
+the quantization kernels and the launch cost where they share the processor) and two communication channels,
+``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
+use (both for a group spanning nodes) and starts when it is issued and its channels are free; a hop of a
+multi-hop reduction (qgZ, ByteGrad, a reduce-scatter chained to the replicas' all-reduce) starts when the hop
+before it ends (the progress engine advances hops off the compute stream). What the ODO overlaps:
+
+- forward: the weights' all-gathers, issued after the previous step in forward order, are waited for bucket by
+  bucket (a forward segment starts when its bucket has arrived); ZeRO-3 gathers every micro-batch, prefetching up
+  to ``gather_pool_size`` buckets ahead, and re-gathers for backward (from the hpZ pieces inside the node);
+- backward: a bucket's reduction is issued when its gradients are complete (after its backward segment), on the
+  micro-batches that reduce (every one with grad = optim, the last with grad = 1), so it overlaps the backward of
+  the buckets after it; the step waits for the last one (the exposed tail);
+- the optimizer runs after every reduction completed; then the next step's gathers are issued.
+
+Compute per bucket is proportional to its parameters (a transformer's FLOPs are); backward is twice the forward
+(three times with full recompute); compute overlapped by communication is ``overlap_slowdown`` slower (the
+profile's note). The step time is the second of two replayed steps (steady state: the first
+step's gathers overlap the second step's forward). Exposed communication = step time - compute alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..optimizer.sharding import ResolvedPlan
+from .candidate import Candidate
+from .memory import TrainingSetup, bucket_shapes, model_state_memory, transient_memory
+from .model_spec import ModelSpec
+from .profile import HardwareProfile, steps
+from .volumes import BucketShape, Call, WireOptions, step_calls
+
+_RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The training job: model, parallel layout and batch."""
+
+    spec: ModelSpec
+    dp: int
+    ranks_per_node: int               # DP ranks per node
+    micro_batch: int
+    micro_batches: int                # per step and DP rank: global batch / (micro batch x DP)
+    tp: int = 1
+    pp: int = 1
+    recompute: str = "none"
+    setup: TrainingSetup = TrainingSetup()
+
+    def wire(self) -> WireOptions:
+        s = self.setup
+        return WireOptions(param_bytes=s.param_bytes, grad_bytes=s.grad_bytes, quant_group_size=s.quant_group_size,
+                           qgz_pipeline_stages=s.qgz_pipeline_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    step_s: float
+    compute_s: float
+    exposed_s: float
+    memory: Dict[str, int]            # model_states, activations, transient, total (bytes per GPU)
+    inter_bytes_per_node: int         # cross-node bytes one node sends per step (ledger model)
+    wire_bytes_per_node: int          # the same on the wire under the profile's algorithm (ring: NCCL's count)
+    intra_bytes_per_rank: int
+    collectives: int                  # collective calls (hops) per rank per step
+    flops_per_gpu: float              # model FLOPs per GPU per step
+
+    def mfu(self, profile: HardwareProfile) -> float:
+        return self.flops_per_gpu / (self.step_s * profile.peak_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timed:
+    call: Call
+    duration: float
+    links: Tuple[str, ...]
+    kernel_s: float
+
+
+def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets: Sequence[BucketShape]
+                ) -> Tuple[List[_Timed], int, int, int]:
+    """Each call of rank 0 with its duration; per step: cross-node bytes per node (ledger model and on the wire
+    under the profile's algorithm) and bytes per rank inside a node."""
+    rpn = wl.ranks_per_node
+    # Every rank of a node sends alike, except ByteGrad's leaders: one representative rank otherwise.
+    roles = range(rpn) if cand.grad_reduce == "bytegrad" else range(1)
+    per_rank = []
+    for r in roles:
+        plan_r = cand.sharding_plan().resolve(wl.dp, rpn, r)
+        per_rank.append(step_calls(cand, plan_r, buckets, wl.micro_batches, wl.wire()))
+    if len({len(c) for c in per_rank}) != 1:
+        raise AssertionError("ranks of a node issue different call sequences")
+    scale = rpn // len(per_rank)
+    timed, ledger_inter, wire_inter, intra_max = [], 0, 0.0, 0
+    cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float]] = {}
+    for i, c in enumerate(per_rank[0]):
+        node_inter = scale * sum(calls[i].inter for calls in per_rank)
+        intra = max(calls[i].intra for calls in per_rank)
+        kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
+        g = c.group
+        wire = float(node_inter)
+        if profile.algorithm == "ring" and c.op in _RING_OPS and 1 < g.per_node < g.size:
+            wire *= (g.size - 1) / (g.per_node * (g.size - g.per_node))
+        ledger_inter += node_inter
+        wire_inter += wire
+        intra_max += intra
+        sig = (c.op, g, intra, wire, kernel_elems)
+        if sig not in cache:
+            t, links = 0.0, []
+            if intra > 0:
+                t = profile.link("intra", c.op).time(steps(c.op, g.per_node), intra)
+                links.append("intra")
+            if wire > 0:
+                t = max(t, profile.link("inter", c.op).time(steps(c.op, g.size), wire))
+                links.append("inter")
+            if not links:       # nothing leaves the rank (e.g. a ByteGrad leader's reduce): latency only
+                links.append("intra" if g.nodes == 1 else "inter")
+                t = profile.link(links[0], c.op).alpha_s * steps(c.op, g.per_node if g.nodes == 1 else g.size)
+            cache[sig] = (t, tuple(links), 4.0 * kernel_elems / profile.kernel_bytes_per_s)
+        t, links, kernel_s = cache[sig]
+        timed.append(_Timed(c, t, links, kernel_s))
+    return timed, ledger_inter, int(wire_inter), intra_max
+
+
+class _Replay:
+    """The three timelines of the module note."""
+
+    def __init__(self, profile: HardwareProfile) -> None:
+        self.profile = profile
+        self.now = 0.0
+        self.free = {"intra": 0.0, "inter": 0.0}
+
+    def issue(self, hops: Sequence[_Timed]) -> float:
+        """Issue a chain of hops now; returns when its last hop ends."""
+        ready = self.now
+        for h in hops:
+            self.now += self.profile.launch_s
+            dur = h.duration
+            if self.profile.kernels_on_compute:
+                self.now += h.kernel_s
+            else:
+                dur += h.kernel_s
+            start = max([ready, self.now] + [self.free[l] for l in h.links])
+            ready = start + dur
+            for l in h.links:
+                self.free[l] = ready
+        return ready
+
+    def wait(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+
+def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Prediction:
+    """Predicted step time, exposed communication, memory and traffic of ``cand`` (see the module note)."""
+    plan = cand.sharding_plan().resolve(wl.dp, wl.ranks_per_node, 0)
+    buckets, data = bucket_shapes(wl.spec.param_numels(wl.tp), cand, plan, wl.setup)
+    timed, inter_bytes, wire_bytes, intra_bytes = _time_calls(cand, wl, profile, buckets)
+    chains: Dict[Tuple, List[_Timed]] = {}
+    for t in timed:
+        chains.setdefault(t.call.key, []).append(t)
+    for v in chains.values():
+        v.sort(key=lambda t: t.call.hop)
+
+    M, K = wl.micro_batches, len(buckets)
+    flops_seq = wl.spec.flops_per_sequence()
+    flops_gpu = flops_seq * wl.micro_batch * M / (wl.tp * wl.pp)
+    per_micro = flops_seq * wl.micro_batch / (wl.tp * wl.pp) / profile.compute_for(wl.spec.name)
+    fwd = per_micro / 3.0
+    bwd = per_micro * 2.0 / 3.0 + (fwd if wl.recompute == "full" else 0.0)
+    share = [d / sum(data) for d in data]
+    fwd_order = list(reversed(range(K)))
+    owned = sum(b.shard_numel for b in buckets)
+    optimizer_s = owned * profile.optimizer_s_per_element
+    scalar_s = 2 * profile.link("inter" if wl.dp > wl.ranks_per_node else "intra", "all_reduce").alpha_s \
+        * 2 * math.ceil(math.log2(max(2, wl.dp)))
+    bubble = (wl.pp - 1) * per_micro
+    compute_s = M * per_micro + optimizer_s + bubble
+    zero3 = plan.param > 1
+    pool = max(1, wl.setup.gather_pool_size)
+
+    rp = _Replay(profile)
+    gathered: Dict[int, float] = {}
+    step_ends = []
+    for _ in range(2):
+        pending: List[float] = []
+        for m in range(M):
+            quiet = not zero3 and (m > 0 or not gathered) and not any(("rs", k, m) in chains for k in range(K))
+            if quiet:       # a micro-batch that neither waits for a gather nor reduces: compute only
+                rp.now += fwd + bwd
+                continue
+            if zero3:
+                issued: Dict[int, float] = {}
+                for i, k in enumerate(fwd_order):
+                    for j in fwd_order[i:i + pool]:
+                        if j not in issued:
+                            issued[j] = rp.issue(chains.get(("fg", j, m), []))
+                    rp.wait(issued[k])
+                    rp.now += fwd * share[k]
+            else:
+                for k in fwd_order:
+                    if m == 0 and k in gathered:
+                        rp.wait(gathered[k])
+                    rp.now += fwd * share[k]
+            issued_b: Dict[int, float] = {}
+            for k in range(K):
+                if zero3:
+                    for j in range(k, min(K, k + pool)):
+                        if j not in issued_b:
+                            issued_b[j] = rp.issue(chains.get(("bg", j, m), []))
+                    rp.wait(issued_b[k])
+                rp.now += bwd * share[k]
+                if ("rs", k, m) in chains:
+                    pending.append(rp.issue(chains[("rs", k, m)]))
+        for t in pending:
+            rp.wait(t)
+        rp.now += optimizer_s + scalar_s + bubble
+        step_ends.append(rp.now)
+        if not zero3:
+            gathered = {k: rp.issue(chains.get(("ag", k), [])) for k in fwd_order}
+    step_s = step_ends[1] - step_ends[0]
+    busy = max(sum(t.duration for t in timed if link in t.links) for link in ("intra", "inter"))
+    step_s += profile.overlap_slowdown * min(busy, M * per_micro)
+
+    states = model_state_memory(cand, plan, buckets, data, wl.setup, M)
+    model_states = sum(states.values())
+    activations = wl.spec.activation_bytes(wl.micro_batch, tp=wl.tp, pp=wl.pp, micro_batches=M,
+                                           recompute=wl.recompute, sequence_parallel=wl.tp > 1,
+                                           stores_attention_scores=profile.stores_attention_scores)
+    transient = transient_memory(plan, buckets, wl.setup)
+    memory = {"model_states": model_states, "activations": activations, "transient": transient,
+              "total": model_states + activations + transient, **{f"state_{k}": v for k, v in states.items()}}
+    return Prediction(cand, step_s, compute_s, max(0.0, step_s - compute_s), memory, inter_bytes, wire_bytes,
+                      intra_bytes,
+                      len(timed), flops_gpu)

@@ -1,0 +1,181 @@
+"""What the planner knows of a cluster: alpha-beta costs per collective and link class, compute and kernel speed.
+
+[Note: the cost of a collective]
+Seed 004 (IV-A) times a collective by profiling its effective bandwidth per size and device mesh. We keep its
+profile-first approach in an alpha-beta form that extrapolates to group sizes that were not profiled:
+
+    t = max(t_intra, t_inter),  t_link = alpha_link(op) * steps(op, ranks) + bytes_link / bw_link(op)
+
+- ``bytes_intra`` is what one rank sends to peers of its node (the ledger's count; ranks of a node send in
+  parallel over NVLink / shared memory), ``bytes_inter`` what one *node* sends across nodes (the sum over its
+  ranks: they share the node's NICs), so concurrent groups sharing a link are charged once each;
+- ``steps`` is the number of sequential latency hops: ``ranks - 1`` for ring reduce-scatter / all-gather,
+  ``2 (ranks - 1)`` for all-reduce, 1 for all-to-all (pairwise sends in parallel), ``log2(ranks)`` for
+  reduce / broadcast;
+- ``algorithm = "ring"`` (NCCL's rings over nodes) counts a ring's cross-node bytes per node, ``(G-1)/G`` of the
+  payload, where the ledger's pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"``
+  keeps the ledger's count. A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
+
+Overlap is not free: collectives take GPU SMs and memory bandwidth (CPU: cores) from the compute they hide
+behind, so compute overlapped by communication is ``overlap_slowdown`` slower (a calibrated profile measures it:
+compute timed alone and beside a running collective).
+
+Compute is ``FLOPs / compute_flops`` (achieved, not peak: MFU = FLOPs / (step time x peak)); the quantization
+kernels cost ``4 bytes * elements / kernel_bytes_per_s``, on the compute timeline where they share the processor
+(CPU) and on the communication timeline otherwise (GPU: they run beside the collectives on the comm stream).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+OPS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all", "reduce", "broadcast")
+LINKS = ("intra", "inter")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    alpha_s: float           # latency per sequential step
+    bytes_per_s: float       # effective bandwidth for the bytes the note counts
+
+    def time(self, steps: float, nbytes: float) -> float:
+        return self.alpha_s * steps + nbytes / self.bytes_per_s
+
+
+def steps(op: str, ranks: int) -> float:
+    if ranks <= 1:
+        return 0.0
+    if op in ("reduce_scatter", "all_gather"):
+        return ranks - 1.0
+    if op == "all_reduce":
+        return 2.0 * (ranks - 1)
+    if op == "all_to_all":
+        return 1.0
+    return math.ceil(math.log2(ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    source: str
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    peak_flops: float                          # per GPU, for MFU
+    compute_flops: float                       # achieved per GPU in dense training (no communication)
+    links: Dict[str, Dict[str, LinkCost]]      # links[link][op]
+    algorithm: str = "ring"                    # "ring" | "pairwise": see the module note
+    kernel_bytes_per_s: float = 1e12
+    kernels_on_compute: bool = False
+    optimizer_s_per_element: float = 2e-11     # Adam update of one owned element (masters, states, cast)
+    launch_s: float = 5e-6                     # host time to issue one collective (per hop)
+    overlap_slowdown: float = 0.0              # compute slows by this fraction while a collective runs beside it
+    compute_by_model: Dict[str, float] = dataclasses.field(default_factory=dict)  # measured, per model name
+    stores_attention_scores: bool = False      # activation formula: True for CPU "local" attention
+    device: str = "cuda"
+
+    def link(self, link: str, op: str) -> LinkCost:
+        costs = self.links[link]
+        return costs.get(op) or costs["all_gather"]
+
+    def compute_for(self, model_name: str) -> float:
+        return self.compute_by_model.get(model_name, self.compute_flops)
+
+    # -- JSON ---------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["links"] = {l: {op: dataclasses.asdict(c) for op, c in ops.items()} for l, ops in self.links.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        d["links"] = {l: {op: LinkCost(**c) for op, c in ops.items()} for l, ops in d["links"].items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "HardwareProfile":
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"--profile {path}: not a readable planner profile ({e}); write one with "
+                             "tools/calibrate_comm.py") from e
+
+
+def fit_link_cost(samples: Sequence[Tuple[float, float, float]]) -> LinkCost:
+    """Least-squares ``t = alpha * steps + bytes / bw`` from ``(steps, bytes, seconds)`` samples, both terms kept
+    non-negative (a negative fit falls back to the other term alone)."""
+    if not samples:
+        raise ValueError("no samples to fit")
+    sxx = sum(s * s for s, _, _ in samples)
+    syy = sum(b * b for _, b, _ in samples)
+    sxy = sum(s * b for s, b, _ in samples)
+    sxt = sum(s * t for s, _, t in samples)
+    syt = sum(b * t for _, b, t in samples)
+    det = sxx * syy - sxy * sxy
+    alpha = inv_bw = None
+    if det > 0:
+        alpha = (sxt * syy - syt * sxy) / det
+        inv_bw = (syt * sxx - sxt * sxy) / det
+    if alpha is None or alpha < 0 or inv_bw is None or inv_bw <= 0:
+        alpha = 0.0 if syy > 0 else (sxt / sxx if sxx else 0.0)
+        inv_bw = max(syt / syy, 1e-15) if syy > 0 else 1e-15
+    return LinkCost(alpha_s=max(alpha, 0.0), bytes_per_s=1.0 / inv_bw)
+
+
+# -- presets -------------------------------------------------------------------------------------------------
+def _uniform(alpha: float, bw: float) -> Dict[str, LinkCost]:
+    return {op: LinkCost(alpha, bw) for op in OPS}
+
+
+GB = 1e9
+PRESETS: Dict[str, HardwareProfile] = {p.name: p for p in (
+    HardwareProfile(
+        "dgx2-v100-1ib", "seed 000 section 5.1: DGX-2 nodes of 16 V100-SXM3 32 GB (NVSwitch, 150 GB/s per GPU per "
+        "direction), 1 x 100 Gbit/s InfiniBand per node; 120 TFLOP/s peak (seed 000 eq. 3); achieved compute 50% "
+        "of peak, effective bandwidths 80% of line rate, compute 20% slower beside NCCL kernels (assumptions)",
+        16, 32 * 2 ** 30, 120e12, 60e12,
+        {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 12.5 * GB)},
+        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2),
+    HardwareProfile(
+        "dgx2-v100-8ib", "as dgx2-v100-1ib with 8 x 100 Gbit/s InfiniBand per node (seed 000 section 5.1)",
+        16, 32 * 2 ** 30, 120e12, 60e12,
+        {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 100 * GB)},
+        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2),
+    HardwareProfile(
+        "dgx-a100", "seed 004 section VI-A: 8 A800 80 GB per node with NVLink, 4 x 200 Gbit/s HDR InfiniBand "
+        "(800 Gbit/s per node, no SHARP); 312 TFLOP/s bf16 peak; achieved compute 65% of peak (seed 004: ZeRO-1 "
+        "on 8 GPUs reaches 63% MFU); effective bandwidths 80% of line rate, compute 20% slower beside NCCL kernels (assumptions)",
+        8, 80 * 2 ** 30, 312e12, 0.65 * 312e12,
+        {"intra": _uniform(3e-6, 0.8 * 200 * GB), "inter": _uniform(6e-6, 0.8 * 100 * GB)},
+        kernel_bytes_per_s=1000 * GB, optimizer_s_per_element=36 / 1000e9, overlap_slowdown=0.2),
+    HardwareProfile(
+        "h100", "DGX H100 datasheet: 8 H100 80 GB per node, NVLink 4 (450 GB/s per GPU per direction), 8 x 400 "
+        "Gbit/s NDR InfiniBand; 989 TFLOP/s bf16 dense peak; achieved compute 45% of peak, effective bandwidths "
+        "80% of line rate (assumptions)",
+        8, 80 * 2 ** 30, 989e12, 0.45 * 989e12,
+        {"intra": _uniform(3e-6, 0.8 * 450 * GB), "inter": _uniform(5e-6, 0.8 * 400 * GB)},
+        kernel_bytes_per_s=2500 * GB, optimizer_s_per_element=36 / 2500e9, overlap_slowdown=0.2),
+)}
+
+
+def hardware_preset(name: str) -> HardwareProfile:
+    if name not in PRESETS:
+        raise ValueError(f"--hardware must be one of {sorted(PRESETS)}, got {name!r} (or give --profile FILE)")
+    return PRESETS[name]
+
+
+def load_profile(hardware: Optional[str], profile: Optional[str]) -> HardwareProfile:
+    """``--profile FILE`` wins over ``--hardware NAME``; one of them is required."""
+    if profile:
+        return HardwareProfile.load(profile)
+    if hardware:
+        return hardware_preset(hardware)
+    raise ValueError("give --hardware NAME (" + ", ".join(sorted(PRESETS)) + ") or --profile FILE")
