@@ -17,7 +17,7 @@ before it ends (the progress engine advances hops off the compute stream). What 
 - the optimizer runs after every reduction completed; then the next step's gathers are issued.
 
 Compute per bucket is proportional to its parameters (a transformer's FLOPs are); backward is twice the forward
-(three times with full recompute); compute overlapped by communication is ``overlap_slowdown`` slower (the
+(three times with full recompute), plus the gradient hooks' copies into the bucket buffers; compute overlapped by communication is ``overlap_slowdown`` slower (the
 profile's note). The step time is the second of two replayed steps (steady state: the first
 step's gathers overlap the second step's forward). Exposed communication = step time - compute alone.
 """
@@ -145,6 +145,8 @@ class _Replay:
                 self.now += h.kernel_s
             else:
                 dur += h.kernel_s
+            if self.profile.intra_on_compute and "intra" in h.links:
+                self.now += h.duration
             start = max([ready, self.now] + [self.free[l] for l in h.links])
             ready = start + dur
             for l in h.links:
@@ -171,7 +173,8 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     flops_gpu = flops_seq * wl.micro_batch * M / (wl.tp * wl.pp)
     per_micro = flops_seq * wl.micro_batch / (wl.tp * wl.pp) / profile.compute_for(wl.spec.name)
     fwd = per_micro / 3.0
-    bwd = per_micro * 2.0 / 3.0 + (fwd if wl.recompute == "full" else 0.0)
+    grad_copy = sum(data) * profile.grad_s_per_element
+    bwd = per_micro * 2.0 / 3.0 + (fwd if wl.recompute == "full" else 0.0) + grad_copy
     share = [d / sum(data) for d in data]
     fwd_order = list(reversed(range(K)))
     owned = sum(b.shard_numel for b in buckets)
@@ -179,7 +182,7 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     scalar_s = 2 * profile.link("inter" if wl.dp > wl.ranks_per_node else "intra", "all_reduce").alpha_s \
         * 2 * math.ceil(math.log2(max(2, wl.dp)))
     bubble = (wl.pp - 1) * per_micro
-    compute_s = M * per_micro + optimizer_s + bubble
+    compute_s = M * (per_micro + grad_copy) + optimizer_s + bubble
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
 

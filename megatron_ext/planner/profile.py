@@ -20,6 +20,9 @@ Overlap is not free: collectives take GPU SMs and memory bandwidth (CPU: cores) 
 behind, so compute overlapped by communication is ``overlap_slowdown`` slower (a calibrated profile measures it:
 compute timed alone and beside a running collective).
 
+On a CPU the node-local transfers are memory copies made by the same cores that compute (``intra_on_compute``):
+their time is charged to the compute timeline as well.
+
 Compute is ``FLOPs / compute_flops`` (achieved, not peak: MFU = FLOPs / (step time x peak)); the quantization
 kernels cost ``4 bytes * elements / kernel_bytes_per_s``, on the compute timeline where they share the processor
 (CPU) and on the communication timeline otherwise (GPU: they run beside the collectives on the comm stream).
@@ -71,6 +74,8 @@ class HardwareProfile:
     optimizer_s_per_element: float = 2e-11     # Adam update of one owned element (masters, states, cast)
     launch_s: float = 5e-6                     # host time to issue one collective (per hop)
     overlap_slowdown: float = 0.0              # compute slows by this fraction while a collective runs beside it
+    grad_s_per_element: float = 0.0            # per micro-batch: a gradient element added into its bucket buffer
+    intra_on_compute: bool = False             # node-local transfers are copies by the processor that computes (CPU)
     compute_by_model: Dict[str, float] = dataclasses.field(default_factory=dict)  # measured, per model name
     stores_attention_scores: bool = False      # activation formula: True for CPU "local" attention
     device: str = "cuda"

@@ -1,0 +1,361 @@
+#!/usr/bin/env python
+"""Measure a cluster for the planner and write its profile JSON (``python -m megatron_ext.planner --profile``).
+
+What it times, every rank at once (so shared links and shared processors are measured as training uses them):
+
+- the collectives the backends use -- reduce-scatter, all-gather, all-reduce, all-to-all -- at several sizes, on
+  node-local groups (every node's ranks, all nodes at once: the ``intra`` link) and on cross-node groups (one rank
+  per node, every local index at once: the ``inter`` link, shared by the node's ranks); each (link, collective)
+  gets an alpha-beta fit in the units of ``megatron_ext/planner/profile.py`` [Note: the cost of a collective];
+- compute: forward + backward of the GPT shapes given with ``--gpt`` (megatron-core, as pretrain_gpt builds them),
+  as FLOP/s by Megatron's formula, alone and beside a running collective (``overlap_slowdown``);
+- the quantization kernels (bytes/s), the Adam update and the gradient hook's add into a bucket (s per element),
+  and the host cost of issuing a collective.
+
+    torchrun --nnodes 4 --nproc-per-node 8 ... tools/calibrate_comm.py --backend nccl --out profile.json \\
+        --gpt 32,4096,32,32000,4096,1
+    sudo python tools/calibrate_comm.py --emulate 2x2 --rate 1gbit --gpt 4,256,4,1024,128,2 --out p.json
+
+``--emulate NxR`` runs N x R gloo ranks on this machine inside the emulated cluster of ``tools/bench_cluster.py``
+(one network namespace per node, ``tbf``-limited links; needs root; the namespaces are always removed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+OPS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+DEFAULT_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)   # payload bytes (fp32 buffers)
+
+
+# -- worker side -------------------------------------------------------------------------------------------------
+def _run_op(op: str, x, group, size: int):
+    import torch
+    import torch.distributed as dist
+
+    n = x.numel()
+    if op == "reduce_scatter":
+        return dist.reduce_scatter_tensor(torch.empty(n // size, dtype=x.dtype, device=x.device), x, group=group)
+    if op == "all_gather":
+        return dist.all_gather_into_tensor(torch.empty_like(x), x[:n // size].contiguous(), group=group)
+    if op == "all_reduce":
+        return dist.all_reduce(x, group=group)
+    return dist.all_to_all_single(torch.empty_like(x), x, group=group)
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _timed(fn, iters: int) -> float:
+    """Median seconds of ``fn`` after one warm-up, max over ranks."""
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return _max_over_ranks(statistics.median(times))
+
+
+def _pairwise_bytes(op: str, payload: int, size: int) -> float:
+    """Bytes one rank sends in a pairwise exchange (the ledger's model) of a ``payload``-byte buffer."""
+    share = (size - 1) / size * payload
+    return 2 * share if op == "all_reduce" else share
+
+
+def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int) -> Dict[str, Dict[str, dict]]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ext.planner.profile import fit_link_cost, steps
+
+    nodes = world // rpn
+    node_groups = [dist.new_group(list(range(n * rpn, (n + 1) * rpn))) for n in range(nodes)]
+    cross_groups = [dist.new_group([n * rpn + l for n in range(nodes)]) for l in range(rpn)]
+    kinds = []
+    if rpn > 1:
+        kinds.append(("intra", node_groups[rank // rpn], rpn))
+    if nodes > 1:
+        kinds.append(("inter", cross_groups[rank % rpn], nodes))
+    links: Dict[str, Dict[str, dict]] = {}
+    samples: Dict[str, list] = {}
+    for link, group, size in kinds:
+        for op in OPS:
+            pts: List[Tuple[float, float, float]] = []
+            for payload in sizes:
+                numel = max(size, payload // 4 // size * size)
+                x = torch.randn(numel, device=device)
+                t = _timed(lambda: _run_op(op, x, group, size), iters)
+                per_rank = _pairwise_bytes(op, numel * 4, size)
+                metric = per_rank if link == "intra" else rpn * per_rank   # inter: the node's NIC carries all
+                pts.append((steps(op, size), metric, t))
+            fit = fit_link_cost(pts)
+            links.setdefault(link, {})[op] = {"alpha_s": fit.alpha_s, "bytes_per_s": fit.bytes_per_s}
+            samples[f"{link} {op}"] = pts
+    return links, samples
+
+
+def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
+    """FLOP/s of forward + backward of the GPT ``L,H,heads,V,seq,mb`` on this rank (min over ranks)."""
+    import torch
+
+    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
+    model = build_gpt_model(L, H, heads, V, seq).to(device)
+    batch = {k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=0).items()}
+
+    def fwd_bwd():
+        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        gpt_loss_func(batch["loss_mask"], out)[0].backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    fwd_bwd()
+    if background is not None:
+        background.start()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fwd_bwd()
+    dt = (time.perf_counter() - t0) / iters
+    if background is not None:
+        background.join()
+    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
+    return spec.name, spec.flops_per_sequence() * mb / _max_over_ranks(dt)
+
+
+def measure_kernels(device) -> float:
+    import torch
+
+    from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
+
+    x = torch.randn(1 << 22, device=device)
+    def run():
+        codes, scales = quantize_symmetric(x, bits=8, group_size=2048)
+        dequantize_symmetric(codes, scales, bits=8, group_size=2048, numel=x.numel())
+    t = _timed(run, 3)
+    return 2 * 4 * x.numel() / t
+
+
+def measure_optimizer(device) -> float:
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(1 << 20, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.Adam([p], lr=1e-4)
+    return _timed(opt.step, 3) / p.numel()
+
+
+def measure_grad_add(device) -> float:
+    """Seconds per element of the backward hook's work: a gradient added into its bucket buffer."""
+    import torch
+
+    buf, grad = torch.zeros(1 << 22, device=device), torch.randn(1 << 22, device=device)
+    return _timed(lambda: buf.add_(grad), 3) / buf.numel()
+
+
+def measure_launch(group, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(1, device=device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(x, group=group, async_op=True) for _ in range(50)]
+    dt = (time.perf_counter() - t0) / 50
+    for w in works:
+        w.wait()
+    return _max_over_ranks(dt)
+
+
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = a.backend
+    if a.store:
+        dist.init_process_group(backend, init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
+                                timeout=datetime.timedelta(seconds=900))
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=900))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rpn = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % rpn:
+        raise SystemExit(f"--ranks-per-node {rpn} does not divide the world size {world}")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % rpn)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    from megatron_ext.compat import enable_cpu_compat
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    enable_cpu_compat()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else list(DEFAULT_SIZES)
+    links, samples = measure_links(rank, world, rpn, device, sizes, a.iters)
+    nodes = world // rpn
+    bg_group = dist.new_group([n * rpn + rank % rpn for n in range(nodes)]) if nodes > 1 else None
+    compute: Dict[str, float] = {}
+    slowdown = 0.0
+    for shape in a.gpt:
+        name, flops = measure_compute(shape, device, a.iters)
+        compute[name] = flops
+    if a.gpt and bg_group is not None:
+        # Compute beside a running collective: the same iterations with cross-node all-reduces in a thread.
+        x = torch.randn(1 << 20, device=device)
+        stop = threading.Event()
+        count = 64
+
+        def loop():
+            for _ in range(count):
+                dist.all_reduce(x, group=bg_group)
+
+        name, busy = measure_compute(a.gpt[0], device, a.iters, background=threading.Thread(target=loop))
+        slowdown = max(0.0, compute[name] / busy - 1.0)
+        del stop
+    kernel_bps = measure_kernels(device)
+    opt_s = measure_optimizer(device)
+    grad_s = measure_grad_add(device)
+    launch_s = measure_launch(bg_group or dist.group.WORLD, device)
+    if rank == 0:
+        import psutil
+
+        from megatron_ext.planner.profile import HardwareProfile, LinkCost
+
+        first = compute[next(iter(compute))] if compute else 1e11
+        mem = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+               else psutil.virtual_memory().total // rpn)
+        prof = HardwareProfile(
+            name=a.name, source=f"measured by tools/calibrate_comm.py on {datetime.date.today()} ({world} ranks, "
+            f"{rpn} per node, {backend}{', emulated link ' + a.rate if a.rate else ''})",
+            gpus_per_node=rpn, gpu_memory_bytes=int(mem), peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else first,
+            compute_flops=first,
+            links={l: {op: LinkCost(**c) for op, c in ops.items()} for l, ops in links.items()},
+            algorithm="pairwise" if backend == "gloo" else "ring",
+            kernel_bytes_per_s=kernel_bps, kernels_on_compute=device.type == "cpu", optimizer_s_per_element=opt_s,
+            launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,
+            intra_on_compute=device.type == "cpu",
+            stores_attention_scores=device.type == "cpu", device=device.type)
+        out = prof.to_json()
+        out["samples"] = {k: [list(p) for p in v] for k, v in samples.items()}
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {a.out}: " + ", ".join(f"{l} {op} {c['bytes_per_s'] / 1e6:.0f} MB/s + {1e6 * c['alpha_s']:.0f} us"
+                                            for l, ops in links.items() for op, c in ops.items()
+                                            if op == "all_gather") + f"; compute {first / 1e9:.1f} GFLOP/s, "
+              f"overlap slowdown {slowdown:.2f}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- emulated cluster --------------------------------------------------------------------------------------------
+def launch_ranks(cluster, script: str, world: int, rpn: int, args: List[str], timeout: float) -> None:
+    """Run ``script --worker`` as ``world`` gloo ranks inside the emulated cluster's node namespaces (file store)."""
+    with tempfile.TemporaryDirectory(prefix="mx_ranks_") as d:
+        store = os.path.join(d, "store")
+        procs = []
+        try:
+            for r in range(world):
+                env = ["env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", f"PYTHONPATH={ROOT}",
+                       f"LOCAL_WORLD_SIZE={rpn}"]
+                cmd = ["ip", "netns", "exec", cluster.ns(r // rpn), *env, sys.executable, script, "--worker",
+                       "--rank", str(r), "--world", str(world), "--store", store, "--ranks-per-node", str(rpn), *args]
+                procs.append(subprocess.Popen(cmd))
+            deadline = time.monotonic() + timeout
+            rcs = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(rcs):
+            raise RuntimeError(f"{os.path.basename(script)}: ranks failed with exit codes {rcs}")
+
+
+def run_emulated(a, argv: List[str]) -> None:
+    from bench_cluster import Cluster
+
+    nodes, rpn = (int(x) for x in a.emulate.lower().split("x"))
+    cluster = Cluster(nodes, a.rate, a.prefix)
+    try:
+        launch_ranks(cluster, os.path.abspath(__file__), nodes * rpn, rpn, argv, a.timeout)
+    finally:
+        cluster.down()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="profile.json")
+    ap.add_argument("--name", default="calibrated")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
+    ap.add_argument("--sizes", default="", help="payload bytes, comma-separated (default 64K,1M,4M,16M)")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--gpt", action="append", default=[],
+                    help="a GPT shape L,H,heads,vocab,seq,micro_batch to time forward+backward (repeatable)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s per GPU for MFU (default: measured)")
+    ap.add_argument("--emulate", default="", help="NODESxRANKS: run inside the emulated cluster (needs root)")
+    ap.add_argument("--rate", default="", help="with --emulate: tbf rate of the inter-node links, e.g. 1gbit")
+    ap.add_argument("--prefix", default="mxcal", help="with --emulate: namespace name prefix")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    if a.emulate and not a.worker:
+        if not a.rate:
+            build_parser().error("--emulate needs --rate (e.g. 1gbit)")
+        if os.geteuid() != 0:
+            build_parser().error("--emulate needs root to create network namespaces")
+        drop = {"--emulate", "--prefix", "--timeout"}
+        fwd, skip = [], False
+        for x in argv:
+            if skip:
+                skip = False
+                continue
+            if x.split("=")[0] in drop:
+                skip = "=" not in x
+                continue
+            fwd.append(x)
+        run_emulated(a, fwd)
+        return 0
+    worker(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+#!/usr/bin/env python
+"""Does the planner's ranking match measurement? Calibrate, predict, run, compare -- on the emulated cluster.
+
+For every cluster (``NODESxRANKS:RATE``) it (1) calibrates a profile with ``tools/calibrate_comm.py --emulate``,
+(2) lets the planner rank every admissible candidate (plans, quantized backends, bucket sizes) for each GPT shape
+and picks ``--plans`` of them -- the planner's first choices and a spread over the rest of its ranking --, (3) runs
+them on the same emulated cluster (the ODO on megatron-core GPT, back-to-back steps as ``tools/bench_cluster.py``
+times them) and (4) reports predicted against measured step time: Spearman rank correlation, median absolute
+error, and how far the planner's first choice is from the measured best. A table, a JSON and a scatter plot (PNG).
+
+    sudo python tools/validate_planner.py --clusters 2x2:1gbit,2x2:200mbit,4x2:1gbit,4x2:200mbit \\
+        --json docs/benchmarks/planner_validation.json --png docs/benchmarks/planner_validation.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+DEFAULT_SHAPES = ("4,256,4,1024,128,2", "2,512,8,2048,128,2")   # L,H,heads,vocab,seq,micro-batch
+
+
+def _shape_args(shape: str) -> argparse.Namespace:
+    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
+    return argparse.Namespace(layers=L, hidden=H, heads=heads, vocab=V, seq=seq, micro_batch=mb)
+
+
+# -- worker: run candidates --------------------------------------------------------------------------------------
+def worker(a) -> None:
+    import contextlib
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from bench_cluster import _gpt_loss, _gpt_setup, _timed_steps
+    from megatron_ext.comm import Topology
+    from megatron_ext.planner import parse_candidate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=900))
+    topo = Topology(ranks_per_node=a.ranks_per_node)
+    results: Dict[str, dict] = {}
+    for label in a.candidates.split(";"):
+        cand = parse_candidate(label)
+        sa = _shape_args(a.shape)
+        sa.micro_batches, sa.warmup, sa.iters = a.micro_batches, 1, a.iters
+        model, batches = _gpt_setup(sa, topo.rank)
+        ddp = mx.OverlappedDDP(model, mx.OverlapConfig(
+            bucket_size=cand.bucket_size, sharding=cand.sharding_plan(), grad_reduce=cand.grad_reduce,
+            param_gather=cand.param_gather, qgz_bits=cand.qgz_bits, ranks_per_node=topo.ranks_per_node))
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
+        M = len(batches)
+
+        def step():
+            for i, batch in enumerate(batches):
+                with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
+                    opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
+            ddp.finish_grad_sync()
+            opt.step()
+            opt.zero_grad()
+
+        out = _timed_steps(topo, step, ddp.param_sync.wait_all, sa)
+        results[label] = {"step_s": statistics.median(out["times_s"]), "wire_per_node": out["wire_per_node"]}
+        if a.rank == 0:
+            print(f"    {label:<40} {1e3 * results[label]['step_s']:8.1f} ms", flush=True)
+        del ddp, opt, model
+    if a.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- orchestrator ------------------------------------------------------------------------------------------------
+def spearman(xs: List[float], ys: List[float]) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(xs, ys).statistic)
+
+
+def pick(ranked: list, count: int) -> list:
+    """The planner's first choices and an even spread over the rest of its ranking (deterministic)."""
+    if len(ranked) <= count:
+        return list(ranked)
+    head = ranked[:3]
+    rest = ranked[3:]
+    k = count - len(head)
+    return head + [rest[round(i * (len(rest) - 1) / (k - 1))] for i in range(k)]
+
+
+def validate_cluster(spec: str, a) -> List[dict]:
+    from bench_cluster import Cluster
+    from calibrate_comm import launch_ranks, main as calibrate
+    from megatron_ext.planner import HardwareProfile, TrainingSetup, Workload, solve
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    topo, rate = spec.split(":")
+    nodes, rpn = (int(x) for x in topo.lower().split("x"))
+    world = nodes * rpn
+    tag = f"{nodes}x{rpn}_{rate}"
+    prof_path = os.path.join(a.workdir, f"profile_{tag}.json")
+    if not os.path.exists(prof_path):
+        print(f"[{spec}] calibrating", flush=True)
+        calibrate(["--emulate", topo, "--rate", rate, "--prefix", a.prefix, "--out", prof_path,
+                   "--sizes", "65536,1048576,4194304", "--name", f"emulated {spec}"]
+                  + [x for s in a.shapes.split(";") for x in ("--gpt", s)])
+    prof = HardwareProfile.load(prof_path)
+    rows = []
+    cluster = Cluster(nodes, rate, a.prefix)
+    try:
+        for shape in a.shapes.split(";"):
+            sa = _shape_args(shape)
+            model = ModelSpec(f"gpt-{sa.layers}x{sa.hidden}", sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
+            wl = Workload(model, world, rpn, sa.micro_batch, a.micro_batches,
+                          setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True))
+            ranking = solve(wl, prof, allow_quantized=True,
+                            bucket_sizes=[int(x) for x in a.bucket_sizes.split(",")])
+            chosen = pick(ranking.ranked, a.plans)
+            labels = [p.candidate.label for p in chosen]
+            print(f"[{spec}] {model.name}: {len(ranking.ranked)} candidates ranked; running {len(labels)}", flush=True)
+            with tempfile.TemporaryDirectory(prefix="mx_validate_") as d:
+                out = os.path.join(d, "out.json")
+                launch_ranks(cluster, os.path.abspath(__file__), world, rpn,
+                             ["--shape", shape, "--candidates", ";".join(labels), "--micro-batches",
+                              str(a.micro_batches), "--iters", str(a.iters), "--out", out], a.timeout)
+                with open(out) as f:
+                    measured = json.load(f)
+            for i, p in enumerate(chosen):
+                rank = ranking.ranked.index(p) + 1
+                rows.append({"cluster": spec, "model": model.name, "label": p.candidate.label,
+                             "plan": p.candidate.describe(world, rpn), "planner_rank": rank,
+                             "predicted_s": p.step_s, "measured_s": measured[p.candidate.label]["step_s"],
+                             "predicted_wire": p.wire_bytes_per_node,
+                             "measured_wire": measured[p.candidate.label]["wire_per_node"]})
+    finally:
+        cluster.down()
+    return rows
+
+
+def summarize(rows: List[dict]) -> Dict[str, dict]:
+    out = {}
+    for key in sorted({(r["cluster"], r["model"]) for r in rows}):
+        rs = [r for r in rows if (r["cluster"], r["model"]) == key]
+        pred, meas = [r["predicted_s"] for r in rs], [r["measured_s"] for r in rs]
+        first = min(rs, key=lambda r: r["planner_rank"])
+        best = min(meas)
+        out[f"{key[0]} {key[1]}"] = {
+            "plans": len(rs), "spearman": spearman(pred, meas),
+            "median_abs_error": statistics.median(abs(p - m) / m for p, m in zip(pred, meas)),
+            "first_choice_over_best": first["measured_s"] / best - 1.0}
+    return out
+
+
+def render(rows: List[dict], summary: Dict[str, dict]) -> str:
+    lines = [f"{'cluster':<14}{'model':<12}{'#':>3}  {'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
+    for r in rows:
+        err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        lines.append(f"{r['cluster']:<14}{r['model']:<12}{r['planner_rank']:>3}  {r['label']:<40}"
+                     f"{1e3 * r['predicted_s']:>13.1f}{1e3 * r['measured_s']:>12.1f}{100 * err:>7.0f}%")
+    lines.append("")
+    lines.append(f"{'cluster / model':<28}{'plans':>6}{'Spearman':>10}{'median |err|':>14}{'1st vs best':>13}")
+    for k, s in summary.items():
+        lines.append(f"{k:<28}{s['plans']:>6}{s['spearman']:>10.2f}{100 * s['median_abs_error']:>13.0f}%"
+                     f"{100 * s['first_choice_over_best']:>12.0f}%")
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for key in sorted({(r["cluster"], r["model"]) for r in rows}):
+        rs = [r for r in rows if (r["cluster"], r["model"]) == key]
+        ax.scatter([1e3 * r["measured_s"] for r in rs], [1e3 * r["predicted_s"] for r in rs], label=" ".join(key),
+                   s=18)
+    lo = min(1e3 * min(r["measured_s"], r["predicted_s"]) for r in rows) * 0.8
+    hi = max(1e3 * max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
+    ax.plot([lo, hi], [0.8 * lo, 0.8 * hi], "k:", lw=0.6)
+    ax.plot([lo, hi], [1.2 * lo, 1.2 * hi], "k:", lw=0.6, label="+-20%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("planner's predicted step time (ms)")
+    ax.set_title("Planner vs measurement, emulated cluster")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clusters", default="2x2:1gbit,2x2:200mbit,4x2:1gbit,4x2:200mbit")
+    ap.add_argument("--shapes", default=";".join(DEFAULT_SHAPES), help="GPT shapes L,H,heads,vocab,seq,mb; ';'-separated")
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--bucket-sizes", default="250000,1000000")
+    ap.add_argument("--plans", type=int, default=8, help="candidates run per cluster and shape")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--workdir", default="planner_validation", help="profiles are kept here (reused if present)")
+    ap.add_argument("--prefix", default="mxpv")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--json", default="planner_validation.json")
+    ap.add_argument("--png", default="planner_validation.png")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--rank", "--world", "--ranks-per-node"):
+        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--candidates", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    if os.geteuid() != 0:
+        ap.error("needs root to create network namespaces")
+    os.makedirs(a.workdir, exist_ok=True)
+    rows: List[dict] = []
+    for spec in a.clusters.split(","):
+        rows += validate_cluster(spec, a)
+        with open(a.json, "w") as f:   # partial results survive an interrupted run
+            json.dump({"rows": rows}, f, indent=1)
+    summary = summarize(rows)
+    print(render(rows, summary))
+    overall = {"spearman_min": min(s["spearman"] for s in summary.values()),
+               "median_abs_error_all": statistics.median(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+                                                          for r in rows),
+               "first_choice_over_best_max": max(s["first_choice_over_best"] for s in summary.values())}
+    print(f"overall: Spearman >= {overall['spearman_min']:.2f}, median |error| "
+          f"{100 * overall['median_abs_error_all']:.0f}%, first choice within "
+          f"{100 * overall['first_choice_over_best_max']:.0f}% of the measured best")
+    with open(a.json, "w") as f:
+        json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store")},
+                   "rows": rows, "summary": summary, "overall": overall}, f, indent=1)
+    plot(rows, a.png)
+    print(f"wrote {a.json} and {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
