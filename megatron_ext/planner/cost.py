@@ -157,34 +157,41 @@ class _Replay:
         self.now = max(self.now, t)
 
 
-def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Prediction:
-    """Predicted step time, exposed communication, memory and traffic of ``cand`` (see the module note)."""
-    plan = cand.sharding_plan().resolve(wl.dp, wl.ranks_per_node, 0)
-    buckets, data = bucket_shapes(wl.spec.param_numels(wl.tp), cand, plan, wl.setup)
-    timed, inter_bytes, wire_bytes, intra_bytes = _time_calls(cand, wl, profile, buckets)
+# Micro-batches replayed exactly; beyond, each further middle micro-batch adds what the last one did (they are alike).
+EXACT_MICRO_BATCHES = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replayed:
+    step_s: float
+    busy_s: float              # the busier channel's time in the step
+    ledger_inter: int
+    wire_inter: int
+    intra: int
+    calls: int
+
+
+def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: ResolvedPlan,
+            buckets: Sequence[BucketShape], data: Sequence[int], M: int) -> _Replayed:
+    """Two steps of ``M`` micro-batches on the timelines of the module note; the second one's time and traffic."""
+    wl_m = dataclasses.replace(wl, micro_batches=M)
+    timed, ledger_inter, wire_inter, intra = _time_calls(cand, wl_m, profile, buckets)
     chains: Dict[Tuple, List[_Timed]] = {}
     for t in timed:
         chains.setdefault(t.call.key, []).append(t)
     for v in chains.values():
         v.sort(key=lambda t: t.call.hop)
-
-    M, K = wl.micro_batches, len(buckets)
-    flops_seq = wl.spec.flops_per_sequence()
-    flops_gpu = flops_seq * wl.micro_batch * M / (wl.tp * wl.pp)
-    per_micro = flops_seq * wl.micro_batch / (wl.tp * wl.pp) / profile.compute_for(wl.spec.name)
+    K = len(buckets)
+    per_micro = _per_micro_s(wl, profile)
     fwd = per_micro / 3.0
     grad_copy = sum(data) * profile.grad_s_per_element
     bwd = per_micro * 2.0 / 3.0 + (fwd if wl.recompute == "full" else 0.0) + grad_copy
     share = [d / sum(data) for d in data]
     fwd_order = list(reversed(range(K)))
-    owned = sum(b.shard_numel for b in buckets)
-    optimizer_s = owned * profile.optimizer_s_per_element
-    scalar_s = 2 * profile.link("inter" if wl.dp > wl.ranks_per_node else "intra", "all_reduce").alpha_s \
-        * 2 * math.ceil(math.log2(max(2, wl.dp)))
-    bubble = (wl.pp - 1) * per_micro
-    compute_s = M * (per_micro + grad_copy) + optimizer_s + bubble
+    tail = _optimizer_s(wl, profile, buckets) + _scalar_s(wl, profile) + (wl.pp - 1) * per_micro
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
+    reducing = {m for (kind, _, m, *_) in [k + (None,) for k in chains] if kind == "rs"}
 
     rp = _Replay(profile)
     gathered: Dict[int, float] = {}
@@ -192,9 +199,8 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     for _ in range(2):
         pending: List[float] = []
         for m in range(M):
-            quiet = not zero3 and (m > 0 or not gathered) and not any(("rs", k, m) in chains for k in range(K))
-            if quiet:       # a micro-batch that neither waits for a gather nor reduces: compute only
-                rp.now += fwd + bwd
+            if not zero3 and (m > 0 or not gathered) and m not in reducing:
+                rp.now += fwd + bwd      # neither waits for a gather nor reduces: compute only
                 continue
             if zero3:
                 issued: Dict[int, float] = {}
@@ -221,13 +227,46 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
                     pending.append(rp.issue(chains[("rs", k, m)]))
         for t in pending:
             rp.wait(t)
-        rp.now += optimizer_s + scalar_s + bubble
+        rp.now += tail
         step_ends.append(rp.now)
         if not zero3:
             gathered = {k: rp.issue(chains.get(("ag", k), [])) for k in fwd_order}
-    step_s = step_ends[1] - step_ends[0]
     busy = max(sum(t.duration for t in timed if link in t.links) for link in ("intra", "inter"))
-    step_s += profile.overlap_slowdown * min(busy, M * per_micro)
+    return _Replayed(step_ends[1] - step_ends[0], busy, ledger_inter, wire_inter, intra, len(timed))
+
+
+def _per_micro_s(wl: Workload, profile: HardwareProfile) -> float:
+    return (wl.spec.flops_per_sequence() * wl.micro_batch / (wl.tp * wl.pp)
+            / profile.compute_for(wl.spec.name))
+
+
+def _optimizer_s(wl: Workload, profile: HardwareProfile, buckets: Sequence[BucketShape]) -> float:
+    return sum(b.shard_numel for b in buckets) * profile.optimizer_s_per_element
+
+
+def _scalar_s(wl: Workload, profile: HardwareProfile) -> float:
+    """The step's scalar all-reduces over DP (inf flag, norm): latency only, a tree over the DP group."""
+    link = "inter" if wl.dp > wl.ranks_per_node else "intra"
+    return 2 * profile.link(link, "all_reduce").alpha_s * 2 * math.ceil(math.log2(max(2, wl.dp)))
+
+
+def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Prediction:
+    """Predicted step time, exposed communication, memory and traffic of ``cand`` (see the module note)."""
+    plan = cand.sharding_plan().resolve(wl.dp, wl.ranks_per_node, 0)
+    buckets, data = bucket_shapes(wl.spec.param_numels(wl.tp), cand, plan, wl.setup)
+    M = wl.micro_batches
+    if M <= EXACT_MICRO_BATCHES:
+        r = _replay(cand, wl, profile, plan, buckets, data, M)
+    else:   # the middle micro-batches are alike: extrapolate the last exact one's increment
+        a = _replay(cand, wl, profile, plan, buckets, data, EXACT_MICRO_BATCHES - 1)
+        b = _replay(cand, wl, profile, plan, buckets, data, EXACT_MICRO_BATCHES)
+        x = M - EXACT_MICRO_BATCHES
+        r = _Replayed(*(vb + x * (vb - va) for va, vb in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
+    per_micro = _per_micro_s(wl, profile)
+    grad_copy = sum(data) * profile.grad_s_per_element
+    compute_s = (M * (per_micro + grad_copy) + _optimizer_s(wl, profile, buckets) + (wl.pp - 1) * per_micro)
+    step_s = r.step_s + profile.overlap_slowdown * min(r.busy_s, M * per_micro)
+    flops_gpu = wl.spec.flops_per_sequence() * wl.micro_batch * M / (wl.tp * wl.pp)
 
     states = model_state_memory(cand, plan, buckets, data, wl.setup, M)
     model_states = sum(states.values())
@@ -237,6 +276,5 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     transient = transient_memory(plan, buckets, wl.setup)
     memory = {"model_states": model_states, "activations": activations, "transient": transient,
               "total": model_states + activations + transient, **{f"state_{k}": v for k, v in states.items()}}
-    return Prediction(cand, step_s, compute_s, max(0.0, step_s - compute_s), memory, inter_bytes, wire_bytes,
-                      intra_bytes,
-                      len(timed), flops_gpu)
+    return Prediction(cand, step_s, compute_s, max(0.0, step_s - compute_s), memory, int(r.ledger_inter),
+                      int(r.wire_inter), int(r.intra), int(r.calls), flops_gpu)
