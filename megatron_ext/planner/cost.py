@@ -191,7 +191,7 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     tail = _optimizer_s(wl, profile, buckets) + _scalar_s(wl, profile) + (wl.pp - 1) * per_micro
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
-    reducing = {m for (kind, _, m, *_) in [k + (None,) for k in chains] if kind == "rs"}
+    reducing = {key[2] for key in chains if key[0] == "rs"}
 
     rp = _Replay(profile)
     gathered: Dict[int, float] = {}
