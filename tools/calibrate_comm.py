@@ -86,7 +86,8 @@ def _pairwise_bytes(op: str, payload: int, size: int) -> float:
     return 2 * share if op == "all_reduce" else share
 
 
-def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int) -> Dict[str, Dict[str, dict]]:
+def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int):
+    """Alpha-beta fits per link and collective, the raw samples, and this rank's cross-node group (or None)."""
     import torch
     import torch.distributed as dist
 
@@ -115,7 +116,7 @@ def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int) ->
             fit = fit_link_cost(pts)
             links.setdefault(link, {})[op] = {"alpha_s": fit.alpha_s, "bytes_per_s": fit.bytes_per_s}
             samples[f"{link} {op}"] = pts
-    return links, samples
+    return links, samples, (cross_groups[rank % rpn] if nodes > 1 else None)
 
 
 def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
@@ -193,20 +194,20 @@ def measure_launch(group, device) -> float:
 
 
 def worker(a) -> None:
+    """One rank of ``torchrun`` (env://) or of the emulated cluster (file store): calibrate, rank 0 writes."""
     import torch
     import torch.distributed as dist
 
-    backend = a.backend
     if a.store:
-        dist.init_process_group(backend, init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
+        dist.init_process_group(a.backend, init_method=f"file://{a.store}", rank=a.rank, world_size=a.world,
                                 timeout=datetime.timedelta(seconds=900))
     else:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=900))
+        dist.init_process_group(a.backend, timeout=datetime.timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
     rpn = a.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % rpn:
         raise SystemExit(f"--ranks-per-node {rpn} does not divide the world size {world}")
-    if backend == "nccl":
+    if a.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % rpn)))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -219,17 +220,36 @@ def worker(a) -> None:
     enable_cpu_compat()
     ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    out = calibrate(a, rpn, device)
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        links = out["links"]
+        print(f"wrote {a.out}: " + ", ".join(f"{l} {op} {c['bytes_per_s'] / 1e6:.0f} MB/s + {1e6 * c['alpha_s']:.0f} us"
+                                            for l, ops in links.items() for op, c in ops.items()
+                                            if op == "all_gather")
+              + f"; compute {out['compute_flops'] / 1e9:.1f} GFLOP/s, overlap slowdown {out['overlap_slowdown']:.2f}",
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate(a, rpn: int, device) -> dict:
+    """Every measurement of the module docstring on an initialised world; the profile as JSON (with the samples)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_ext.planner.profile import HardwareProfile, LinkCost
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else list(DEFAULT_SIZES)
-    links, samples = measure_links(rank, world, rpn, device, sizes, a.iters)
-    nodes = world // rpn
-    bg_group = dist.new_group([n * rpn + rank % rpn for n in range(nodes)]) if nodes > 1 else None
+    links, samples, bg_group = measure_links(rank, world, rpn, device, sizes, a.iters)
     compute: Dict[str, float] = {}
     slowdown = 0.0
     for shape in a.gpt:
         name, flops = measure_compute(shape, device, a.iters)
         compute[name] = flops
     if a.gpt and bg_group is not None:
-        # Compute beside a running collective: the same iterations with cross-node all-reduces in a thread.
         # The thread's fixed count of collectives (the same on every rank) outlasts the compute loop it is beside.
         x = torch.randn(1 << 18, device=device)
 
@@ -243,35 +263,25 @@ def worker(a) -> None:
     opt_s = measure_optimizer(device)
     grad_s = measure_grad_add(device)
     launch_s = measure_launch(bg_group or dist.group.WORLD, device)
-    if rank == 0:
+    first = compute[next(iter(compute))] if compute else 1e11
+    if device.type == "cuda":
+        mem = torch.cuda.get_device_properties(device).total_memory
+    else:
         import psutil
-
-        from megatron_ext.planner.profile import HardwareProfile, LinkCost
-
-        first = compute[next(iter(compute))] if compute else 1e11
-        mem = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-               else psutil.virtual_memory().total // rpn)
-        prof = HardwareProfile(
-            name=a.name, source=f"measured by tools/calibrate_comm.py on {datetime.date.today()} ({world} ranks, "
-            f"{rpn} per node, {backend}{', emulated link ' + a.rate if a.rate else ''})",
-            gpus_per_node=rpn, gpu_memory_bytes=int(mem), peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else first,
-            compute_flops=first,
-            links={l: {op: LinkCost(**c) for op, c in ops.items()} for l, ops in links.items()},
-            algorithm="pairwise" if backend == "gloo" else "ring",
-            kernel_bytes_per_s=kernel_bps, kernels_on_compute=device.type == "cpu", optimizer_s_per_element=opt_s,
-            launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,
-            intra_on_compute=device.type == "cpu",
-            stores_attention_scores=device.type == "cpu", device=device.type)
-        out = prof.to_json()
-        out["samples"] = {k: [list(p) for p in v] for k, v in samples.items()}
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {a.out}: " + ", ".join(f"{l} {op} {c['bytes_per_s'] / 1e6:.0f} MB/s + {1e6 * c['alpha_s']:.0f} us"
-                                            for l, ops in links.items() for op, c in ops.items()
-                                            if op == "all_gather") + f"; compute {first / 1e9:.1f} GFLOP/s, "
-              f"overlap slowdown {slowdown:.2f}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+        mem = psutil.virtual_memory().total // rpn
+    prof = HardwareProfile(
+        name=a.name, source=f"measured by tools/calibrate_comm.py on {datetime.date.today()} ({world} ranks, "
+        f"{rpn} per node, {a.backend}{', emulated link ' + a.rate if a.rate else ''})",
+        gpus_per_node=rpn, gpu_memory_bytes=int(mem), peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else first,
+        compute_flops=first,
+        links={l: {op: LinkCost(**c) for op, c in ops.items()} for l, ops in links.items()},
+        algorithm="pairwise" if a.backend == "gloo" else "ring",
+        kernel_bytes_per_s=kernel_bps, kernels_on_compute=device.type == "cpu", optimizer_s_per_element=opt_s,
+        launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,
+        intra_on_compute=device.type == "cpu", stores_attention_scores=device.type == "cpu", device=device.type)
+    out = prof.to_json()
+    out["samples"] = {k: [list(p) for p in v] for k, v in samples.items()}
+    return out
 
 
 # -- emulated cluster --------------------------------------------------------------------------------------------

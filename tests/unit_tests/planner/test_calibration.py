@@ -1,0 +1,65 @@
+"""Calibration: the alpha-beta fit recovers known costs, and ``tools/calibrate_comm.py`` run on a gloo world writes a
+profile the planner reads and solves with."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_ext.planner import HardwareProfile, TrainingSetup, Workload, solve
+from megatron_ext.planner.model_spec import ModelSpec
+from megatron_ext.planner.profile import LinkCost, fit_link_cost, steps
+
+from unit_tests.tool_loader import loaded_tool
+
+
+def test_fit_recovers_alpha_and_bandwidth():
+    truth = LinkCost(alpha_s=20e-6, bytes_per_s=3e9)
+    samples = [(steps("all_gather", g), b, truth.time(steps("all_gather", g), b))
+               for g in (2, 4, 8) for b in (1e4, 1e6, 1e8)]
+    fit = fit_link_cost(samples)
+    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(truth.bytes_per_s, rel=1e-6)
+
+
+def test_fit_never_returns_negative_terms():
+    # Times that shrink with size (noise) would fit a negative slope: the fit keeps both terms >= 0.
+    fit = fit_link_cost([(1.0, 1e3, 2e-3), (1.0, 1e6, 1e-3)])
+    assert fit.alpha_s >= 0 and fit.bytes_per_s > 0
+
+
+SHAPE = "1,64,4,128,32,1"
+
+
+def _calibrate():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_ext.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    with loaded_tool("calibrate_comm") as tool:
+        a = argparse.Namespace(sizes="65536,262144", iters=1, gpt=[SHAPE], backend="gloo", name="test", rate="",
+                               peak_tflops=None)
+        out = tool.calibrate(a, 2, torch.device("cpu"))
+    ps.destroy_model_parallel()
+    return out if dist.get_rank() == 0 else None
+
+
+def test_calibration_writes_a_profile_the_planner_uses(spawn):
+    out = spawn(_calibrate, 4)[0]
+    prof = HardwareProfile.from_json(out)
+    assert set(prof.links) == {"intra", "inter"}
+    for link in prof.links.values():
+        assert set(link) == {"reduce_scatter", "all_gather", "all_reduce", "all_to_all"}
+        assert all(c.bytes_per_s > 0 and c.alpha_s >= 0 for c in link.values())
+    assert list(prof.compute_by_model) == ["gpt-1x64"] and prof.compute_flops > 0
+    assert prof.kernels_on_compute and prof.intra_on_compute and prof.algorithm == "pairwise"
+    assert len(out["samples"]["inter all_gather"]) == 2
+    wl = Workload(ModelSpec("gpt-1x64", 1, 64, 4, 128, 32), 4, 2, 1, 2, setup=TrainingSetup(params_dtype="fp32"))
+    ranking = solve(wl, prof, bucket_sizes=[4096])
+    assert ranking.best.step_s > ranking.best.compute_s * 0.99 > 0
