@@ -80,6 +80,7 @@ class _Timed:
     duration: float
     links: Tuple[str, ...]
     kernel_s: float
+    intra_s: float           # the node-local link's share (what a CPU's cores spend copying)
 
 
 def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets: Sequence[BucketShape]
@@ -97,7 +98,7 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         raise AssertionError("ranks of a node issue different call sequences")
     scale = rpn // len(per_rank)
     timed, ledger_inter, wire_inter, intra_max = [], 0, 0.0, 0
-    cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float]] = {}
+    cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float, float]] = {}
     for i, c in enumerate(per_rank[0]):
         node_inter = scale * sum(calls[i].inter for calls in per_rank)
         intra = max(calls[i].intra for calls in per_rank)
@@ -111,9 +112,9 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         intra_max += intra
         sig = (c.op, g, intra, wire, kernel_elems)
         if sig not in cache:
-            t, links = 0.0, []
+            t, links, t_intra = 0.0, [], 0.0
             if intra > 0:
-                t = profile.link("intra", c.op).time(steps(c.op, g.per_node), intra)
+                t = t_intra = profile.link("intra", c.op).time(steps(c.op, g.per_node), intra)
                 links.append("intra")
             if wire > 0:
                 t = max(t, profile.link("inter", c.op).time(steps(c.op, g.size), wire))
@@ -121,9 +122,9 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
             if not links:       # nothing leaves the rank (e.g. a ByteGrad leader's reduce): latency only
                 links.append("intra" if g.nodes == 1 else "inter")
                 t = profile.link(links[0], c.op).alpha_s * steps(c.op, g.per_node if g.nodes == 1 else g.size)
-            cache[sig] = (t, tuple(links), 4.0 * kernel_elems / profile.kernel_bytes_per_s)
-        t, links, kernel_s = cache[sig]
-        timed.append(_Timed(c, t, links, kernel_s))
+            cache[sig] = (t, tuple(links), 4.0 * kernel_elems / profile.kernel_bytes_per_s, t_intra)
+        t, links, kernel_s, t_intra = cache[sig]
+        timed.append(_Timed(c, t, links, kernel_s, t_intra))
     return timed, ledger_inter, int(wire_inter), intra_max
 
 
@@ -145,8 +146,8 @@ class _Replay:
                 self.now += h.kernel_s
             else:
                 dur += h.kernel_s
-            if self.profile.intra_on_compute and "intra" in h.links:
-                self.now += h.duration
+            if self.profile.intra_on_compute:
+                self.now += h.intra_s
             start = max([ready, self.now] + [self.free[l] for l in h.links])
             ready = start + dur
             for l in h.links:
