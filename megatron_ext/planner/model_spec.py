@@ -30,16 +30,18 @@ class ModelSpec:
     swiglu: bool = False
     add_bias_linear: bool = True
     normalization: str = "LayerNorm"            # or "RMSNorm" (no bias)
-    position_embedding: str = "learned_absolute"   # or "rope" (no parameters)
-    untie_embeddings: bool = True               # megatron-ext's pretrain_gpt default (output layer separate)
+    position_embedding: str = "learned_absolute"   # or "rope" / "none" (no parameters)
+    untie_embeddings: bool = True               # output layer separate (pretrain_gpt: --untie-embeddings-...)
+    kv_channels: Optional[int] = None           # --kv-channels; None: hidden / heads
+    max_position_embeddings: Optional[int] = None   # rows of the learned position table; None: seq_length
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.hidden_size % self.num_attention_heads and not self.kv_channels:
             raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
-                             f"{self.num_attention_heads}")
+                             f"{self.num_attention_heads} unless --kv-channels is given")
 
     @property
     def ffn(self) -> int:
@@ -49,22 +51,27 @@ class ModelSpec:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
     # -- parameters -------------------------------------------------------------------------------------------
     def param_numels(self, tp: int = 1) -> List[int]:
         """Per-rank parameter numels in megatron-core's registration order, with tensor parallelism ``tp`` (column
         and row parallel weights split, norms and row-parallel biases replicated, vocabulary split)."""
         h, f = self.hidden_size, self.ffn
-        kv = h // self.num_attention_heads * self.query_groups
+        q = self.head_dim * self.num_attention_heads
+        kv = self.head_dim * self.query_groups
         norm = [h, h] if self.normalization == "LayerNorm" else [h]
         bias = self.add_bias_linear
         out: List[int] = [self.vocab_size * h // tp]
         if self.position_embedding == "learned_absolute":
-            out.append(self.seq_length * h)
+            out.append((self.max_position_embeddings or self.seq_length) * h)
         fc1 = (2 if self.swiglu else 1) * f
         for _ in range(self.num_layers):
             out += norm
-            out += [h * h // tp] + ([h] if bias else [])
-            out += [(h + 2 * kv) * h // tp] + ([(h + 2 * kv) // tp] if bias else [])
+            out += [q * h // tp] + ([h] if bias else [])
+            out += [(q + 2 * kv) * h // tp] + ([(q + 2 * kv) // tp] if bias else [])
             out += norm
             out += [fc1 * h // tp] + ([fc1 // tp] if bias else [])
             out += [h * f // tp] + ([h] if bias else [])
@@ -79,10 +86,11 @@ class ModelSpec:
 
     # -- compute ----------------------------------------------------------------------------------------------
     def flops_per_sequence(self) -> float:
-        """Forward + backward FLOPs of one sequence (Megatron-LM's ``num_floating_point_operations``)."""
+        """Forward + backward FLOPs of one sequence (Megatron-LM's ``num_floating_point_operations``, dense)."""
         h, L, s = self.hidden_size, self.num_layers, self.seq_length
         gated = 1.5 if self.swiglu else 1.0
-        attn = 1 + self.query_groups / self.num_attention_heads + s / h
+        q_ratio = self.head_dim * self.num_attention_heads / h     # Megatron's query_projection_to_hidden_size_ratio
+        attn = (1 + self.query_groups / self.num_attention_heads + s / h) * q_ratio
         mlp = self.ffn / h * gated
         logit = self.vocab_size / (2 * L * h)
         return 12.0 * s * L * h * h * (attn + mlp + logit)
