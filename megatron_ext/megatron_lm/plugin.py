@@ -12,6 +12,8 @@ plug-in changes nothing for runs that do not ask for it. A user adds two lines t
 Limits: ``--param-shard-size``, ``--hpz-partition-size``, ``--ladder-residual``, ``--ladder-residual-layers`` and
 ``--desync-residual`` are rejected by name when parsed (the checkout builds its own model; these work in
 ``python -m megatron_ext.training.pretrain_gpt``; ZeRO-3 through the plug-in has not been run on a checkout).
+``--auto-plan`` is pretrain_gpt's alone (the checkout pads its vocabulary after parsing, and the planner may choose
+parameter sharding): print a plan with ``python -m megatron_ext.planner`` and pass its flags.
 From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so ``--ckpt-format torch`` and
 ``--use-distributed-optimizer`` are required (checked when parsed); the optimizer state is then saved in canonical
 per-parameter layout through Megatron-LM's ``save_parameter_state`` (see optimizer_state.py) and resumes at any DP
