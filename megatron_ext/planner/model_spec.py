@@ -31,7 +31,7 @@ class ModelSpec:
     add_bias_linear: bool = True
     normalization: str = "LayerNorm"            # or "RMSNorm" (no bias)
     position_embedding: str = "learned_absolute"   # or "rope" / "none" (no parameters)
-    untie_embeddings: bool = True               # output layer separate (pretrain_gpt: --untie-embeddings-...)
+    untie_embeddings: bool = True               # output layer separate (LLaMA); Megatron's flags default to tied
     kv_channels: Optional[int] = None           # --kv-channels; None: hidden / heads
     max_position_embeddings: Optional[int] = None   # rows of the learned position table; None: seq_length
 
