@@ -468,6 +468,13 @@ NOT_IN_MEGATRON_LM = {
                         "megatron_ext.transformer.ladder_gpt.LadderGPTModel in your own model provider"),
     "ladder_residual_layers": ("--ladder-residual-layers", "see --ladder-residual"),
     "desync_residual": ("--desync-residual", "see --ladder-residual"),
+    "auto_plan": ("--auto-plan", "the checkout pads its vocabulary only after parsing, and the planner may choose "
+                  "parameter sharding, which the plug-in does not run; print a plan with python -m "
+                  "megatron_ext.planner (it takes Megatron's model flags) and pass the flags it prints"),
+    "plan_profile": ("--plan-profile", "see --auto-plan"),
+    "plan_hardware": ("--plan-hardware", "see --auto-plan"),
+    "plan_gpu_memory": ("--plan-gpu-memory", "see --auto-plan"),
+    "plan_allow_quantized": ("--plan-allow-quantized", "see --auto-plan"),
 }
 
 

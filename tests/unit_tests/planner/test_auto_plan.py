@@ -85,6 +85,22 @@ def test_plan_respects_the_memory_cap_and_lands_in_args():
     assert (capped.grad_reduce, capped.param_gather) == (c.grad_reduce, c.param_gather)
 
 
+def test_megatron_lm_plugin_rejects_auto_plan_with_the_reason(capsys):
+    import argparse
+
+    import megatron_ext.megatron_lm as mxlm
+
+    parser = mxlm.add_args(argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False))
+    for argv, names in ((["--auto-plan", "--plan-hardware", "h100"], ["--auto-plan", "python -m megatron_ext.planner"]),
+                        (["--plan-gpu-memory", "80GB"], ["--plan-gpu-memory", "see --auto-plan"])):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["--use-overlapped-distributed-optimizer"] + argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.split("error:", 1)[1]
+        for n in names + ["not supported by the Megatron-LM plug-in"]:
+            assert n in err, err
+
+
 # -- a tiny CPU run --------------------------------------------------------------------------------------------
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
