@@ -22,7 +22,10 @@ the planner may choose parameter sharding, which the plug-in rejects. There, pri
 from __future__ import annotations
 
 import argparse
-from typing import Iterable, List, NoReturn, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Iterable, List, NoReturn, Optional, Sequence, Set, Tuple
+
+if TYPE_CHECKING:   # the planner is imported when it is used: --help and runs without --auto-plan stay light
+    from megatron_ext.planner import HardwareProfile, ModelSpec, Prediction, Ranking, Workload
 
 # Flags the planner sets, and flags that decide the plan's factors: giving one with --auto-plan is a contradiction.
 # (dest, flag, the value that means "not given" when the command line itself is not known)
@@ -114,7 +117,7 @@ def check_auto_plan_flags(args: argparse.Namespace, given: Optional[Iterable[str
     plan_memory_cap(args)
 
 
-def load_plan_profile(args: argparse.Namespace):
+def load_plan_profile(args: argparse.Namespace) -> "HardwareProfile":
     """The HardwareProfile of ``--plan-profile`` / ``--plan-hardware``."""
     from megatron_ext.planner.profile import hardware_preset, HardwareProfile
 
@@ -158,7 +161,7 @@ def tokenizer_vocab_size(args: argparse.Namespace) -> int:
         _fail(f"--auto-plan needs the tokenizer's vocabulary size: {e}")
 
 
-def model_spec_from_args(args: argparse.Namespace):
+def model_spec_from_args(args: argparse.Namespace) -> "ModelSpec":
     """The planner's ModelSpec of the GPT ``model.build_model`` builds from these (validated) flags."""
     from megatron_ext.planner.model_spec import ModelSpec
 
@@ -177,7 +180,7 @@ def model_spec_from_args(args: argparse.Namespace):
         max_position_embeddings=args.max_position_embeddings)
 
 
-def workload_from_args(args: argparse.Namespace):
+def workload_from_args(args: argparse.Namespace) -> "Workload":
     """DP size, DP ranks per node (as the ODO resolves them), TP, PP, batch and dtypes of this run."""
     from megatron_ext.planner.cost import Workload
     from megatron_ext.planner.memory import TrainingSetup
@@ -190,7 +193,7 @@ def workload_from_args(args: argparse.Namespace):
                     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "none", setup)
 
 
-def choose(args: argparse.Namespace):
+def choose(args: argparse.Namespace) -> Tuple["Ranking", "Prediction"]:
     """``(ranking, best prediction)`` for this run; no plan under the cap raises naming ``--plan-gpu-memory``."""
     from megatron_ext.planner.search import solve
 
@@ -201,7 +204,8 @@ def choose(args: argparse.Namespace):
     if not ranking.ranked:
         leanest = solve(wl, profile, float("inf"), allow_quantized=args.plan_allow_quantized).ranked
         need = min(p.memory["total"] for p in leanest) if leanest else 0
-        what = "--plan-gpu-memory" if args.plan_gpu_memory else f"--plan-gpu-memory (the {profile.name} profile's)"
+        what = ("--plan-gpu-memory" if args.plan_gpu_memory
+                else f"the {profile.name} profile's GPU memory; --plan-gpu-memory sets another cap")
         _fail(f"--auto-plan: no sharding plan fits in {_size(cap)} per GPU ({what}): the leanest of "
               f"{ranking.infeasible} plans needs {_size(need)}; raise --plan-gpu-memory, lower "
               "--micro-batch-size, or add tensor/pipeline parallelism or GPUs")
@@ -225,7 +229,7 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
-def summary(ranking, best, flags: List[str]) -> str:
+def summary(ranking: "Ranking", best: "Prediction", flags: List[str]) -> str:
     """The one line rank 0 prints: the plan, its predicted step time and memory, and the equivalent flags."""
     wl, cand = ranking.workload, best.candidate
     return (f"> auto-plan: {cand.describe(wl.dp, wl.ranks_per_node)} ({cand.label}) on {ranking.profile.name}, "

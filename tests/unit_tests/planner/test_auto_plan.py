@@ -49,6 +49,16 @@ def test_errors_name_the_flags(capsys, argv, names):
         assert n in err, err
 
 
+def test_help_lists_the_auto_plan_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--auto-plan", "--plan-profile FILE", "--plan-hardware", "--plan-gpu-memory SIZE",
+                 "--plan-allow-quantized"):
+        assert flag in out, flag
+
+
 def test_unknown_hardware_is_an_argparse_choice_error(capsys):
     assert "--plan-hardware" in _error(capsys, ["--auto-plan", "--plan-hardware", "tpu-v9"])
 
