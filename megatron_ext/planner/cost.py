@@ -158,7 +158,7 @@ class _Replay:
 def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Prediction:
     """Predicted step time, exposed communication, memory and traffic of ``cand`` (see the module note)."""
     plan = cand.sharding_plan().resolve(wl.dp, wl.ranks_per_node, 0)
-    buckets, data = bucket_shapes(wl.spec.param_numels(wl.tp), cand, plan, wl.setup)
+    buckets, data = bucket_shapes(wl.spec.busiest_stage_numels(wl.tp, wl.pp), cand, plan, wl.setup)
     timed, inter_bytes, wire_bytes, intra_bytes = _time_calls(cand, wl, profile, buckets)
     chains: Dict[Tuple, List[_Timed]] = {}
     for t in timed:

@@ -6,8 +6,9 @@ a plan would build), the training FLOPs per token (Megatron-LM's formula, the on
 FLOPs are *not* halved for the causal mask), and the activation bytes per micro-batch (Korthikanti et al. 2022, the
 formula Megatron-LM's memory report uses). The parameter list mirrors megatron-core's ``GPTModel`` with the local
 or TE layer spec: embedding (word, learned positions), then per layer input norm, ``linear_proj``, ``linear_qkv``,
-pre-MLP norm, ``linear_fc1``, ``linear_fc2``, then the final norm and the output layer (absent when tied). A test
-checks it against a real megatron-core model.
+pre-MLP norm, ``linear_fc1``, ``linear_fc2``, then the final norm and the output layer (absent when tied). With
+pipeline parallelism each stage holds its share (``stage_param_numels``) and the planner sizes buckets and optimizer
+memory for the busiest stage. Tests check it against real megatron-core models (TP 1/2, PP 2).
 """
 from __future__ import annotations
 
@@ -59,26 +60,42 @@ class ModelSpec:
     def param_numels(self, tp: int = 1) -> List[int]:
         """Per-rank parameter numels in megatron-core's registration order, with tensor parallelism ``tp`` (column
         and row parallel weights split, norms and row-parallel biases replicated, vocabulary split)."""
+        return self.stage_param_numels(tp, 1, 0)
+
+    def stage_param_numels(self, tp: int = 1, pp: int = 1, stage: int = 0) -> List[int]:
+        """``param_numels`` of pipeline stage ``stage`` of ``pp``: the embedding on the first, the final norm and
+        the output layer on the last (with ``pp > 1`` the last stage holds its own copy of a tied output weight,
+        as megatron-core allocates it), ``num_layers / pp`` layers each (the first stages take a remainder)."""
+        if not 0 <= stage < pp:
+            raise ValueError(f"stage {stage} is not one of {pp} pipeline stages")
         h, f = self.hidden_size, self.ffn
         q = self.head_dim * self.num_attention_heads
         kv = self.head_dim * self.query_groups
         norm = [h, h] if self.normalization == "LayerNorm" else [h]
         bias = self.add_bias_linear
-        out: List[int] = [self.vocab_size * h // tp]
-        if self.position_embedding == "learned_absolute":
-            out.append((self.max_position_embeddings or self.seq_length) * h)
+        first, last = stage == 0, stage == pp - 1
+        out: List[int] = []
+        if first:
+            out.append(self.vocab_size * h // tp)
+            if self.position_embedding == "learned_absolute":
+                out.append((self.max_position_embeddings or self.seq_length) * h)
         fc1 = (2 if self.swiglu else 1) * f
-        for _ in range(self.num_layers):
+        for _ in range(self.num_layers // pp + (1 if stage < self.num_layers % pp else 0)):
             out += norm
             out += [q * h // tp] + ([h] if bias else [])
             out += [(q + 2 * kv) * h // tp] + ([(q + 2 * kv) // tp] if bias else [])
             out += norm
             out += [fc1 * h // tp] + ([fc1 // tp] if bias else [])
             out += [h * f // tp] + ([h] if bias else [])
-        out += norm
-        if self.untie_embeddings:
-            out.append(self.vocab_size * h // tp)
+        if last:
+            out += norm
+            if self.untie_embeddings or not first:
+                out.append(self.vocab_size * h // tp)
         return out
+
+    def busiest_stage_numels(self, tp: int = 1, pp: int = 1) -> List[int]:
+        """The stage with the most parameters: the one whose optimizer memory and traffic bound a plan."""
+        return max((self.stage_param_numels(tp, pp, s) for s in range(pp)), key=sum)
 
     @property
     def num_params(self) -> int:

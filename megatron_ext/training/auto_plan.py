@@ -12,8 +12,9 @@ The planner sees the model pretrain_gpt will build: the Megatron model flags, th
 ``model.padded_vocab_size`` pads it (the tokenizer's size read from its files; the default corpus's BPE is
 trained to ``corpus.DEFAULT_VOCAB_SIZE`` tokens), the DP size and DP ranks per node the ODO resolves
 (``--ranks-per-node`` or ``LOCAL_WORLD_SIZE``; one node without either), TP, PP, the micro-batches per step,
-the params dtype and the optimizer. Not modelled: activation recomputation (pretrain_gpt has none) and a
-pipeline stage holding only its own layers (the planner charges every stage the whole model: conservative).
+the params dtype and the optimizer. With pipeline parallelism the plan is sized for the stage with the most
+parameters, with the first stage's activations (conservative). Activation recomputation is not modelled
+(pretrain_gpt has none).
 
 The Megatron-LM plug-in does not offer ``--auto-plan``: the checkout pads the vocabulary only after parsing, and
 the planner may choose parameter sharding, which the plug-in rejects. There, print a plan with

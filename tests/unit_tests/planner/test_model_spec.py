@@ -75,6 +75,42 @@ def test_pretrain_gpt_flags_give_the_model_pretrain_gpt_builds(spawn):
             assert predicted == built, flags
 
 
+def _pipeline_stage_numels(flag_sets):
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.auto_plan import model_spec_from_args
+    from megatron_ext.training.model import build_model
+
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for flags in flag_sets:
+        args = parse_args(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                           "--seq-length", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1",
+                           "--mock-data", "--vocab-size", "100", "--pipeline-model-parallel-size", "2"] + flags,
+                          world_size=2)
+        Utils.initialize_model_parallel(1, 2)
+        try:
+            args.padded_vocab_size = 128
+            spec = model_spec_from_args(args)
+            stage = ps.get_pipeline_model_parallel_rank()
+            built = [p.numel() for p in build_model(args).parameters()]
+            out.append((spec.stage_param_numels(1, 2, stage), built, sum(spec.busiest_stage_numels(1, 2))))
+        finally:
+            Utils.destroy_model_parallel()
+    return out
+
+
+def test_pipeline_stages_hold_what_megatron_core_builds(spawn):
+    """PP 2 with 4 layers, tied (the last stage allocates its own output weight) and untied."""
+    flag_sets = [[], ["--untie-embeddings-and-output-weights"]]
+    per_rank = spawn(_pipeline_stage_numels, 2, flag_sets, timeout=180)
+    for i, flags in enumerate(flag_sets):
+        stages = [per_rank[r][i] for r in range(2)]
+        for predicted, built, _ in stages:
+            assert predicted == built, flags
+        assert stages[0][2] == max(sum(b) for _, b, _ in stages), flags
+
+
 def _matmul_flops(L, h, a, g, s, V, f, swiglu=False, d=None):
     """Forward + backward FLOPs of one sequence, counted matmul by matmul (backward = 2 x forward)."""
     d = d or h // a
@@ -104,3 +140,14 @@ def test_flops_equal_a_matmul_count(kw):
     expected = _matmul_flops(spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.query_groups,
                              spec.seq_length, spec.vocab_size, spec.ffn, spec.swiglu, spec.kv_channels)
     assert spec.flops_per_sequence() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("untie", [True, False], ids=["untied", "tied"])
+def test_stages_partition_the_model(untie):
+    spec = ModelSpec("t", num_layers=10, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=32,
+                     untie_embeddings=untie)
+    assert spec.busiest_stage_numels(2, 1) == spec.param_numels(2)
+    stages = [spec.stage_param_numels(1, 4, s) for s in range(4)]
+    tied_copy = 0 if untie else 256 * 64       # with PP > 1 the last stage allocates its own output weight
+    assert sum(map(sum, stages)) == spec.num_params + tied_copy
+    assert sum(spec.busiest_stage_numels(1, 4)) == max(map(sum, stages)) < spec.num_params
