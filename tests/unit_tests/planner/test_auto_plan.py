@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import re
 
 import pytest
 
@@ -93,6 +94,43 @@ def test_plan_respects_the_memory_cap_and_lands_in_args():
     assert (capped.param_shard_size, capped.grad_shard_size, capped.optim_shard_size) == (c.param, c.grad, c.optim)
     assert (capped.hpz_partition_size or 1, capped.ddp_bucket_size) == (c.hpz, c.bucket_size)
     assert (capped.grad_reduce, capped.param_gather) == (c.grad_reduce, c.param_gather)
+
+
+def _fields(args):
+    return (args.param_shard_size, args.grad_shard_size, args.optim_shard_size, args.hpz_partition_size or 1,
+            args.grad_reduce, args.param_gather, args.qgz_bits, args.ddp_bucket_size)
+
+
+def test_allow_quantized_widens_the_search_and_the_choice_lands_in_args():
+    """2 simulated nodes of 8 on a 1-IB DGX-2 profile: lossy backends only with --plan-allow-quantized."""
+    from megatron_ext.planner import parse_candidate
+
+    argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "1024",
+            "--micro-batch-size", "1", "--global-batch-size", "16", "--lr", "1e-4", "--train-iters", "10",
+            "--mock-data", "--vocab-size", "31999", "--ranks-per-node", "8", "--bf16", "--auto-plan",
+            "--plan-hardware", "dgx2-v100-1ib"]
+    for extra in ([], ["--plan-allow-quantized"]):
+        args = parse_args(argv + extra, world_size=16)
+        c = parse_candidate(re.search(r"\((p\d+\.g\d+\.o\d+\.h\d+ \S+ b\S+)\)", args.auto_plan_summary).group(1))
+        assert _fields(args) == (c.param, c.grad, c.optim, c.hpz, c.grad_reduce, c.param_gather, c.qgz_bits,
+                                 c.bucket_size)
+        if not extra:
+            assert not c.lossy
+
+
+def test_applied_flags_are_parsed_like_typed_ones():
+    """A lossy candidate's flags (qgZ INT8, qwZ, hpZ) put into validated args, exactly as typing them would."""
+    from megatron_ext.planner import Candidate
+    from megatron_ext.training.arguments import sharding_plan_from_args
+    from megatron_ext.training.auto_plan import apply_plan
+
+    base = BASE + ["--ranks-per-node", "2", "--global-batch-size", "8"]
+    cand = Candidate(4, 4, 4, 2, "qgz", "qwz", 8, 123_456)
+    applied = parse_args(base, world_size=4)
+    apply_plan(applied, cand.flags())
+    typed = parse_args(base + cand.flags(), world_size=4)
+    assert _fields(applied) == _fields(typed) == (4, 4, 4, 2, "qgz", "qwz", 8, 123_456)
+    assert sharding_plan_from_args(applied, 4, 2) == sharding_plan_from_args(typed, 4, 2)
 
 
 def test_megatron_lm_plugin_rejects_auto_plan_with_the_reason(capsys):
