@@ -3,8 +3,9 @@
 [Note: why the plan is chosen while the flags are validated]
 The planner (``megatron_ext.planner``) is a pure function of the run's flags, the world size and a hardware
 profile, so every rank computes the same plan with no collective. Choosing it inside ``validate_args`` means the
-plan fields are in ``args`` exactly as if the user had typed the chosen candidate's flags (they are parsed by the
-same argparse actions, then checked by the same ``sharding_plan_from_args``), and an impossible request -- no
+plan fields are in ``args`` exactly as if the user had typed the chosen candidate's flags (argparse parses the
+candidate's flags into ``args`` with this project's flag definitions, and ``sharding_plan_from_args`` checks the
+result as it checks typed flags), and an impossible request -- no
 profile, a plan flag that contradicts ``--auto-plan``, no plan under the memory cap -- fails with a message naming
 the flag before the process group, the model or the ODO exist.
 
@@ -16,16 +17,16 @@ the params dtype and the optimizer. With pipeline parallelism the plan is sized 
 parameters, with the first stage's activations (conservative). Activation recomputation is not modelled
 (pretrain_gpt has none).
 
-The Megatron-LM plug-in does not offer ``--auto-plan``: the checkout pads the vocabulary only after parsing, and
-the planner may choose parameter sharding, which the plug-in rejects. There, print a plan with
-``python -m megatron_ext.planner`` and pass its flags.
+The Megatron-LM plug-in rejects ``--auto-plan`` by name (``arguments.NOT_IN_MEGATRON_LM``): the checkout pads the
+vocabulary only after parsing, and the planner may choose parameter sharding, which the plug-in does not run.
+There, print a plan with ``python -m megatron_ext.planner`` and pass its flags.
 """
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING, Iterable, List, NoReturn, Optional, Sequence, Set, Tuple
 
-if TYPE_CHECKING:   # the planner is imported when it is used: --help and runs without --auto-plan stay light
+if TYPE_CHECKING:   # the planner's modules are imported inside the functions that use them
     from megatron_ext.planner import HardwareProfile, ModelSpec, Prediction, Ranking, Workload
 
 # Flags the planner sets, and flags that decide the plan's factors: giving one with --auto-plan is a contradiction.
