@@ -12,6 +12,9 @@ plug-in changes nothing for runs that do not ask for it. A user adds two lines t
 Limits: ``--param-shard-size``, ``--hpz-partition-size``, ``--ladder-residual``, ``--ladder-residual-layers`` and
 ``--desync-residual`` are rejected by name when parsed (the checkout builds its own model; these work in
 ``python -m megatron_ext.training.pretrain_gpt``; ZeRO-3 through the plug-in has not been run on a checkout).
+``--auto-plan`` (and its ``--plan-*`` options) is rejected the same way: the checkout pads its vocabulary after
+parsing, and the planner may choose parameter sharding; print a plan with ``python -m megatron_ext.planner`` and pass
+its flags.
 From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so ``--ckpt-format torch`` and
 ``--use-distributed-optimizer`` are required (checked when parsed); the optimizer state is then saved in canonical
 per-parameter layout through Megatron-LM's ``save_parameter_state`` (see optimizer_state.py) and resumes at any DP
@@ -23,7 +26,8 @@ import argparse
 import importlib
 from typing import Any, Callable, Dict, Optional
 
-from megatron_ext.training.arguments import ArgumentError, add_megatron_ext_args, check_megatron_lm_args
+from megatron_ext.training.arguments import (ArgumentError, add_auto_plan_args, add_megatron_ext_args,
+                                            check_megatron_lm_args)
 
 _ORIGINALS: Dict[str, Any] = {}
 
@@ -35,10 +39,12 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     Megatron-LM has no hook to validate extra flags, and its ``validate_args`` does not know ours. So the parser's
     ``parse_known_args`` (which ``parse_args`` calls too) is wrapped to run :func:`check_megatron_lm_args` on the
     result: a flag the plug-in cannot honour (``--hpz-partition-size``, ``--ladder-residual``,
-    ``--ladder-residual-layers``, ``--desync-residual``) or a bad backend combination exits with argparse's usage
-    message naming it, on every rank alike, before ``torch.distributed`` is initialised.
+    ``--ladder-residual-layers``, ``--desync-residual``, ``--auto-plan`` and its ``--plan-*`` options) or a bad
+    backend combination exits with argparse's usage message naming it and the reason, on every rank alike, before
+    ``torch.distributed`` is initialised.
     """
     add_megatron_ext_args(parser)
+    add_auto_plan_args(parser)      # known, so that they are rejected with the reason rather than "unrecognized"
     parse_known = parser.parse_known_args
     if getattr(parse_known, "_megatron_ext", False):
         return parser

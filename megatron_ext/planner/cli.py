@@ -40,23 +40,32 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--group-query-attention", action="store_true", help="accepted; --num-query-groups sets GQA")
     g.add_argument("--num-query-groups", type=int)
-    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--kv-channels", type=int, help="default hidden size / heads")
+    g.add_argument("--vocab-size", type=int, help="the padded vocabulary (as the model is built)")
     g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"))
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"))
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="a separate output layer (Megatron's default is tied; the LLaMA presets are untied)")
 
 
 def model_from_args(a: argparse.Namespace) -> ModelSpec:
+    """A preset with the given Megatron flags overriding it, or a shape from the Megatron flags alone."""
+    untie = getattr(a, "untie_embeddings_and_output_weights", None)
     fields = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                   ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups, vocab_size=a.vocab_size,
                   seq_length=a.seq_length, swiglu=a.swiglu, normalization=a.normalization,
-                  position_embedding=a.position_embedding_type,
+                  position_embedding=a.position_embedding_type, kv_channels=getattr(a, "kv_channels", None),
+                  max_position_embeddings=getattr(a, "max_position_embeddings", None), untie_embeddings=untie,
                   add_bias_linear=None if a.disable_bias_linear is None else not a.disable_bias_linear)
     if a.model:
         return model_preset(a.model, **fields)
+    fields["untie_embeddings"] = bool(untie)   # Megatron's default: input and output embeddings tied
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
                if fields[f] is None]
     if missing:

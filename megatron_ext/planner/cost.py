@@ -32,7 +32,7 @@ from .candidate import Candidate
 from .memory import TrainingSetup, bucket_shapes, model_state_memory, transient_memory
 from .model_spec import ModelSpec
 from .profile import HardwareProfile, steps
-from .volumes import BucketShape, Call, WireOptions, step_calls
+from .volumes import BucketShape, Call, WireOptions, group_local_ranks, step_calls
 
 _RING_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
@@ -88,19 +88,21 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
     """Each call of rank 0 with its duration; per step: cross-node bytes per node (ledger model and on the wire
     under the profile's algorithm) and bytes per rank inside a node."""
     rpn = wl.ranks_per_node
-    # Every rank of a node sends alike, except ByteGrad's leaders: one representative rank otherwise.
-    roles = range(rpn) if cand.grad_reduce == "bytegrad" else range(1)
-    per_rank = []
-    for r in roles:
+    # Every rank of a node sends alike, except ByteGrad's leaders: one representative rank per leader pattern
+    # (``group_local_ranks``), weighted by the ranks of the node that share it.
+    roles: Dict[Tuple[bool, bool], List] = {}
+    for r in (range(rpn) if cand.grad_reduce == "bytegrad" else range(1)):
         plan_r = cand.sharding_plan().resolve(wl.dp, rpn, r)
-        per_rank.append(step_calls(cand, plan_r, buckets, wl.micro_batches, wl.wire()))
+        optim_local, replica_local = group_local_ranks(plan_r)
+        roles.setdefault((optim_local == 0, replica_local == 0), [plan_r, 0])[1] += 1
+    weights = [n for _, n in roles.values()] if cand.grad_reduce == "bytegrad" else [rpn]
+    per_rank = [step_calls(cand, plan_r, buckets, wl.micro_batches, wl.wire()) for plan_r, _ in roles.values()]
     if len({len(c) for c in per_rank}) != 1:
         raise AssertionError("ranks of a node issue different call sequences")
-    scale = rpn // len(per_rank)
     timed, ledger_inter, wire_inter, intra_max = [], 0, 0.0, 0
     cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float, float]] = {}
     for i, c in enumerate(per_rank[0]):
-        node_inter = scale * sum(calls[i].inter for calls in per_rank)
+        node_inter = sum(w * calls[i].inter for w, calls in zip(weights, per_rank))
         intra = max(calls[i].intra for calls in per_rank)
         kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
         g = c.group
@@ -254,7 +256,7 @@ def _scalar_s(wl: Workload, profile: HardwareProfile) -> float:
 def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Prediction:
     """Predicted step time, exposed communication, memory and traffic of ``cand`` (see the module note)."""
     plan = cand.sharding_plan().resolve(wl.dp, wl.ranks_per_node, 0)
-    buckets, data = bucket_shapes(wl.spec.param_numels(wl.tp), cand, plan, wl.setup)
+    buckets, data = bucket_shapes(wl.spec.busiest_stage_numels(wl.tp, wl.pp), cand, plan, wl.setup)
     M = wl.micro_batches
     if M <= EXACT_MICRO_BATCHES:
         r = _replay(cand, wl, profile, plan, buckets, data, M)

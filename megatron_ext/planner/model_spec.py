@@ -6,8 +6,9 @@ a plan would build), the training FLOPs per token (Megatron-LM's formula, the on
 FLOPs are *not* halved for the causal mask), and the activation bytes per micro-batch (Korthikanti et al. 2022, the
 formula Megatron-LM's memory report uses). The parameter list mirrors megatron-core's ``GPTModel`` with the local
 or TE layer spec: embedding (word, learned positions), then per layer input norm, ``linear_proj``, ``linear_qkv``,
-pre-MLP norm, ``linear_fc1``, ``linear_fc2``, then the final norm and the output layer (absent when tied). A test
-checks it against a real megatron-core model.
+pre-MLP norm, ``linear_fc1``, ``linear_fc2``, then the final norm and the output layer (absent when tied). With
+pipeline parallelism each stage holds its share (``stage_param_numels``) and the planner sizes buckets and optimizer
+memory for the busiest stage. Tests check it against real megatron-core models (TP 1/2, PP 2).
 """
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ class ModelSpec:
     swiglu: bool = False
     add_bias_linear: bool = True
     normalization: str = "LayerNorm"            # or "RMSNorm" (no bias)
-    position_embedding: str = "learned_absolute"   # or "rope" (no parameters)
-    untie_embeddings: bool = True               # megatron-ext's pretrain_gpt default (output layer separate)
+    position_embedding: str = "learned_absolute"   # or "rope" / "none" (no parameters)
+    untie_embeddings: bool = True               # output layer separate (LLaMA); Megatron's flags default to tied
+    kv_channels: Optional[int] = None           # --kv-channels; None: hidden / heads
+    max_position_embeddings: Optional[int] = None   # rows of the learned position table; None: seq_length
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             if getattr(self, f) < 1:
                 raise ValueError(f"{f} (--{f.replace('_', '-')}) must be >= 1, got {getattr(self, f)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.hidden_size % self.num_attention_heads and not self.kv_channels:
             raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
-                             f"{self.num_attention_heads}")
+                             f"{self.num_attention_heads} unless --kv-channels is given")
 
     @property
     def ffn(self) -> int:
@@ -49,29 +52,50 @@ class ModelSpec:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
     # -- parameters -------------------------------------------------------------------------------------------
     def param_numels(self, tp: int = 1) -> List[int]:
         """Per-rank parameter numels in megatron-core's registration order, with tensor parallelism ``tp`` (column
         and row parallel weights split, norms and row-parallel biases replicated, vocabulary split)."""
+        return self.stage_param_numels(tp, 1, 0)
+
+    def stage_param_numels(self, tp: int = 1, pp: int = 1, stage: int = 0) -> List[int]:
+        """``param_numels`` of pipeline stage ``stage`` of ``pp``: the embedding on the first, the final norm and
+        the output layer on the last (with ``pp > 1`` the last stage holds its own copy of a tied output weight,
+        as megatron-core allocates it), ``num_layers / pp`` layers each (the first stages take a remainder)."""
+        if not 0 <= stage < pp:
+            raise ValueError(f"stage {stage} is not one of {pp} pipeline stages")
         h, f = self.hidden_size, self.ffn
-        kv = h // self.num_attention_heads * self.query_groups
+        q = self.head_dim * self.num_attention_heads
+        kv = self.head_dim * self.query_groups
         norm = [h, h] if self.normalization == "LayerNorm" else [h]
         bias = self.add_bias_linear
-        out: List[int] = [self.vocab_size * h // tp]
-        if self.position_embedding == "learned_absolute":
-            out.append(self.seq_length * h)
+        first, last = stage == 0, stage == pp - 1
+        out: List[int] = []
+        if first:
+            out.append(self.vocab_size * h // tp)
+            if self.position_embedding == "learned_absolute":
+                out.append((self.max_position_embeddings or self.seq_length) * h)
         fc1 = (2 if self.swiglu else 1) * f
-        for _ in range(self.num_layers):
+        for _ in range(self.num_layers // pp + (1 if stage < self.num_layers % pp else 0)):
             out += norm
-            out += [h * h // tp] + ([h] if bias else [])
-            out += [(h + 2 * kv) * h // tp] + ([(h + 2 * kv) // tp] if bias else [])
+            out += [q * h // tp] + ([h] if bias else [])
+            out += [(q + 2 * kv) * h // tp] + ([(q + 2 * kv) // tp] if bias else [])
             out += norm
             out += [fc1 * h // tp] + ([fc1 // tp] if bias else [])
             out += [h * f // tp] + ([h] if bias else [])
-        out += norm
-        if self.untie_embeddings:
-            out.append(self.vocab_size * h // tp)
+        if last:
+            out += norm
+            if self.untie_embeddings or not first:
+                out.append(self.vocab_size * h // tp)
         return out
+
+    def busiest_stage_numels(self, tp: int = 1, pp: int = 1) -> List[int]:
+        """The stage with the most parameters: the one whose optimizer memory and traffic bound a plan."""
+        return max((self.stage_param_numels(tp, pp, s) for s in range(pp)), key=sum)
 
     @property
     def num_params(self) -> int:
@@ -79,10 +103,11 @@ class ModelSpec:
 
     # -- compute ----------------------------------------------------------------------------------------------
     def flops_per_sequence(self) -> float:
-        """Forward + backward FLOPs of one sequence (Megatron-LM's ``num_floating_point_operations``)."""
+        """Forward + backward FLOPs of one sequence (Megatron-LM's ``num_floating_point_operations``, dense)."""
         h, L, s = self.hidden_size, self.num_layers, self.seq_length
         gated = 1.5 if self.swiglu else 1.0
-        attn = 1 + self.query_groups / self.num_attention_heads + s / h
+        q_ratio = self.head_dim * self.num_attention_heads / h     # Megatron's query_projection_to_hidden_size_ratio
+        attn = (1 + self.query_groups / self.num_attention_heads + s / h) * q_ratio
         mlp = self.ffn / h * gated
         logit = self.vocab_size / (2 * L * h)
         return 12.0 * s * L * h * h * (attn + mlp + logit)

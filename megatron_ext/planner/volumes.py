@@ -159,11 +159,20 @@ def _all_gather(backend: str, n: int, g: Group, e: int, o: WireOptions, name: st
 
 
 # -- a whole step -------------------------------------------------------------------------------------------
+def group_local_ranks(plan: ResolvedPlan) -> Tuple[int, int]:
+    """Rank ``plan.dp_rank``'s position among its node's members of the optim group and of the replica group: the
+    only thing in which the calls of one node's ranks differ (ByteGrad's leaders are position 0)."""
+    rpn = plan.ranks_per_node
+    local = plan.dp_rank % rpn
+    optim_local = local % plan.optim if plan.optim < rpn else local
+    replica_local = (local // plan.optim) if plan.replicas > 1 and plan.optim < rpn else 0
+    return optim_local, replica_local
+
+
 def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShape], micro_batches: int,
                wire: WireOptions = WireOptions()) -> List[Call]:
     """Every call DP rank ``plan.dp_rank`` issues in one steady-state step, in issue order per bucket."""
     rpn, M = plan.ranks_per_node, micro_batches
-    local = plan.dp_rank % rpn
     optim = group_of(plan.optim, rpn)
     replicas = Group(plan.replicas, max(1, min(plan.replicas, rpn // plan.optim))) if plan.replicas > 1 else None
     crossing = optim.nodes > 1 or (replicas is not None and replicas.nodes > 1)
@@ -176,8 +185,7 @@ def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShap
     every_micro = zero3 or not plan.accumulates_locally(M > 1)
     reductions = range(M) if every_micro else [M - 1]
     calls: List[Call] = []
-    optim_local = local % plan.optim if plan.optim < rpn else local
-    replica_local = (local // plan.optim) if replicas is not None and plan.optim < rpn else 0
+    optim_local, replica_local = group_local_ranks(plan)
     for k, b in enumerate(buckets):
         n = b.shard_numel
         for m in range(M):

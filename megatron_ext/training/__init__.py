@@ -5,6 +5,7 @@ Entry point: ``torchrun ... -m megatron_ext.training.pretrain_gpt --help`` (or `
 Files, one job each:
 
 * ``arguments.py``     flags (Megatron-LM names + ours), strict validation with messages that name the flag
+* ``auto_plan.py``     ``--auto-plan``: the planner's choice of sharding plan, backends and bucket size, as flags
 * ``tokenizer.py``     byte-level BPE (trained locally or GPT-2 vocab/merges), NullTokenizer
 * ``preprocess.py``    text/JSONL -> megatron-core indexed dataset (used by tools/preprocess_data.py)
 * ``corpus.py``        the default corpus: the Python standard library's sources, built once and cached

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
+
+from .auto_plan import add_auto_plan_args, auto_plan, check_auto_plan_flags, given_dests
 
 # Megatron-LM flags we know but do not implement: error instead of "unrecognized", with the reason.
 UNSUPPORTED_MEGATRON_FLAGS = {
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per bucket "
                    "(default max(40M, 1M * DP), like megatron-core)")
     add_megatron_ext_args(p)
+    add_auto_plan_args(p)
 
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, required=True)
@@ -225,8 +228,9 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     """Parse and validate; exits with a message naming the offending flag, like argparse."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = given_dests(parser, sys.argv[1:] if argv is None else argv)
     try:
-        validate_args(args, world_size)
+        validate_args(args, world_size, given=given)
     except ArgumentError as e:
         parser.error(str(e))
     return args
@@ -236,12 +240,19 @@ def _fail(msg: str) -> None:
     raise ArgumentError(msg)
 
 
-def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> argparse.Namespace:
-    """Check flag combinations and fill derived values (``data_parallel_size`` ...). Raises ArgumentError."""
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
+                  given: Optional[Iterable[str]] = None) -> argparse.Namespace:
+    """Check flag combinations and fill derived values (``data_parallel_size`` ...). Raises ArgumentError.
+
+    ``given``: dests typed on the command line (``parse_args`` passes them), so that ``--auto-plan`` can tell a
+    plan flag typed with its default value from one left out. With ``--auto-plan`` the planner's choice is put into
+    ``args`` last, as if typed (``auto_plan.py``).
+    """
     import torch
 
     world_size = int(world_size if world_size is not None else _env_world_size())
     args.world_size = world_size
+    check_auto_plan_flags(args, given)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                     ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
@@ -364,7 +375,21 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         _fail("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if getattr(args, "auto_plan", False):
+        auto_plan(args)
+        _check_planned_backends(args)
+        sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
     return args
+
+
+def _check_planned_backends(args: argparse.Namespace) -> None:
+    from megatron_ext.comm import available_grad_reduce, available_param_gather
+
+    for flag, name, available in (("--grad-reduce", args.grad_reduce, available_grad_reduce()),
+                                  ("--param-gather", args.param_gather, available_param_gather())):
+        if name not in available:
+            _fail(f"--auto-plan chose {flag} {name}, which is not implemented in this build "
+                  f"(available: {', '.join(available)})")
 
 
 def _validate_backends(args: argparse.Namespace) -> None:
@@ -443,6 +468,13 @@ NOT_IN_MEGATRON_LM = {
                         "megatron_ext.transformer.ladder_gpt.LadderGPTModel in your own model provider"),
     "ladder_residual_layers": ("--ladder-residual-layers", "see --ladder-residual"),
     "desync_residual": ("--desync-residual", "see --ladder-residual"),
+    "auto_plan": ("--auto-plan", "the checkout pads its vocabulary only after parsing, and the planner may choose "
+                  "parameter sharding, which the plug-in does not run; print a plan with python -m "
+                  "megatron_ext.planner (it takes Megatron's model flags) and pass the flags it prints"),
+    "plan_profile": ("--plan-profile", "see --auto-plan"),
+    "plan_hardware": ("--plan-hardware", "see --auto-plan"),
+    "plan_gpu_memory": ("--plan-gpu-memory", "see --auto-plan"),
+    "plan_allow_quantized": ("--plan-allow-quantized", "see --auto-plan"),
 }
 
 

@@ -21,6 +21,7 @@ from .preprocess import build_indexed_dataset
 from .tokenizer import train_bpe
 
 CORPUS_VERSION = 1
+DEFAULT_VOCAB_SIZE = 4096   # the BPE's target size; pretrain_gpt --auto-plan plans with it before the corpus exists
 
 
 def default_cache_dir() -> str:
@@ -59,7 +60,7 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def build_default_corpus(cache_dir: Optional[str] = None, vocab_size: int = 4096,
+def build_default_corpus(cache_dir: Optional[str] = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
                          max_bytes: int = 6_000_000) -> Tuple[str, str]:
     """Return ``(data_prefix, tokenizer_json)`` of the cached default corpus, building it on first use.
 

@@ -1,0 +1,99 @@
+"""``python -m megatron_ext.planner``: the table and the flags for a preset or Megatron's model flags, argparse errors
+naming the flag for bad input, and the printed flags accepted by pretrain_gpt (which picks the same plan itself
+with ``--auto-plan``)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.planner import cli
+
+LLAMA_7B_1024 = ["--model", "llama-7b", "--gpus", "1024", "--gpus-per-node", "8", "--gpu-memory", "80GB",
+                 "--micro-batch-size", "1", "--global-batch-size", "1024", "--seq-length", "4096",
+                 "--hardware", "dgx-a100"]
+
+# The same job as pretrain_gpt flags: LLaMA-7B's shape, NullTokenizer ids 0..31998 + EOD = 32000 (a multiple of
+# 128: no padding), bf16, 1024 ranks on nodes of 8.
+PRETRAIN_LLAMA_7B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+                     "--ffn-hidden-size", "11008", "--seq-length", "4096", "--swiglu", "--normalization", "RMSNorm",
+                     "--disable-bias-linear", "--position-embedding-type", "rope",
+                     "--untie-embeddings-and-output-weights", "--bf16", "--micro-batch-size", "1",
+                     "--global-batch-size", "1024", "--lr", "1e-4", "--train-iters", "10", "--mock-data",
+                     "--vocab-size", "31999", "--ranks-per-node", "8"]
+
+
+def _printed_flags(out: str) -> list:
+    lines = out.splitlines()
+    i = lines.index("pretrain_gpt flags for the first plan:")
+    return lines[i + 1].split()
+
+
+def test_llama_7b_on_1024_gpus_table_flags_and_pretrain_gpt(capsys, tmp_path):
+    from megatron_ext.training.arguments import parse_args
+
+    path = tmp_path / "ranking.json"
+    assert cli.main(LLAMA_7B_1024 + ["--top", "5", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model llama-7b: 6.74B parameters; DP 1024 (8 per node)" in out and "memory cap 80.0 GiB" in out
+    header = next(line for line in out.splitlines() if "step ms" in line)
+    assert all(col in header for col in ("plan", "exposed ms", "MFU", "GiB/GPU", "why"))
+    rows = [line for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(rows) == 5 and "fastest that fits" in rows[0]
+    flags = _printed_flags(out)
+    saved = json.loads(path.read_text())
+    assert saved["ranked"][0]["flags"] == flags and len(saved["ranked"]) == 5
+    assert all(row["memory"]["total"] <= 80 * 2 ** 30 for row in saved["ranked"])
+
+    # pasted into pretrain_gpt (parse + validation, as for a 1024-rank launch), the flags mean that plan
+    args = parse_args(PRETRAIN_LLAMA_7B + flags, world_size=1024)
+    value = dict(zip(flags[::2], flags[1::2]))
+    assert (args.param_shard_size, args.grad_shard_size, args.optim_shard_size) == tuple(
+        int(value[f]) for f in ("--param-shard-size", "--grad-shard-size", "--optim-shard-size"))
+    assert args.ddp_bucket_size == int(value["--ddp-bucket-size"])
+    assert (args.grad_reduce, args.param_gather) == (value["--grad-reduce"], value["--param-gather"])
+    # and pretrain_gpt --auto-plan, asking the same question, gets the same answer
+    auto = parse_args(PRETRAIN_LLAMA_7B + ["--auto-plan", "--plan-hardware", "dgx-a100", "--plan-gpu-memory", "80GB"],
+                      world_size=1024)
+    assert auto.auto_plan_summary.endswith("flags: " + " ".join(flags))
+    for dest in ("param_shard_size", "grad_shard_size", "optim_shard_size", "hpz_partition_size", "grad_reduce",
+                 "param_gather", "qgz_bits", "ddp_bucket_size"):
+        assert getattr(auto, dest) == getattr(args, dest), dest
+
+
+def test_megatron_model_flags_and_a_profile_file(capsys, tmp_path):
+    import dataclasses
+
+    from megatron_ext.planner import hardware_preset
+
+    prof = tmp_path / "prof.json"
+    dataclasses.replace(hardware_preset("h100"), name="my-h100").save(str(prof))
+    argv = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--vocab-size", "32000",
+            "--seq-length", "1024", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+            "--position-embedding-type", "rope", "--gpus", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "64", "--profile", str(prof), "--allow-quantized", "--top", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "model gpt-4x512" in out and "hardware my-h100" in out and "DP 16 (8 per node)" in out
+    assert "--param-shard-size" in _printed_flags(out)
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"--global-batch-size": "1000"}, ["--global-batch-size", "--micro-batch-size"]),
+    ({"--gpu-memory": "lots"}, ["--gpu-memory"]),
+    ({"--gpus": "1004"}, ["do not fill nodes", "--gpus-per-node"]),
+    ({"--model": None}, ["--model", "--num-layers", "--hidden-size"]),
+    ({"--hardware": "tpu"}, ["--hardware"]),
+    ({"--gpu-memory": "1GB"}, ["no plan fits", "--gpu-memory"]),
+], ids=["batch-not-multiple", "memory-unreadable", "partial-node", "no-model", "unknown-hardware", "cap-too-small"])
+def test_bad_input_is_an_argparse_error_naming_the_flag(capsys, change, names):
+    argv = list(LLAMA_7B_1024)
+    for flag, value in change.items():
+        i = argv.index(flag)
+        argv[i:i + 2] = [] if value is None else [flag, value]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.split("error:", 1)[1]     # the message, not the usage lines
+    for n in names:
+        assert n in err, err
