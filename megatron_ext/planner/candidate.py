@@ -56,7 +56,7 @@ class Candidate:
             return "DDP (replicated)"
         if g == 1:
             return "ZeRO-1" if o == dp else f"AMSP (optim in {where})"
-        return "ZeRO-2" if o == dp else f"MiCS/HSDP ({where})"
+        return "ZeRO-2" if o == dp else f"ZeRO-2 in {where}, replicated"
 
     def flags(self) -> List[str]:
         """pretrain_gpt / Megatron-LM plug-in flags that run this candidate."""

@@ -267,7 +267,9 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
         r = _Replayed(*(vb + x * (vb - va) for va, vb in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
     per_micro = _per_micro_s(wl, profile)
     grad_copy = sum(data) * profile.grad_s_per_element
-    compute_s = (M * (per_micro + grad_copy) + _optimizer_s(wl, profile, buckets) + (wl.pp - 1) * per_micro)
+    recompute = per_micro / 3.0 if wl.recompute == "full" else 0.0
+    compute_s = (M * (per_micro + recompute + grad_copy) + _optimizer_s(wl, profile, buckets)
+                 + (wl.pp - 1) * per_micro)
     step_s = r.step_s + profile.overlap_slowdown * min(r.busy_s, M * per_micro)
     flops_gpu = wl.spec.flops_per_sequence() * wl.micro_batch * M / (wl.tp * wl.pp)
 
