@@ -57,25 +57,36 @@ def _run_op(op: str, x, group, size: int):
     return dist.all_to_all_single(torch.empty_like(x), x, group=group)
 
 
+_DEVICE = None   # the device of this calibration: scalars travel there (an NCCL group serves only CUDA tensors)
+
+
+def _sync() -> None:
+    import torch
+    if _DEVICE is not None and _DEVICE.type == "cuda":
+        torch.cuda.synchronize(_DEVICE)
+
+
 def _max_over_ranks(v: float) -> float:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([v], dtype=torch.float64)
+    t = torch.tensor([v], dtype=torch.float64, device=_DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def _timed(fn, iters: int) -> float:
-    """Median seconds of ``fn`` after one warm-up, max over ranks."""
+    """Median seconds of ``fn`` after one warm-up (completed: CUDA work is synchronised), max over ranks."""
     import torch.distributed as dist
 
     fn()
+    _sync()
     times = []
     for _ in range(iters):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return _max_over_ranks(statistics.median(times))
 
@@ -241,6 +252,8 @@ def calibrate(a, rpn: int, device) -> dict:
 
     from megatron_ext.planner.profile import HardwareProfile, LinkCost
 
+    global _DEVICE
+    _DEVICE = device
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else list(DEFAULT_SIZES)
     links, samples, bg_group = measure_links(rank, world, rpn, device, sizes, a.iters)
@@ -254,6 +267,8 @@ def calibrate(a, rpn: int, device) -> dict:
         x = torch.randn(1 << 18, device=device)
 
         def loop():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
             for _ in range(24):
                 dist.all_reduce(x, group=bg_group)
 
@@ -344,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if not a.worker:   # a rank 0 that cannot write would leave the others waiting at the end: check first
+        try:
+            with open(a.out, "a"):
+                pass
+        except OSError as e:
+            build_parser().error(f"--out {a.out}: not writable ({e})")
     if a.emulate and not a.worker:
         if not a.rate:
             build_parser().error("--emulate needs --rate (e.g. 1gbit)")

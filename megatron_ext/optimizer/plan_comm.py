@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..comm.backend import GradReduce, ParamGather, build_grad_reduce, build_param_gather
 from ..comm.ledger import CommLedger
@@ -41,21 +41,39 @@ class PlanComm:
         return align
 
 
+def stage_group_shapes(plan: ResolvedPlan) -> Tuple[Tuple[int, int], Optional[Tuple[int, int]]]:
+    """``(size, ranks per node)`` of the optim group and of the replica group (None: one replica); a pure function
+    of the plan, so the planner computes the same groups without a process group."""
+    rpn = plan.ranks_per_node
+    optim = (plan.optim, min(plan.optim, rpn))
+    replicas = (plan.replicas, max(1, min(plan.replicas, rpn // plan.optim))) if plan.replicas > 1 else None
+    return optim, replicas
+
+
+def stage_backend_names(plan: ResolvedPlan, grad_reduce: str) -> Tuple[str, Optional[str]]:
+    """The gradient backend of the optim stage and of the replica stage ([Note: which stage a backend quantizes])."""
+    shapes = [s for s in stage_group_shapes(plan) if s is not None]
+    crossing = any(size > per_node for size, per_node in shapes)
+
+    def name(shape) -> str:
+        size, per_node = shape
+        return grad_reduce if (size > per_node or not crossing) else "plain"
+
+    optim, replicas = stage_group_shapes(plan)
+    return name(optim), (name(replicas) if replicas is not None else None)
+
+
 def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,
                     options) -> PlanComm:
     """Create this rank's plan groups (members only, same order on every rank) and the stage backends."""
     optim = dp.subgroup(plan.optim_members)
     replicas = dp.subgroup(plan.replica_members) if plan.replicas > 1 else None
-    stages = [t for t in (optim, replicas) if t is not None]
-    crossing = any(t.num_nodes > 1 for t in stages)
-
-    def grad_backend(t: Topology) -> GradReduce:
-        name = grad_reduce if (t.num_nodes > 1 or not crossing) else "plain"
-        return build_grad_reduce(name, t, ledger, options)
-
+    optim_name, replica_name = stage_backend_names(plan, grad_reduce)
     hpz = dp.subgroup(plan.hpz_members) if plan.hpz > 1 else None
-    return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim),
-                    replica_reduce=grad_backend(replicas) if replicas is not None else None,
+    return PlanComm(plan=plan, optim=optim, replicas=replicas,
+                    grad_reduce=build_grad_reduce(optim_name, optim, ledger, options),
+                    replica_reduce=build_grad_reduce(replica_name, replicas, ledger, options)
+                    if replicas is not None else None,
                     param_gather=build_param_gather(param_gather, optim, ledger, options), hpz=hpz)
 
 

@@ -6,7 +6,9 @@ the quantization kernels and the launch cost where they share the processor) and
 ``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
 use (both for a group spanning nodes) and starts when it is issued and its channels are free; a hop of a
 multi-hop reduction (qgZ, ByteGrad, a reduce-scatter chained to the replicas' all-reduce) starts when the hop
-before it ends (the progress engine advances hops off the compute stream). What the ODO overlaps:
+before it ends: the progress engine (``comm/progress.py``, on by default) advances hops off the compute stream;
+without it (``--no-odo-progress-engine``) hops advance at later bucket launches and the model is optimistic.
+What the ODO overlaps:
 
 - forward: the weights' all-gathers, issued after the previous step in forward order, are waited for bucket by
   bucket (a forward segment starts when its bucket has arrived); ZeRO-3 gathers every micro-batch, prefetching up
@@ -50,6 +52,14 @@ class Workload:
     pp: int = 1
     recompute: str = "none"
     setup: TrainingSetup = TrainingSetup()
+    sequence_parallel: bool = False
+
+    @property
+    def has_deferred_params(self) -> bool:
+        """Parameters whose gradients are reduced over a model-parallel group before DP (sequence-parallel norms,
+        a tied embedding split over pipeline stages): the ODO keeps them in deferred buckets, which hold a full
+        gradient buffer (``optimizer/grad_sync.py``)."""
+        return (self.tp > 1 and self.sequence_parallel) or (self.pp > 1 and not self.spec.untie_embeddings)
 
     def wire(self) -> WireOptions:
         s = self.setup
@@ -273,10 +283,10 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     step_s = r.step_s + profile.overlap_slowdown * min(r.busy_s, M * per_micro)
     flops_gpu = wl.spec.flops_per_sequence() * wl.micro_batch * M / (wl.tp * wl.pp)
 
-    states = model_state_memory(cand, plan, buckets, data, wl.setup, M)
+    states = model_state_memory(cand, plan, buckets, data, wl.setup, M, deferred=wl.has_deferred_params)
     model_states = sum(states.values())
     activations = wl.spec.activation_bytes(wl.micro_batch, tp=wl.tp, pp=wl.pp, micro_batches=M,
-                                           recompute=wl.recompute, sequence_parallel=wl.tp > 1,
+                                           recompute=wl.recompute, sequence_parallel=wl.sequence_parallel,
                                            stores_attention_scores=profile.stores_attention_scores)
     transient = transient_memory(plan, buckets, wl.setup)
     memory = {"model_states": model_states, "activations": activations, "transient": transient,

@@ -18,7 +18,8 @@ from ..optimizer.bucketing import assign_buckets
 from ..optimizer.memory import model_state_bytes
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
-from .volumes import BucketShape, Group, group_of
+from ..optimizer.plan_comm import stage_backend_names
+from .volumes import BucketShape, plan_groups
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -58,20 +59,15 @@ def _lcm(*xs: int) -> int:
 
 def plan_alignment(cand: Candidate, plan: ResolvedPlan, setup: TrainingSetup) -> int:
     """Elements every bucket shard is a multiple of (``OverlappedDDP``: lcm of 64 and ``PlanComm.shard_alignment``)."""
-    rpn = plan.ranks_per_node
-    optim = group_of(plan.optim, rpn)
-    replicas = Group(plan.replicas, max(1, min(plan.replicas, rpn // plan.optim))) if plan.replicas > 1 else None
-    crossing = optim.nodes > 1 or (replicas is not None and replicas.nodes > 1)
-
-    def backend(g: Group) -> str:
-        return cand.grad_reduce if (g.nodes > 1 or not crossing) else "plain"
+    optim, replicas = plan_groups(plan)
+    optim_backend, replica_backend = stage_backend_names(plan, cand.grad_reduce)
 
     def shard_align(name: str) -> int:
         return 2 * setup.qgz_pipeline_stages if name == "qgz" else 1
 
-    align = _lcm(setup.shard_alignment, shard_align(backend(optim)))
+    align = _lcm(setup.shard_alignment, shard_align(optim_backend))
     if replicas is not None:
-        name = backend(replicas)
+        name = replica_backend
         if name == "bytegrad":
             align = _lcm(align, replicas.nodes if replicas.nodes > 1 else replicas.size)
         elif name == "qgz":
@@ -96,18 +92,24 @@ def owned_numel(buckets: Sequence[BucketShape], data_numels: Sequence[int], shar
 
 
 def model_state_memory(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShape],
-                       data_numels: Sequence[int], setup: TrainingSetup, micro_batches: int) -> Dict[str, int]:
-    """Model-state bytes of DP rank ``plan.dp_rank``, per component (``optimizer.memory.model_state_bytes``)."""
+                       data_numels: Sequence[int], setup: TrainingSetup, micro_batches: int,
+                       deferred: bool = False) -> Dict[str, int]:
+    """Model-state bytes of DP rank ``plan.dp_rank``, per component (``optimizer.memory.model_state_bytes``).
+
+    ``deferred``: some parameters are reduced over a model-parallel group first; their buckets accumulate in the
+    full-size gradient buffer, which then exists in every accumulation mode (the bucket layout is taken as without
+    them: a few elements of padding apart)."""
     padded = sum(b.numel for b in buckets)
-    local = plan.accumulates_locally(micro_batches > 1)
+    local = plan.accumulates_locally(micro_batches > 1) or deferred
     lossless_fp32 = setup.param_bytes == 4 and cand.param_gather == "plain"
     largest = max(b.numel for b in buckets)
+    pooled = not plan.accumulates_locally(micro_batches > 1)
     return model_state_bytes(
         padded_numel=padded, owned_numel=owned_numel(buckets, data_numels, plan.shard_rank),
         param_bytes=setup.param_bytes, grad_bytes=setup.grad_bytes, param_shards=plan.param,
         optim_shards=plan.optim, full_grad_buffer=local, master_bytes=0 if lossless_fp32 else 4,
         state_bytes=setup.state_bytes,
-        pool_bytes=0 if local else setup.buffer_pool_size * setup.grad_bytes * largest, hpz=plan.hpz)
+        pool_bytes=0 if not pooled else setup.buffer_pool_size * setup.grad_bytes * largest, hpz=plan.hpz)
 
 
 def transient_memory(plan: ResolvedPlan, buckets: Sequence[BucketShape], setup: TrainingSetup) -> int:

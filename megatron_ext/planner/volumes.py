@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..comm.bytegrad import bytegrad_bytes
 from ..comm.qgz import qgz_bytes
 from ..comm.qwz import qwz_row_bytes
+from ..optimizer.plan_comm import stage_backend_names, stage_group_shapes
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
 
@@ -46,9 +47,10 @@ class Group:
         return self.per_node - 1, self.size - self.per_node
 
 
-def group_of(size: int, ranks_per_node: int) -> Group:
-    """A contiguous (or strided, one per block) group of ``size`` DP ranks on nodes of ``ranks_per_node``."""
-    return Group(size, min(size, ranks_per_node))
+def plan_groups(plan: ResolvedPlan) -> Tuple[Group, Optional[Group]]:
+    """The optim group and the replica group (None: one replica) of a plan, as the ODO builds them."""
+    optim, replicas = stage_group_shapes(plan)
+    return Group(*optim), (Group(*replicas) if replicas is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +175,8 @@ def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShap
                wire: WireOptions = WireOptions()) -> List[Call]:
     """Every call DP rank ``plan.dp_rank`` issues in one steady-state step, in issue order per bucket."""
     rpn, M = plan.ranks_per_node, micro_batches
-    optim = group_of(plan.optim, rpn)
-    replicas = Group(plan.replicas, max(1, min(plan.replicas, rpn // plan.optim))) if plan.replicas > 1 else None
-    crossing = optim.nodes > 1 or (replicas is not None and replicas.nodes > 1)
-
-    def backend_for(g: Group) -> str:
-        return cand.grad_reduce if (g.nodes > 1 or not crossing) else "plain"
+    optim, replicas = plan_groups(plan)
+    optim_backend, replica_backend = stage_backend_names(plan, cand.grad_reduce)
 
     bits, e_g, e_p = cand.qgz_bits, wire.grad_bytes, wire.param_bytes
     zero3 = plan.param > 1
@@ -200,12 +198,12 @@ def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShap
                     calls += _all_gather(cand.param_gather, n, optim, e_p, wire, phase="bwd_gather", bucket=k,
                                          key=("bg", k, m), micro_batch=m)
             if m in reductions:
-                calls += _reduce_scatter(backend_for(optim), bits, n, optim, e_g, wire, optim_local, phase="grad",
+                calls += _reduce_scatter(optim_backend, bits, n, optim, e_g, wire, optim_local, phase="grad",
                                          bucket=k, key=("rs", k, m), micro_batch=m)
         if replicas is not None:
-            rs = _reduce_scatter(backend_for(optim), bits, n, optim, e_g, wire, optim_local, phase="grad", bucket=k)
+            rs = _reduce_scatter(optim_backend, bits, n, optim, e_g, wire, optim_local, phase="grad", bucket=k)
             first = max((c.hop for c in rs), default=-1) + 1
-            for c in _all_reduce(backend_for(replicas), bits, n, replicas, e_g, wire, replica_local, phase="replica",
+            for c in _all_reduce(replica_backend, bits, n, replicas, e_g, wire, replica_local, phase="replica",
                                  bucket=k, key=("rs", k, M - 1), micro_batch=M - 1):
                 calls.append(dataclasses.replace(c, hop=c.hop + first))
         if not zero3:
