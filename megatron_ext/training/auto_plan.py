@@ -247,3 +247,25 @@ def auto_plan(args: argparse.Namespace) -> None:
     flags = best.candidate.flags()
     apply_plan(args, flags)
     args.auto_plan_summary = summary(ranking, best, flags)
+    args.auto_plan_label = best.candidate.label
+
+
+def check_ranks_agree(args: argparse.Namespace) -> None:
+    """Every rank planned alone (no collective at parse time); once the world exists, one all-reduce checks they
+    chose the same plan -- a profile or tokenizer that differs between nodes would otherwise hang the first
+    collective of mismatched groups. Every rank raises together."""
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+
+    label = getattr(args, "auto_plan_label", None)
+    if label is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    h = float(zlib.crc32(label.encode()))
+    t = torch.tensor([h, -h], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() != -t[1].item():
+        _fail(f"--auto-plan: the ranks chose different plans (this rank: {label}); --plan-profile, the tokenizer "
+              "files or LOCAL_WORLD_SIZE differ between nodes: give every rank the same")

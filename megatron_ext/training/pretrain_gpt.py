@@ -116,6 +116,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         init_model_parallel(args)
         if getattr(args, "auto_plan_summary", None):   # --auto-plan: chosen while the flags were validated
+            from .auto_plan import check_ranks_agree
+            check_ranks_agree(args)
             print_rank_0(args.auto_plan_summary)
         tokenizer, (train_ds, valid_ds, _test_ds) = _build_data(args)
         # --vocab-size stays what the user gave (NullTokenizer's ids before EOD, as in Megatron-LM).

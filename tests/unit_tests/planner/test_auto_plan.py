@@ -199,3 +199,25 @@ def test_tiny_cpu_run_with_auto_plan_equals_the_pasted_cli_flags(spawn, tmp_path
         assert losses_a == losses_b                 # the same plan: the same training, bit for bit
         assert lines_b == [] and len(lines_a) == (1 if rank == 0 else 0)
     assert ranks[0][0][3][0].endswith("flags: " + " ".join(flags))
+
+
+def _agree(labels):
+    import argparse
+
+    import torch.distributed as dist
+
+    from megatron_ext.training.arguments import ArgumentError
+    from megatron_ext.training.auto_plan import check_ranks_agree
+
+    args = argparse.Namespace(auto_plan_label=labels[dist.get_rank()])
+    try:
+        check_ranks_agree(args)
+    except ArgumentError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_planned_differently_all_fail_naming_the_profile(spawn):
+    assert spawn(_agree, 2, ["p1.g1.o2.h1 plain+plain b40M"] * 2) == [None, None]
+    errors = spawn(_agree, 2, ["p1.g1.o2.h1 plain+plain b40M", "p1.g2.o2.h1 plain+plain b40M"])
+    assert all(e is not None and "--plan-profile" in e for e in errors)
