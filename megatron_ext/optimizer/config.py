@@ -5,6 +5,7 @@ import dataclasses
 from typing import Optional
 
 from ..comm.backend import BackendOptions
+from ..comm.progress import engine_enabled_by_default
 from .sharding import ShardingPlan
 
 ACCUMULATE_POLICIES = ("auto", "shard", "local")
@@ -30,6 +31,9 @@ class OverlapConfig:
     qgz_pipeline_stages: int = 2
     shard_alignment: int = 64              # elements; at least 128 bytes for 2-byte dtypes
     gather_pool_size: int = 4              # ZeRO-3: full-weight bucket buffers alive at once (prefetch bound)
+    # --odo-progress-engine: a progress thread issues, advances and completes every backend work (comm/progress.py);
+    # off: the synchronous path (hops advanced on the training thread). Default: MEGATRON_EXT_PROGRESS_ENGINE.
+    progress_engine: bool = dataclasses.field(default_factory=engine_enabled_by_default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..comm.backend import ChainedWork, CompletedWork, GradReduce, Work
+from ..comm.engine_backend import submit_with
 from ..comm.ledger import CommLedger
 from .bucketing import Bucket
 from .buffer_pool import BufferPool
@@ -286,9 +287,10 @@ class GradSync:
         if replica is None:
             work: Work = self.backend.reduce_scatter(buffer, target)
             epilogue: Optional[Callable[[], None]] = after_reduce_scatter
-        else:
+        else:   # one engine work when a progress engine runs the backends: the chain advances on its thread
             rs = self.backend.reduce_scatter
-            work = ChainedWork([lambda: rs(buffer, target), start_all_reduce, after_all_reduce])
+            work = submit_with(self.backend, lambda: ChainedWork([lambda: rs(buffer, target), start_all_reduce,
+                                                                  after_all_reduce]), (buffer, target, out))
             epilogue = None
         for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
             earlier.advance()

@@ -15,6 +15,8 @@ import math
 from typing import Optional
 
 from ..comm.backend import GradReduce, ParamGather, build_grad_reduce, build_param_gather
+from ..comm.engine_backend import EngineGradReduce, EngineParamGather
+from ..comm.progress import ProgressEngine
 from ..comm.ledger import CommLedger
 from ..comm.topology import Topology
 from .sharding import ResolvedPlan
@@ -42,21 +44,30 @@ class PlanComm:
 
 
 def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,
-                    options) -> PlanComm:
-    """Create this rank's plan groups (members only, same order on every rank) and the stage backends."""
+                    options, engine: Optional[ProgressEngine] = None) -> PlanComm:
+    """Create this rank's plan groups (members only, same order on every rank) and the stage backends.
+
+    With a progress ``engine`` the backends run on the engine thread over clones of the stage groups (see
+    [Note: progress engine] in comm/progress.py); the clones are created right after the originals.
+    """
     optim = dp.subgroup(plan.optim_members)
     replicas = dp.subgroup(plan.replica_members) if plan.replicas > 1 else None
     stages = [t for t in (optim, replicas) if t is not None]
     crossing = any(t.num_nodes > 1 for t in stages)
+    hpz = dp.subgroup(plan.hpz_members) if plan.hpz > 1 else None
+    clones = {id(t): (t.engine_clone() if engine is not None else t) for t in stages}
 
     def grad_backend(t: Topology) -> GradReduce:
         name = grad_reduce if (t.num_nodes > 1 or not crossing) else "plain"
-        return build_grad_reduce(name, t, ledger, options)
+        inner = build_grad_reduce(name, clones[id(t)], ledger, options)
+        return EngineGradReduce(inner, engine) if engine is not None else inner
 
-    hpz = dp.subgroup(plan.hpz_members) if plan.hpz > 1 else None
+    gather = build_param_gather(param_gather, clones[id(optim)], ledger, options)
+    if engine is not None:
+        gather = EngineParamGather(gather, engine)
     return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim),
                     replica_reduce=grad_backend(replicas) if replicas is not None else None,
-                    param_gather=build_param_gather(param_gather, optim, ledger, options), hpz=hpz)
+                    param_gather=gather, hpz=hpz)
 
 
 def _lcm(*xs: int) -> int:
