@@ -170,7 +170,7 @@ def _raw_combo(topo, label, gr, pg, extra, a) -> Dict:
     from megatron_ext.comm import BackendOptions, CommLedger, build_grad_reduce, build_param_gather
 
     dtype = getattr(torch, a.dtype)
-    opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages, **extra)
+    opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or 2, **extra)
     ledger = CommLedger()
     grad_be = build_grad_reduce(gr, topo, ledger, opts)
     param_be = build_param_gather(pg, topo, ledger, opts)
@@ -241,7 +241,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     ocfg = mx.OverlapConfig(bucket_size=bucket or a.bucket_numel, grad_reduce=gr, param_gather=pg,
                             progress_engine=engine,
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
-                            quant_group_size=a.group_size, qgz_pipeline_stages=a.stages,
+                            quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or None,
                             qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node))
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
@@ -642,7 +642,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--group-size", type=int, default=2048)
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=0,
+                    help="qgZ pipeline stages per bucket (0: the ODO's auto rule; raw mode: 2)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)

@@ -76,6 +76,12 @@ class Work(abc.ABC):
         return type(self).advance is not Work.advance
 
     @property
+    def ready(self) -> bool:
+        """``wait()`` would neither block nor issue a collective (a finished single-phase handle): the progress
+        engine may complete it at any moment, whatever the timing. False when unknown."""
+        return False
+
+    @property
     @abc.abstractmethod
     def done(self) -> bool:
         """Every phase has run and completed."""
@@ -86,6 +92,10 @@ class CompletedWork(Work):
 
     def wait(self) -> None:
         return None
+
+    @property
+    def ready(self) -> bool:
+        return True
 
     @property
     def done(self) -> bool:
@@ -115,6 +125,10 @@ class TorchWork(Work):
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def ready(self) -> bool:
+        return self._done or self._handle is None or self._handle.is_completed()
 
 
 class StagedWork(Work):

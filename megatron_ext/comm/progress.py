@@ -12,8 +12,16 @@ quantize, issue the first hop) and ``COMPLETE(w)`` (sent the first time ``w.wait
 executes them strictly in FIFO order with a fixed rule:
 
 * ``LAUNCH(k)``: run ``k``'s launch function (it issues ``k``'s first hop), then advance every older in-flight
-  work by one phase, oldest first (a single-phase work is completed: its handle waited for, its epilogue run);
+  multi-phase work by one phase, oldest first (wait for its current hop, run the local work between hops, issue
+  the next hop);
 * ``COMPLETE(k)``: complete every in-flight work up to and including ``k``, oldest first.
+
+After each command the engine completes every single-phase work whose handle has finished (``Work.ready``), and
+while no command is queued it waits for the oldest in-flight work if that one is single-phase: this runs its
+epilogue (qwZ's decode, plain's averaging) ahead of the consumer's ``wait()`` and issues nothing, so it may happen
+at any time. Single-phase works are never waited for at a launch (that would cap the collectives in flight at
+two), and a multi-phase work is never completed while idle (that would issue its later hops at a time that
+depends on timing).
 
 *Why the order is the same on every rank.* Every collective the engine issues is issued by one of those rules, so
 the sequence of collectives on each group is a pure function of the command sequence. The commands are submitted at
@@ -56,7 +64,7 @@ import torch
 
 from .backend import Work
 
-_LAUNCH, _COMPLETE, _SYNC = range(3)
+_LAUNCH, _COMPLETE = range(2)
 
 # Test hook: called on the engine thread before every command and every phase it advances (random delays).
 _DELAY_HOOK: Optional[Callable[[str], None]] = None
@@ -238,10 +246,15 @@ class ProgressEngine:
     # -- engine thread --------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            if self._queue.empty() and self._error is None and self._inflight \
+                    and not self._inflight[0]._inner.multi_phase:
+                self._complete_oldest()   # idle: finish the oldest single-phase work (issues nothing)
+                continue
             kind, work = self._queue.get()
             try:
                 if self._error is None:
                     self._execute(kind, work)
+                    self._complete_ready()
                 if self._error is not None:
                     self._fail_all(work)
             finally:
@@ -263,13 +276,10 @@ class ProgressEngine:
                     work._inner = launch()
                     self._inflight.append(work)
                     for older in list(self._inflight[:-1]):   # one phase each, oldest first
-                        if hook is not None:
-                            hook("advance")
-                        inner = older._inner
-                        if inner.multi_phase:
-                            inner.advance()
-                        else:
-                            inner.wait()
+                        if older._inner.multi_phase:
+                            if hook is not None:
+                                hook("advance")
+                            older._inner.advance()
                     self._retire_finished()
                 elif kind == _COMPLETE:
                     if work in self._inflight:
@@ -282,6 +292,27 @@ class ProgressEngine:
                     self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
             self._error = e
+
+    def _complete_oldest(self) -> None:
+        try:
+            with self.streams.context():
+                self._inflight[0]._inner.wait()
+                self._retire_finished()
+        except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
+            self._error = e
+            self._fail_all(None)
+
+    def _complete_ready(self) -> None:
+        """Complete the single-phase works whose handles have finished (issues nothing: timing may decide)."""
+        try:
+            with self.streams.context():
+                for w in self._inflight:
+                    if w._inner.ready:
+                        w._inner.wait()
+                self._retire_finished()
+        except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
+            self._error = e
+            self._fail_all(None)
 
     def _retire_finished(self) -> None:
         still: List[EngineWork] = []

@@ -81,6 +81,10 @@ class OverlappedDDP(torch.nn.Module):
         self.shard_rank = self.plan.shard_rank   # this rank's shard of every bucket (its rank in the optim group)
         self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.plan.optim, alignment,
                                                     deferred=[id(p) in mp for p in params])
+        self.qgz_stages = config.resolved_qgz_stages(sum(not b.deferred for b in self.buckets),
+                                                     self.engine is not None)
+        if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
+            self.comm.set_qgz_stages(self.qgz_stages)
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.

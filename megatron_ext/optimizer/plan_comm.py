@@ -32,6 +32,14 @@ class PlanComm:
     param_gather: ParamGather
     hpz: Optional[Topology] = None       # hpZ secondary group (node-local), when the plan has one
 
+    def set_qgz_stages(self, stages: int) -> None:
+        """Use ``stages`` qgZ pipeline stages from now on (the alignment of 2 * the default stays valid)."""
+        for be in (self.grad_reduce, self.replica_reduce):
+            if be is None:
+                continue
+            be = getattr(be, "inner", be)
+            be.options = dataclasses.replace(be.options, qgz_pipeline_stages=stages)
+
     @property
     def shard_alignment(self) -> int:
         """Elements a bucket shard must be a multiple of for every stage of this plan."""

@@ -133,10 +133,22 @@ def test_stream_order_launch_after_ready_event_consumer_waits_on_done_event():
 
 # -- the ODO at DP=4 ------------------------------------------------------------------------------------------------
 DP, RPN, STEPS = 4, 2, 50
-CASES = [("qgz", "qwz", "zero2"), ("bytegrad", "plain", "zero2"), ("qgz", "plain", "mics"), ("plain", "plain", "zero2")]
+# (grad_reduce, param_gather, plan, qgz stages: None is the auto rule, one stage with this many buckets)
+CASES = [("qgz", "qwz", "zero2", 2), ("qgz", "qwz", "zero2", None), ("bytegrad", "plain", "zero2", 2),
+         ("qgz", "plain", "mics", 2), ("plain", "plain", "zero2", 2)]
 
 
-def _train(gr: str, pg: str, plan: str, engine: bool, delays: bool) -> torch.Tensor:
+def test_auto_qgz_stages_one_stage_with_many_buckets_and_the_engine():
+    import megatron_ext as mx
+
+    auto = mx.OverlapConfig(qgz_pipeline_stages=None)
+    assert auto.resolved_qgz_stages(14, engine=True) == 1
+    assert auto.resolved_qgz_stages(2, engine=True) == 2
+    assert auto.resolved_qgz_stages(14, engine=False) == 2
+    assert mx.OverlapConfig().resolved_qgz_stages(14, engine=True) == 2   # the default stays explicit
+
+
+def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
@@ -148,9 +160,12 @@ def _train(gr: str, pg: str, plan: str, engine: bool, delays: bool) -> torch.Ten
                                  torch.nn.Linear(29, 5))
     sharding = mx.ShardingPlan() if plan == "zero2" else mx.ShardingPlan.mics(RPN)
     cfg = mx.OverlapConfig(bucket_size=200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN,
-                           quant_group_size=32, sharding=sharding, progress_engine=engine)
+                           quant_group_size=32, sharding=sharding, progress_engine=engine,
+                           qgz_pipeline_stages=stages)
     model = mx.OverlappedDDP(module, cfg)
     assert (model.engine is not None) == engine
+    if stages is None and engine:
+        assert model.qgz_stages == 1 and len(model.buckets) >= 4
     opt = mx.OverlappedDistributedOptimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0), model)
     rng = random.Random(1000 * rank + 7)
@@ -178,11 +193,12 @@ def _train(gr: str, pg: str, plan: str, engine: bool, delays: bool) -> torch.Ten
 def _all_variants():
     W.capture_logs()
     out = {}
-    for gr, pg, plan in CASES:
-        key = f"{gr}+{pg}/{plan}"
-        out[key] = {"sync": _train(gr, pg, plan, engine=False, delays=False),
-                    "engine": _train(gr, pg, plan, engine=True, delays=False),
-                    "delayed": _train(gr, pg, plan, engine=True, delays=True)}
+    for gr, pg, plan, stages in CASES:
+        key = f"{gr}+{pg}/{plan}/stages={stages}"
+        # auto stages differ with and without the engine: compare the delayed engine with the undelayed one
+        out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, engine=False, delays=False),
+                    "engine": _train(gr, pg, plan, stages, engine=True, delays=False),
+                    "delayed": _train(gr, pg, plan, stages, engine=True, delays=True)}
     return out
 
 
