@@ -23,6 +23,9 @@ time it launches a new one, during backward). ``wait()`` advances until done. Ev
 at the same points of its program (never depending on timing, e.g. on polling a handle), because each phase
 issues collectives on shared groups in the same order on every rank. Results do not depend on when, or whether,
 ``advance()`` is called.
+
+With the progress engine (progress.py) the ODO never calls ``advance()`` itself: the engine thread does, at the
+same points of its command sequence on every rank (see [Note: progress engine]).
 """
 from __future__ import annotations
 

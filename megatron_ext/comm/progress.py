@@ -143,7 +143,7 @@ class CudaStreamOps(StreamOps):
             self.stream.wait_event(token)
 
     def context(self):
-        return torch.cuda.stream(self.stream)
+        return _CudaContext(self.device, self.stream)
 
     def at_done(self):
         ev = torch.cuda.Event()
@@ -153,6 +153,24 @@ class CudaStreamOps(StreamOps):
     def at_consume(self, token) -> None:
         if token is not None:
             torch.cuda.current_stream(self.device).wait_event(token)
+
+
+class _CudaContext:
+    """The engine thread's device and communication stream (a new thread starts on device 0, default stream)."""
+
+    def __init__(self, device: torch.device, stream) -> None:
+        self._device = torch.cuda.device(device)
+        self._stream = torch.cuda.stream(stream)
+
+    def __enter__(self):
+        self._device.__enter__()
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._stream.__exit__(*exc)
+        self._device.__exit__(*exc)
+        return False
 
 
 # -- works ----------------------------------------------------------------------------------------------------------

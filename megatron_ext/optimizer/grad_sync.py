@@ -34,6 +34,9 @@ before has finished. Launching the next bucket is the moment the ODO drives them
 advanced by one hop (``Work.advance()``), oldest first. Launch points are the same on every rank, so every group
 sees the same collective sequence everywhere (advancing on ``is_completed()`` polls would not be), and the
 inter-node hop of bucket k overlaps the backward of the buckets after it instead of waiting for the end.
+With the progress engine (the default, comm/progress.py) the backends' works are engine works: ``advance()`` is a
+no-op here, and the engine thread applies the same rule to the same launch sequence, off the training thread
+(see [Note: progress engine]); a chained reduce-scatter + replica all-reduce is submitted as one engine work.
 
 [Note: overlap off]
 With ``overlap_grad_reduce=False`` pooled buckets are still reduced as they complete, but each reduce-scatter is

@@ -148,7 +148,8 @@ def test_auto_qgz_stages_one_stage_with_many_buckets_and_the_engine():
     assert mx.OverlapConfig().resolved_qgz_stages(14, engine=True) == 2   # the default stays explicit
 
 
-def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool) -> torch.Tensor:
+def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, steps: int = STEPS,
+           rpn: int = RPN) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
@@ -158,8 +159,8 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool) -> t
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 29), torch.nn.Tanh(),
                                  torch.nn.Linear(29, 5))
-    sharding = mx.ShardingPlan() if plan == "zero2" else mx.ShardingPlan.mics(RPN)
-    cfg = mx.OverlapConfig(bucket_size=200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN,
+    sharding = mx.ShardingPlan() if plan == "zero2" else mx.ShardingPlan.mics(rpn)
+    cfg = mx.OverlapConfig(bucket_size=200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=rpn,
                            quant_group_size=32, sharding=sharding, progress_engine=engine,
                            qgz_pipeline_stages=stages)
     model = mx.OverlappedDDP(module, cfg)
@@ -173,7 +174,7 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool) -> t
         set_delay_hook(lambda where: time.sleep(rng.random() * 0.003) if rng.random() < 0.3 else None)
     try:
         g = torch.Generator().manual_seed(100 + rank)
-        for step in range(STEPS):
+        for step in range(steps):
             x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
             if step % 5 == 4:   # some steps with two micro-batches (accumulation inside no_sync)
                 with model.no_sync():
@@ -190,20 +191,29 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool) -> t
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
-def _all_variants():
+def _all_variants(cases=CASES, steps: int = STEPS, rpn: int = RPN):
     W.capture_logs()
     out = {}
-    for gr, pg, plan, stages in CASES:
+    for gr, pg, plan, stages in cases:
         key = f"{gr}+{pg}/{plan}/stages={stages}"
         # auto stages differ with and without the engine: compare the delayed engine with the undelayed one
-        out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, engine=False, delays=False),
-                    "engine": _train(gr, pg, plan, stages, engine=True, delays=False),
-                    "delayed": _train(gr, pg, plan, stages, engine=True, delays=True)}
+        out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, False, False, steps, rpn),
+                    "engine": _train(gr, pg, plan, stages, True, False, steps, rpn),
+                    "delayed": _train(gr, pg, plan, stages, True, True, steps, rpn)}
     return out
 
 
 def test_random_engine_delays_give_the_same_weights_and_never_hang():
-    res = run_distributed(_all_variants, DP, timeout=600)
+    _check_same_weights(run_distributed(_all_variants, DP, timeout=600))
+
+
+def test_dp8_engine_and_delays_match_the_synchronous_path():
+    """2 nodes x 4 ranks: the engine (with and without random delays) gives the synchronous path's weights."""
+    cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2)]
+    _check_same_weights(run_distributed(_all_variants, 8, cases, 10, 4, timeout=600))
+
+
+def _check_same_weights(res) -> None:
     for key in res[0]:
         ref = res[0][key]["sync"]
         for rank, out in enumerate(res):
