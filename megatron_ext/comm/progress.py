@@ -16,12 +16,11 @@ executes them strictly in FIFO order with a fixed rule:
   the next hop);
 * ``COMPLETE(k)``: complete every in-flight work up to and including ``k``, oldest first.
 
-After each command the engine completes every single-phase work whose handle has finished (``Work.ready``), and
-while no command is queued it waits for the oldest in-flight work if that one is single-phase: this runs its
-epilogue (qwZ's decode, plain's averaging) ahead of the consumer's ``wait()`` and issues nothing, so it may happen
-at any time. Single-phase works are never waited for at a launch (that would cap the collectives in flight at
-two), and a multi-phase work is never completed while idle (that would issue its later hops at a time that
-depends on timing).
+After each command, and every ``POLL_S`` while it waits for one, the engine completes every single-phase work
+whose handle has finished (``Work.ready``): this runs its epilogue (qwZ's decode, plain's averaging) ahead of the
+consumer's ``wait()`` and issues nothing, so it may happen at any time. The engine never blocks on a single-phase
+work outside ``COMPLETE`` (a launch arriving meanwhile would wait: no two reduce-scatters in flight), and never
+completes a multi-phase work while idle (that would issue its later hops at a time that depends on timing).
 
 *Why the order is the same on every rank.* Every collective the engine issues is issued by one of those rules, so
 the sequence of collectives on each group is a pure function of the command sequence. The commands are submitted at
@@ -65,6 +64,7 @@ import torch
 from .backend import Work
 
 _LAUNCH, _COMPLETE = range(2)
+POLL_S = 0.001   # while single-phase works are in flight, the idle engine looks at their handles this often
 
 # Test hook: called on the engine thread before every command and every phase it advances (random delays).
 _DELAY_HOOK: Optional[Callable[[str], None]] = None
@@ -264,11 +264,12 @@ class ProgressEngine:
     # -- engine thread --------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if self._queue.empty() and self._error is None and self._inflight \
-                    and not self._inflight[0]._inner.multi_phase:
-                self._complete_oldest()   # idle: finish the oldest single-phase work (issues nothing)
+            polling = self._error is None and any(not w._inner.multi_phase for w in self._inflight)
+            try:
+                kind, work = self._queue.get(timeout=POLL_S if polling else None)
+            except queue.Empty:   # idle: finish single-phase works whose handles are done (issues nothing)
+                self._complete_ready()
                 continue
-            kind, work = self._queue.get()
             try:
                 if self._error is None:
                     self._execute(kind, work)
@@ -310,15 +311,6 @@ class ProgressEngine:
                     self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
             self._error = e
-
-    def _complete_oldest(self) -> None:
-        try:
-            with self.streams.context():
-                self._inflight[0]._inner.wait()
-                self._retire_finished()
-        except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
-            self._error = e
-            self._fail_all(None)
 
     def _complete_ready(self) -> None:
         """Complete the single-phase works whose handles have finished (issues nothing: timing may decide)."""
