@@ -24,6 +24,13 @@ FSDP2 HSDP (2-D mesh: sharded inside a node, replicated across nodes, ``--peers 
 ZeRO-2. Every row also reports the bytes that actually left each node (the node namespace's eth0 counter, so
 peers are measured the same way as the ODO, TCP/IP headers included) and the model-state MB per rank.
 
+Honest comparison (gpt mode, issue 14): ``--sweep 4000000,1000000,400000`` runs every combo at each bucket size too,
+``--floor`` adds an ``unlimited`` link run first (the no-link floor), and the summary reports, per rate, each row at
+its best bucket size next to its limit ``max(no-link step, cross-node bytes per node / link rate)`` and the
+best-against-best speedup over plain; ``--peers fsdp2,deepspeed-zero2`` adds FSDP2 (ZeRO-2-like:
+``reshard_after_forward=False``) and DeepSpeed ZeRO-2. ``--progress-engine both`` adds each combo without the
+progress engine (row ``<combo> (sync)``), for comparison.
+
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
     sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
         --peers fsdp2-hsdp,deepspeed-zero2 --rates 1gbit,100mbit
@@ -163,7 +170,7 @@ def _raw_combo(topo, label, gr, pg, extra, a) -> Dict:
     from megatron_ext.comm import BackendOptions, CommLedger, build_grad_reduce, build_param_gather
 
     dtype = getattr(torch, a.dtype)
-    opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages, **extra)
+    opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or 2, **extra)
     ledger = CommLedger()
     grad_be = build_grad_reduce(gr, topo, ledger, opts)
     param_be = build_param_gather(pg, topo, ledger, opts)
@@ -221,7 +228,9 @@ def _gpt_loss(model, batch):
     return gpt_loss_func(batch["loss_mask"], out)[0]
 
 
-def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
+def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: Optional[int] = None,
+               engine: bool = True) -> Dict:
+    """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off."""
     import contextlib
 
     from megatron.core.optimizer import OptimizerConfig
@@ -229,9 +238,10 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
     import megatron_ext as mx
 
     model, batches = _gpt_setup(a, topo.rank)
-    ocfg = mx.OverlapConfig(bucket_size=a.bucket_numel, grad_reduce=gr, param_gather=pg,
+    ocfg = mx.OverlapConfig(bucket_size=bucket or a.bucket_numel, grad_reduce=gr, param_gather=pg,
+                            progress_engine=engine,
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
-                            quant_group_size=a.group_size, qgz_pipeline_stages=a.stages,
+                            quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or None,
                             qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node))
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
@@ -254,6 +264,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2") -> Dict:
     step()
     mem = ddp.memory_report()
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
+            "bucket_numel": bucket or a.bucket_numel, "buckets": len(ddp.buckets), "progress_engine": engine,
             "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
             "memory": mem}
@@ -364,6 +375,7 @@ def _deepspeed_model_state_bytes(engine) -> Optional[int]:
 
 
 PEERS = {
+    "fsdp2": ("FSDP2", lambda topo, a: _fsdp2_combo(topo, a, False, False)),
     "fsdp2-hsdp": ("FSDP2 HSDP", lambda topo, a: _fsdp2_combo(topo, a, True, False)),
     "fsdp2-zero3": ("FSDP2 reshard=True", lambda topo, a: _fsdp2_combo(topo, a, False, True)),
     "fsdp2-hpz": ("FSDP2 reshard=rpn", lambda topo, a: _fsdp2_combo(topo, a, False, topo.ranks_per_node)),
@@ -392,21 +404,38 @@ def worker(a) -> None:
 
     topo = Topology(ranks_per_node=a.ranks_per_node)
     results = {}
+    sweep: Dict[str, Dict[str, Dict]] = {}
     plans = a.plans.split(",") if a.mode == "gpt" else ["zero2"]
+    engines = {"on": [True], "off": [False], "both": [True, False]}[a.progress_engine]
+    sizes = sweep_sizes(a) if a.mode == "gpt" else []
     for plan_name in plans:
         for combo in COMBOS:
             label = combo.label
             if a.combos and label not in a.combos.split(","):
                 continue
-            row = label if len(plans) == 1 else f"{plan_name} {label}"
-            if a.mode == "raw":
-                results[row] = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather,
-                                          {"qgz_bits": combo.qgz_bits}, a)
-            else:
-                results[row] = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather,
-                                          {"qgz_bits": combo.qgz_bits}, a, plan_name)
-            if a.rank == 0:
-                print(f"  {row:<22} {1e3 * statistics.median(results[row]['times_s']):9.1f} ms/step", flush=True)
+            base_row = label if len(plans) == 1 else f"{plan_name} {label}"
+            extra = {"qgz_bits": combo.qgz_bits}
+            for engine in engines:
+                row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
+                if a.mode == "raw":
+                    results[row] = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
+                else:
+                    results[row] = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a,
+                                              plan_name, engine=engine)
+                if a.rank == 0:
+                    print(f"  {row:<22} {1e3 * statistics.median(results[row]['times_s']):9.1f} ms/step", flush=True)
+            # The sweep: the same combination at every other bucket size (progress engine as the first setting).
+            for size in sizes:
+                key = str(size)
+                if size == a.bucket_numel:
+                    sweep.setdefault(base_row, {})[key] = _sweep_point(results[base_row])
+                    continue
+                r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                               bucket=size, engine=engines[0])
+                sweep.setdefault(base_row, {})[key] = _sweep_point(r)
+                if a.rank == 0:
+                    print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
+                          f"({r['buckets']} buckets)", flush=True)
     if a.mode == "gpt":
         for key in [p for p in a.peers.split(",") if p]:
             name, fn = PEERS[key]
@@ -422,7 +451,7 @@ def worker(a) -> None:
                 print(f"  {name:<22} {1e3 * statistics.median(results[name]['times_s']):9.1f} ms/step", flush=True)
     if a.rank == 0:
         with open(a.out, "w") as f:
-            json.dump(results, f)
+            json.dump({"rows": results, "sweep": sweep}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -475,6 +504,97 @@ def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
             return json.load(f)
 
 
+SYNC_SUFFIX = " (sync)"
+
+
+def sweep_sizes(a) -> List[int]:
+    """Bucket sizes of ``--sweep`` (the common ``--bucket-numel`` included whenever a sweep is asked for)."""
+    if not a.sweep:
+        return []
+    return sorted({int(float(x)) for x in a.sweep.split(",") if x} | {a.bucket_numel}, reverse=True)
+
+
+def _sweep_point(r: Dict) -> Dict:
+    ledger = r.get("ledger") or {}
+    return {"times_s": r["times_s"], "wire_per_node": r.get("wire_per_node"), "buckets": r.get("buckets"),
+            "ledger_inter_per_node": (ledger.get("per_node") or {}).get("inter")}
+
+
+def rate_bits_per_s(rate: str) -> Optional[float]:
+    """tc rate string to bit/s (``unlimited``: None)."""
+    r = rate.strip().lower()
+    if r == "unlimited":
+        return None
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if r.endswith(unit):
+            return float(r[:-len(unit)]) * mult
+    raise ValueError(f"unknown rate {rate!r}")
+
+
+def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: List[str]) -> Dict[str, Dict]:
+    """Per rate and row: the common-size step, the best bucket size of the sweep, the limit
+    ``max(no-link step, cross-node bytes per node / link rate)`` (no-link step: the same row and bucket size on the
+    ``unlimited`` run, when there is one) and the ratio of the best step to its limit, plus best-against-best
+    speedups over plain."""
+    floor_rate = "unlimited" if "unlimited" in results else None
+    out: Dict[str, Dict] = {}
+    for rate, rows in results.items():
+        bps = rate_bits_per_s(rate)
+        summ: Dict[str, Dict] = {}
+        for label, row in rows.items():
+            points = {str(row.get("bucket_numel", "common")): _sweep_point(row)}
+            points.update(sweeps.get(rate, {}).get(label, {}))
+            best_key = min(points, key=lambda k: statistics.median(points[k]["times_s"]))
+            best = points[best_key]
+
+            def floor_of(key: str) -> Optional[float]:
+                if floor_rate is None:
+                    return None
+                frow = results[floor_rate].get(label)
+                if frow is None:
+                    return None
+                if key == str(frow.get("bucket_numel", "common")):
+                    return statistics.median(frow["times_s"])
+                fp = sweeps.get(floor_rate, {}).get(label, {}).get(key)
+                return statistics.median(fp["times_s"]) if fp else None
+
+            def limit_of(key: str, point: Dict) -> Optional[float]:
+                floor = floor_of(key)
+                wire = point.get("wire_per_node") or point.get("ledger_inter_per_node") or 0.0
+                link = wire * 8 / bps if bps else 0.0
+                return max(floor, link) if floor is not None else (link or None)
+
+            best_ms = statistics.median(best["times_s"])
+            limit = limit_of(best_key, best)
+            summ[label] = {"common_ms": 1e3 * statistics.median(row["times_s"]), "best_bucket": best_key,
+                           "best_ms": 1e3 * best_ms, "best_buckets": best.get("buckets"),
+                           "limit_ms": 1e3 * limit if limit else None,
+                           "ratio_to_limit": best_ms / limit if limit else None,
+                           "peer": label in peer_names}
+        plain = summ.get("plain")
+        for v in summ.values():
+            v["speedup_vs_best_plain"] = plain["best_ms"] / v["best_ms"] if plain else None
+        out[rate] = summ
+    return out
+
+
+def render_summary(summary: Dict[str, Dict]) -> str:
+    lines = ["best against best: each row at its best bucket size of the sweep; limit = max(no-link step, "
+             "cross-node bytes per node / link rate); speedup = best plain / best row"]
+    hdr = f"{'row':<24}{'rate':>10}{'common ms':>11}{'best ms':>9}{'bucket':>10}{'#b':>4}{'limit ms':>10}" \
+          f"{'x limit':>9}{'speedup':>9}"
+    lines += [hdr, "-" * len(hdr)]
+    for rate, rows in summary.items():
+        for label, v in rows.items():
+            lim = f"{v['limit_ms']:>10.1f}" if v["limit_ms"] else f"{'-':>10}"
+            ratio = f"{v['ratio_to_limit']:>8.2f}x" if v["ratio_to_limit"] else f"{'-':>9}"
+            sp = f"{v['speedup_vs_best_plain']:>8.2f}x" if v["speedup_vs_best_plain"] else f"{'-':>9}"
+            nb = v.get("best_buckets") or "-"
+            lines.append(f"{label:<24}{rate:>10}{v['common_ms']:>11.1f}{v['best_ms']:>9.1f}{v['best_bucket']:>10}"
+                         f"{nb:>4}{lim}{ratio}{sp}")
+    return "\n".join(lines)
+
+
 def render(all_results: Dict[str, Dict], a) -> str:
     rates = list(all_results)
     labels = [l for l in all_results[rates[0]]]
@@ -522,7 +642,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--group-size", type=int, default=2048)
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=0,
+                    help="qgZ pipeline stages per bucket (0: the ODO's auto rule; raw mode: 2)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)
@@ -538,6 +659,15 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--progress-engine", choices=["on", "off", "both"], default="on",
+                    help="gpt mode: the ODO's progress engine (comm/progress.py); both: every combo also without it, "
+                    "as row '<combo> (sync)'")
+    ap.add_argument("--sweep", default="",
+                    help="gpt mode: comma-separated bucket sizes (elements); every combo also runs at each, and the "
+                    "summary compares each at its best (--bucket-numel is the common size)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run on an unlimited link first (the no-link floor of every row and bucket size) and "
+                    "report each row's limit max(floor, cross-node bytes / rate)")
     ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--extensions-dir", default=default_extensions_dir(),
@@ -558,6 +688,8 @@ def main(argv=None) -> int:
     os.makedirs(a.extensions_dir, exist_ok=True)
     forward = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--worker"]
     rates = a.rates.split(",")
+    if a.floor and "unlimited" not in rates:
+        rates = ["unlimited"] + rates
     cluster = Cluster(a.nodes, rates[0], a.prefix)
 
     def on_signal(signum, frame):
@@ -567,19 +699,29 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     results: Dict[str, Dict] = {}
+    sweeps: Dict[str, Dict] = {}
     try:
         for rate in rates:
             cluster.set_rate(rate)
             print(f"link rate {rate}:", flush=True)
-            results[rate] = run_rate(cluster, a, rate, forward)
+            got = run_rate(cluster, a, rate, forward)
+            results[rate], sweeps[rate] = got["rows"], got["sweep"]
     finally:
         cluster.down()
     print(render(results, a))
+    summary = None
+    if a.mode == "gpt" and (a.sweep or a.floor):
+        summary = summarize(results, sweeps, [PEERS[p][0] for p in a.peers.split(",") if p in PEERS])
+        print(render_summary(summary))
     if a.json:
+        doc = {"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store", "out")},
+               "results": results, "seed_000": SEED_000_LOW_BW}
+        if a.sweep:
+            doc["sweep"] = sweeps
+        if summary is not None:
+            doc["summary"] = summary
         with open(a.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store",
-                                                                                   "out")},
-                       "results": results, "seed_000": SEED_000_LOW_BW}, f, indent=1)
+            json.dump(doc, f, indent=1)
         print(f"wrote {a.json}")
     return 0
 

@@ -6,6 +6,7 @@
 # from inside the node namespace with their peer moved straight into the switch namespace).
 #
 #   tools/netns_cluster.sh up   <nodes> <rate> [prefix]   e.g. up 2 1gbit   -> namespaces mxn0, mxn1, mxnsw
+#                                                          (rate "unlimited": no tbf, the veth's own speed)
 #   tools/netns_cluster.sh rate <nodes> <rate> [prefix]   change the link rate of an existing cluster
 #   tools/netns_cluster.sh down <nodes> [prefix]          delete the namespaces (idempotent)
 #   tools/netns_cluster.sh addr <node>                    the node's IP address (10.77.0.<node+1>)
@@ -16,8 +17,12 @@ cmd=${1:?usage: $0 up|rate|down|addr ...}
 burst=${MX_TBF_BURST:-256kb}
 latency=${MX_TBF_LATENCY:-50ms}
 
-shape() {  # shape <netns> <dev> <rate>
-  ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst "$burst" latency "$latency"
+shape() {  # shape <netns> <dev> <rate>; rate "unlimited" removes the limit (the no-link floor)
+  if [[ "$3" == unlimited ]]; then
+    ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
+  else
+    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst "$burst" latency "$latency"
+  fi
 }
 
 case "$cmd" in

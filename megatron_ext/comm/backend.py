@@ -23,6 +23,9 @@ time it launches a new one, during backward). ``wait()`` advances until done. Ev
 at the same points of its program (never depending on timing, e.g. on polling a handle), because each phase
 issues collectives on shared groups in the same order on every rank. Results do not depend on when, or whether,
 ``advance()`` is called.
+
+With the progress engine (progress.py) the ODO never calls ``advance()`` itself: the engine thread does, at the
+same points of its command sequence on every rank (see [Note: progress engine]).
 """
 from __future__ import annotations
 
@@ -76,6 +79,12 @@ class Work(abc.ABC):
         return type(self).advance is not Work.advance
 
     @property
+    def ready(self) -> bool:
+        """``wait()`` would neither block nor issue a collective (a finished single-phase handle): the progress
+        engine may complete it at any moment, whatever the timing. False when unknown."""
+        return False
+
+    @property
     @abc.abstractmethod
     def done(self) -> bool:
         """Every phase has run and completed."""
@@ -86,6 +95,10 @@ class CompletedWork(Work):
 
     def wait(self) -> None:
         return None
+
+    @property
+    def ready(self) -> bool:
+        return True
 
     @property
     def done(self) -> bool:
@@ -115,6 +128,10 @@ class TorchWork(Work):
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def ready(self) -> bool:
+        return self._done or self._handle is None or self._handle.is_completed()
 
 
 class StagedWork(Work):

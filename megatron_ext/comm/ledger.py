@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Dict, Iterable, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 LINKS: Tuple[str, str] = ("intra", "inter")
 
@@ -33,6 +33,13 @@ class CommLedger:
     def __init__(self) -> None:
         self._entries: Dict[str, LedgerEntry] = defaultdict(LedgerEntry)
         self.enabled = True
+        # Called before every read or reset: the progress engine records from its own thread, so readers wait
+        # until it has run every command submitted so far (see [Note: progress engine] in progress.py).
+        self.sync: Optional[Callable[[], None]] = None
+
+    def _synced(self) -> None:
+        if self.sync is not None:
+            self.sync()
 
     def record(self, collective: str, intra: int = 0, inter: int = 0, calls: int = 1) -> None:
         """Add ``intra``/``inter`` bytes sent by this rank under ``collective`` (e.g. ``"reduce_scatter"``)."""
@@ -50,15 +57,18 @@ class CommLedger:
         self.record(collective, intra=bytes_per_peer * intra_peers, inter=bytes_per_peer * inter_peers)
 
     def reset(self) -> None:
+        self._synced()
         self._entries.clear()
 
     def entries(self) -> Dict[str, LedgerEntry]:
+        self._synced()
         return {k: dataclasses.replace(v) for k, v in self._entries.items()}
 
     def bytes(self, collective: str | None = None, link: str | None = None) -> int:
         """Bytes sent, optionally restricted to one collective and/or one link class."""
         if link is not None and link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        self._synced()
         total = 0
         for name, e in self._entries.items():
             if collective is not None and name != collective:
@@ -68,6 +78,7 @@ class CommLedger:
 
     def summary(self) -> Dict[str, Dict[str, int]]:
         """``{collective: {"calls", "intra", "inter", "total"}}`` plus a ``"total"`` row."""
+        self._synced()
         out: Dict[str, Dict[str, int]] = {}
         for name in sorted(self._entries):
             e = self._entries[name]

@@ -16,6 +16,7 @@ so in the log; without ``LOCAL_WORLD_SIZE`` the group is one node.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import List, Optional, Sequence
@@ -72,7 +73,7 @@ class Topology:
             return self.size
 
     # -- subgroups -------------------------------------------------------------------------------------
-    def create_subgroups(self) -> None:
+    def create_subgroups(self, tag: str = "") -> None:
         """Create the node-local and cross-node subgroups (members only; same order on every rank)."""
         rpn, n = self.ranks_per_node, self.num_nodes
         if n == 1:
@@ -82,8 +83,21 @@ class Topology:
         else:
             intra = [self.global_ranks[self.node * rpn + i] for i in range(rpn)]
             inter = [self.global_ranks[node * rpn + self.local_rank] for node in range(n)]
-            self._intra_group = _subgroup(intra)
-            self._inter_group = _subgroup(inter)
+            self._intra_group = _subgroup(intra, tag)
+            self._inter_group = _subgroup(inter, tag)
+
+    def engine_clone(self) -> "Topology":
+        """This topology over fresh groups with the same ranks, for the progress engine's collectives.
+
+        The engine issues from its own thread; the optimizer's scalar all-reduces stay on the original groups, so
+        no group ever sees collectives from two threads (see [Note: progress engine] in progress.py). Members
+        only, same order on every rank; cached like every subgroup.
+        """
+        clone = copy.copy(self)
+        if self.size > 1:
+            clone.group = _subgroup(self.global_ranks, "engine")
+        clone.create_subgroups("engine")
+        return clone
 
     @property
     def intra_group(self) -> Optional[dist.ProcessGroup]:
@@ -128,14 +142,15 @@ class Topology:
 _SUBGROUPS: dict = {}
 
 
-def _subgroup(ranks: List[int]) -> dist.ProcessGroup:
+def _subgroup(ranks: List[int], tag: str = "") -> dist.ProcessGroup:
     """A process group over ``ranks`` created by its members only.
 
     With TP/PP, ranks of *other* DP groups never build this DP group's topology, so a world-wide ``new_group``
     (which every rank of the world must enter) would hang; ``use_local_synchronization`` needs only the members.
-    Groups are cached per default group and rank list, so building several wrappers does not leak groups.
+    Groups are cached per default group, rank list and ``tag`` (``"engine"``: the progress engine's clones), so
+    building several wrappers does not leak groups.
     """
-    key = (id(dist.group.WORLD), tuple(ranks))
+    key = (id(dist.group.WORLD), tuple(ranks), tag)
     if key not in _SUBGROUPS:
         _SUBGROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
     return _SUBGROUPS[key]

@@ -144,6 +144,8 @@ def overlap_config_from_megatron_args(args: Any):
         kw["qgz_bits"] = int(args.qgz_bits)
     if getattr(args, "quant_group_size", None):
         kw["quant_group_size"] = int(args.quant_group_size)
+    if getattr(args, "odo_progress_engine", None) is not None:
+        kw["progress_engine"] = bool(args.odo_progress_engine)
     return mx.OverlapConfig(**kw)
 
 

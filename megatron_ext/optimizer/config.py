@@ -5,9 +5,12 @@ import dataclasses
 from typing import Optional
 
 from ..comm.backend import BackendOptions
+from ..comm.progress import engine_enabled_by_default
 from .sharding import ShardingPlan
 
 ACCUMULATE_POLICIES = ("auto", "shard", "local")
+QGZ_DEFAULT_STAGES = 2
+QGZ_AUTO_MIN_BUCKETS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +30,17 @@ class OverlapConfig:
     grad_reduce_in_fp32: bool = True       # bucket buffers in fp32 for bf16/fp16 params (megatron-core default)
     quant_group_size: int = 2048           # --quant-group-size
     qgz_bits: int = 4                      # --qgz-bits
-    qgz_pipeline_stages: int = 2
+    # qgZ stages per bucket (pipelined intra/inter-node hops inside one bucket). None: auto -- 1 when the progress
+    # engine runs and there are at least QGZ_AUTO_MIN_BUCKETS buckets (consecutive buckets already keep both link
+    # classes busy, and each stage costs a pair of all-to-alls and a pass of the kernels per bucket), else 2.
+    # The default stays 2 (the wire layout the ledger's closed forms and checked volumes assume); bench_cluster
+    # and --qgz-pipeline-stages auto use None.
+    qgz_pipeline_stages: Optional[int] = QGZ_DEFAULT_STAGES
     shard_alignment: int = 64              # elements; at least 128 bytes for 2-byte dtypes
     gather_pool_size: int = 4              # ZeRO-3: full-weight bucket buffers alive at once (prefetch bound)
+    # --odo-progress-engine: a progress thread issues, advances and completes every backend work (comm/progress.py);
+    # off: the synchronous path (hops advanced on the training thread). Default: MEGATRON_EXT_PROGRESS_ENGINE.
+    progress_engine: bool = dataclasses.field(default_factory=engine_enabled_by_default)
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
@@ -51,8 +62,15 @@ class OverlapConfig:
         self.backend_options()  # validates the quantizer knobs
 
     def backend_options(self) -> BackendOptions:
+        stages = self.qgz_pipeline_stages if self.qgz_pipeline_stages is not None else QGZ_DEFAULT_STAGES
         return BackendOptions(quant_group_size=self.quant_group_size, qgz_bits=self.qgz_bits,
-                              qgz_pipeline_stages=self.qgz_pipeline_stages)
+                              qgz_pipeline_stages=stages)
+
+    def resolved_qgz_stages(self, buckets: int, engine: bool) -> int:
+        """The qgZ stage count for a wrapper with ``buckets`` buckets (see ``qgz_pipeline_stages``)."""
+        if self.qgz_pipeline_stages is not None:
+            return self.qgz_pipeline_stages
+        return 1 if engine and buckets >= QGZ_AUTO_MIN_BUCKETS else QGZ_DEFAULT_STAGES
 
 
 def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:

@@ -34,6 +34,9 @@ before has finished. Launching the next bucket is the moment the ODO drives them
 advanced by one hop (``Work.advance()``), oldest first. Launch points are the same on every rank, so every group
 sees the same collective sequence everywhere (advancing on ``is_completed()`` polls would not be), and the
 inter-node hop of bucket k overlaps the backward of the buckets after it instead of waiting for the end.
+With the progress engine (the default, comm/progress.py) the backends' works are engine works: ``advance()`` is a
+no-op here, and the engine thread applies the same rule to the same launch sequence, off the training thread
+(see [Note: progress engine]); a chained reduce-scatter + replica all-reduce is submitted as one engine work.
 
 [Note: overlap off]
 With ``overlap_grad_reduce=False`` pooled buckets are still reduced as they complete, but each reduce-scatter is
@@ -57,6 +60,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..comm.backend import ChainedWork, CompletedWork, GradReduce, Work
+from ..comm.engine_backend import submit_with
 from ..comm.ledger import CommLedger
 from .bucketing import Bucket
 from .buffer_pool import BufferPool
@@ -286,9 +290,10 @@ class GradSync:
         if replica is None:
             work: Work = self.backend.reduce_scatter(buffer, target)
             epilogue: Optional[Callable[[], None]] = after_reduce_scatter
-        else:
+        else:   # one engine work when a progress engine runs the backends: the chain advances on its thread
             rs = self.backend.reduce_scatter
-            work = ChainedWork([lambda: rs(buffer, target), start_all_reduce, after_all_reduce])
+            work = submit_with(self.backend, lambda: ChainedWork([lambda: rs(buffer, target), start_all_reduce,
+                                                                  after_all_reduce]), (buffer, target, out))
             epilogue = None
         for earlier in self._inflight_works:  # oldest first, at the same program point on every rank
             earlier.advance()

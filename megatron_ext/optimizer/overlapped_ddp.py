@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..comm.backend import available_grad_reduce, available_param_gather
 from ..comm.ledger import CommLedger
 from ..comm.plain import all_gather_recorded
+from ..comm.progress import engine_for
 from ..comm.topology import Topology
 from .bucketing import Bucket, assign_buckets
 from .config import OverlapConfig
@@ -62,8 +63,14 @@ class OverlappedDDP(torch.nn.Module):
         self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
         self.topology.create_subgroups()
         self.ledger = CommLedger()
+        # One progress engine per process and DP group (shared by the wrappers of one group, e.g. model chunks).
+        self.engine = None
+        if config.progress_engine and self.topology.size > 1:
+            key = (id(dist.group.WORLD), tuple(self.topology.global_ranks), self.topology.ranks_per_node)
+            self.engine = engine_for(key, device)
+            self.ledger.sync = self.engine.quiesce
         self.comm = build_plan_comm(self.plan, self.topology, config.grad_reduce, config.param_gather, self.ledger,
-                                    config.backend_options())
+                                    config.backend_options(), engine=self.engine)
         self.grad_backend = self.comm.grad_reduce
         self.param_backend = self.comm.param_gather
         alignment = _lcm(config.shard_alignment, self.comm.shard_alignment)
@@ -74,6 +81,10 @@ class OverlappedDDP(torch.nn.Module):
         self.shard_rank = self.plan.shard_rank   # this rank's shard of every bucket (its rank in the optim group)
         self.buckets: List[Bucket] = assign_buckets(params, config.bucket_size, self.plan.optim, alignment,
                                                     deferred=[id(p) in mp for p in params])
+        self.qgz_stages = config.resolved_qgz_stages(sum(not b.deferred for b in self.buckets),
+                                                     self.engine is not None)
+        if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
+            self.comm.set_qgz_stages(self.qgz_stages)
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.

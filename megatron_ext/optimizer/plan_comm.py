@@ -15,6 +15,8 @@ import math
 from typing import Optional, Tuple
 
 from ..comm.backend import GradReduce, ParamGather, build_grad_reduce, build_param_gather
+from ..comm.engine_backend import EngineGradReduce, EngineParamGather
+from ..comm.progress import ProgressEngine
 from ..comm.ledger import CommLedger
 from ..comm.topology import Topology
 from .sharding import ResolvedPlan
@@ -29,6 +31,14 @@ class PlanComm:
     replica_reduce: Optional[GradReduce]
     param_gather: ParamGather
     hpz: Optional[Topology] = None       # hpZ secondary group (node-local), when the plan has one
+
+    def set_qgz_stages(self, stages: int) -> None:
+        """Use ``stages`` qgZ pipeline stages from now on (the alignment of 2 * the default stays valid)."""
+        for be in (self.grad_reduce, self.replica_reduce):
+            if be is None:
+                continue
+            be = getattr(be, "inner", be)
+            be.options = dataclasses.replace(be.options, qgz_pipeline_stages=stages)
 
     @property
     def shard_alignment(self) -> int:
@@ -64,17 +74,29 @@ def stage_backend_names(plan: ResolvedPlan, grad_reduce: str) -> Tuple[str, Opti
 
 
 def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,
-                    options) -> PlanComm:
-    """Create this rank's plan groups (members only, same order on every rank) and the stage backends."""
+                    options, engine: Optional[ProgressEngine] = None) -> PlanComm:
+    """Create this rank's plan groups (members only, same order on every rank) and the stage backends.
+
+    With a progress ``engine`` the backends run on the engine thread over clones of the stage groups (see
+    [Note: progress engine] in comm/progress.py); the clones are created right after the originals.
+    """
     optim = dp.subgroup(plan.optim_members)
     replicas = dp.subgroup(plan.replica_members) if plan.replicas > 1 else None
-    optim_name, replica_name = stage_backend_names(plan, grad_reduce)
+    stages = [t for t in (optim, replicas) if t is not None]
     hpz = dp.subgroup(plan.hpz_members) if plan.hpz > 1 else None
-    return PlanComm(plan=plan, optim=optim, replicas=replicas,
-                    grad_reduce=build_grad_reduce(optim_name, optim, ledger, options),
-                    replica_reduce=build_grad_reduce(replica_name, replicas, ledger, options)
-                    if replicas is not None else None,
-                    param_gather=build_param_gather(param_gather, optim, ledger, options), hpz=hpz)
+    clones = {id(t): (t.engine_clone() if engine is not None else t) for t in stages}
+    optim_name, replica_name = stage_backend_names(plan, grad_reduce)
+
+    def grad_backend(t: Topology, name: str) -> GradReduce:
+        inner = build_grad_reduce(name, clones[id(t)], ledger, options)
+        return EngineGradReduce(inner, engine) if engine is not None else inner
+
+    gather = build_param_gather(param_gather, clones[id(optim)], ledger, options)
+    if engine is not None:
+        gather = EngineParamGather(gather, engine)
+    return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim, optim_name),
+                    replica_reduce=grad_backend(replicas, replica_name) if replicas is not None else None,
+                    param_gather=gather, hpz=hpz)
 
 
 def _lcm(*xs: int) -> int:

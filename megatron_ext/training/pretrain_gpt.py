@@ -78,7 +78,9 @@ def _overlap_config(args: argparse.Namespace):
     from .arguments import sharding_plan_from_args
 
     plan = sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
-    return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, sharding=plan,
+    engine = getattr(args, "odo_progress_engine", None)
+    extra = {} if engine is None else {"progress_engine": bool(engine)}
+    return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, sharding=plan, **extra,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, grad_reduce=args.grad_reduce,
                             param_gather=args.param_gather, ranks_per_node=args.dp_ranks_per_node,

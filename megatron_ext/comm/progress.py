@@ -1,0 +1,364 @@
+"""Progress engine: one thread per process and DP group that issues, advances and completes the backends' works,
+so the thread running forward and backward never blocks on a hop or runs a hop's epilogue.
+
+[Note: progress engine]
+*Why.* A hierarchical reduction (qgZ, ByteGrad) has dependent hops with local work between them (dequantize,
+reduce, requantize). Driven from the training thread (``Work.advance()`` at each bucket launch), every hop blocks
+backward on the previous one and the epilogues run there too; with 14 small buckets that costs more than the
+overlap gains. On CUDA, ``wait()`` on an NCCL handle makes the *compute* stream wait, in the middle of backward.
+
+*What.* The training thread only submits two kinds of commands into one FIFO: ``LAUNCH(w)`` (create the work:
+quantize, issue the first hop) and ``COMPLETE(w)`` (sent the first time ``w.wait()`` is called). The engine thread
+executes them strictly in FIFO order with a fixed rule:
+
+* ``LAUNCH(k)``: run ``k``'s launch function (it issues ``k``'s first hop), then advance every older in-flight
+  multi-phase work by one phase, oldest first (wait for its current hop, run the local work between hops, issue
+  the next hop);
+* ``COMPLETE(k)``: complete every in-flight work up to and including ``k``, oldest first.
+
+After each command, and every ``POLL_S`` while it waits for one, the engine completes every single-phase work
+whose handle has finished (``Work.ready``): this runs its epilogue (qwZ's decode, plain's averaging) ahead of the
+consumer's ``wait()`` and issues nothing, so it may happen at any time. The engine never blocks on a single-phase
+work outside ``COMPLETE`` (a launch arriving meanwhile would wait: no two reduce-scatters in flight), and never
+completes a multi-phase work while idle (that would issue its later hops at a time that depends on timing).
+
+*Why the order is the same on every rank.* Every collective the engine issues is issued by one of those rules, so
+the sequence of collectives on each group is a pure function of the command sequence. The commands are submitted at
+the training thread's program points that were already required to be identical on every rank (buckets launched in
+index order, completions where the optimizer, a hook or a full buffer pool waits), and ``COMPLETE`` is submitted
+whether or not the work happens to be finished by then. Timing changes *when* the engine runs a command, never which
+command comes next -- the collective order holds by construction, and the test injects random delays to check it.
+The engine issues its collectives on its own clones of the DP group and subgroups
+(:meth:`Topology.engine_clone`): the scalar all-reduces, broadcasts and hpZ copies the optimizer issues on the
+training thread use the original groups, so the two threads never race on one group.
+
+*Waiting.* ``EngineWork.wait()`` blocks on a completion event; ``done`` is true only once ``wait()`` has returned,
+so callers that branch on it (``ChainedWork``) branch at the same point on every rank. ``advance()`` is the
+inherited no-op: the engine advances. A failure on the engine thread (a kernel error, a collective timeout) is
+stored; this and every later work re-raise it from ``wait()`` as :class:`ProgressEngineError`; the engine issues
+nothing more. The peers' engines then fail at the collective timeout of the group: no rank waits forever.
+
+*CUDA.* The engine thread issues on its own communication stream. At submission the training thread records an
+event on its current stream; the engine makes the communication stream wait for it before the launch, so the
+bucket is complete before it is read. NCCL ``wait()`` on the engine thread makes the communication stream (not the
+compute stream) wait, so every hop is enqueued at once; when a work completes the engine records a done event,
+and the consumer's ``wait()`` makes *its* stream wait for that event -- the compute stream waits only where a
+result is consumed (the step, a forward pre-hook). Tensors handed to the engine are ``record_stream``-ed on the
+communication stream so the caching allocator keeps them alive until the communication stream is past them.
+:class:`StreamOps` is the seam: ``CudaStreamOps`` does the above, ``NullStreamOps`` is the CPU no-op, and a test
+records the calls to check the order on a CPU-only machine.
+
+*Switch.* ``OverlapConfig.progress_engine`` (``--odo-progress-engine`` / ``--no-odo-progress-engine``, default from
+``MEGATRON_EXT_PROGRESS_ENGINE``, on unless ``0``) -- off gives the synchronous path (``advance()`` on the training
+thread), kept for comparison.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .backend import Work
+
+_LAUNCH, _COMPLETE = range(2)
+POLL_S = 0.001   # while single-phase works are in flight, the idle engine looks at their handles this often
+
+# Test hook: called on the engine thread before every command and every phase it advances (random delays).
+_DELAY_HOOK: Optional[Callable[[str], None]] = None
+
+
+def set_delay_hook(hook: Optional[Callable[[str], None]]) -> None:
+    """Install ``hook(where)``, called on the engine thread before each command and phase (tests only)."""
+    global _DELAY_HOOK
+    _DELAY_HOOK = hook
+
+
+def engine_enabled_by_default() -> bool:
+    """``MEGATRON_EXT_PROGRESS_ENGINE=0`` turns the engine off (the synchronous path, for comparison)."""
+    return os.environ.get("MEGATRON_EXT_PROGRESS_ENGINE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class ProgressEngineError(RuntimeError):
+    """A work failed on the progress engine's thread (the original exception is the ``__cause__``)."""
+
+
+# -- streams --------------------------------------------------------------------------------------------------------
+class StreamOps:
+    """How the engine orders its work against the submitting thread's device stream (see the module note)."""
+
+    def at_submit(self, tensors: Sequence[torch.Tensor]):
+        """Training thread, at submission: a token the engine waits for before launching."""
+        return None
+
+    def before_launch(self, token) -> None:
+        """Engine thread: make the communication stream wait for ``token``."""
+
+    def context(self):
+        """Engine thread: the context every launch, advance and completion runs in."""
+        return _NULL_CONTEXT
+
+    def at_done(self):
+        """Engine thread, after a work completed: a token the consumer waits for."""
+        return None
+
+    def at_consume(self, token) -> None:
+        """Consumer thread, in ``wait()``: make the current stream wait for ``token``."""
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+_NULL_CONTEXT = _NullContext()
+
+
+class NullStreamOps(StreamOps):
+    """CPU / gloo: works are complete when the engine says so; nothing to order on a device."""
+
+
+class CudaStreamOps(StreamOps):
+    """One communication stream per engine, ordered against the submitting stream by events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def at_submit(self, tensors: Sequence[torch.Tensor]):
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(self.stream)   # freed on the compute side: kept until the comm stream is past it
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def before_launch(self, token) -> None:
+        if token is not None:
+            self.stream.wait_event(token)
+
+    def context(self):
+        return _CudaContext(self.device, self.stream)
+
+    def at_done(self):
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def at_consume(self, token) -> None:
+        if token is not None:
+            torch.cuda.current_stream(self.device).wait_event(token)
+
+
+class _CudaContext:
+    """The engine thread's device and communication stream (a new thread starts on device 0, default stream)."""
+
+    def __init__(self, device: torch.device, stream) -> None:
+        self._device = torch.cuda.device(device)
+        self._stream = torch.cuda.stream(stream)
+
+    def __enter__(self):
+        self._device.__enter__()
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._stream.__exit__(*exc)
+        self._device.__exit__(*exc)
+        return False
+
+
+# -- works ----------------------------------------------------------------------------------------------------------
+class EngineWork(Work):
+    """The training thread's handle of a work the engine drives; ``wait()`` blocks on the engine's completion."""
+
+    __slots__ = ("_engine", "_launch", "_token", "_inner", "_event", "_error", "_done_token", "_waited",
+                 "_submitted_complete")
+
+    def __init__(self, engine: "ProgressEngine", launch: Callable[[], Work], token) -> None:
+        self._engine = engine
+        self._launch = launch
+        self._token = token
+        self._inner: Optional[Work] = None
+        self._event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._done_token = None
+        self._waited = False
+        self._submitted_complete = False
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        if not self._submitted_complete:   # submitted at this program point on every rank, finished or not
+            self._submitted_complete = True
+            self._engine._put(_COMPLETE, self)
+        self._event.wait()
+        if self._error is not None:
+            raise ProgressEngineError(f"the progress engine failed: {self._error!r}") from self._error
+        self._engine.streams.at_consume(self._done_token)
+        self._waited = True
+
+    @property
+    def done(self) -> bool:
+        # Deterministic: True only after wait() returned on this thread (see the module note).
+        return self._waited
+
+    @property
+    def finished(self) -> bool:
+        """Whether the engine has completed it (timing-dependent: for reports and tests, never for control)."""
+        return self._event.is_set()
+
+
+class ProgressEngine:
+    """A FIFO of LAUNCH / COMPLETE commands executed by one daemon thread (see the module note)."""
+
+    def __init__(self, name: str = "megatron-ext-progress", streams: Optional[StreamOps] = None) -> None:
+        self.streams = streams if streams is not None else NullStreamOps()
+        self._queue: "queue.SimpleQueue[Tuple[int, object]]" = queue.SimpleQueue()
+        self._inflight: List[EngineWork] = []
+        self._error: Optional[BaseException] = None
+        self._idle = threading.Condition()
+        self._pending = 0          # commands submitted and not yet executed
+        self.commands = 0          # executed commands (reports)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- training thread ------------------------------------------------------------------------------------------
+    def submit(self, launch: Callable[[], Work], tensors: Sequence[torch.Tensor] = ()) -> Work:
+        """Enqueue ``launch`` (it creates a backend work and issues its first hop on the engine thread).
+
+        ``tensors``: the inputs and outputs the work touches (kept alive across streams on CUDA). Called from the
+        engine thread itself (a chained stage), ``launch`` runs at once and its work is returned as is.
+        """
+        if self.on_engine_thread():
+            return launch()
+        work = EngineWork(self, launch, self.streams.at_submit(tensors))
+        self._put(_LAUNCH, work)
+        return work
+
+    def quiesce(self) -> None:
+        """Block until every submitted command has run (e.g. before reading the ledger the engine writes)."""
+        if self.on_engine_thread():
+            return
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
+
+    def on_engine_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    def _put(self, kind: int, work: Optional[EngineWork]) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((kind, work))
+
+    # -- engine thread --------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            polling = self._error is None and any(not w._inner.multi_phase for w in self._inflight)
+            try:
+                kind, work = self._queue.get(timeout=POLL_S if polling else None)
+            except queue.Empty:   # idle: finish single-phase works whose handles are done (issues nothing)
+                self._complete_ready()
+                continue
+            try:
+                if self._error is None:
+                    self._execute(kind, work)
+                    self._complete_ready()
+                if self._error is not None:
+                    self._fail_all(work)
+            finally:
+                self.commands += 1
+                with self._idle:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.notify_all()
+
+    def _execute(self, kind: int, work: EngineWork) -> None:
+        hook = _DELAY_HOOK
+        try:
+            with self.streams.context():
+                if hook is not None:
+                    hook("launch" if kind == _LAUNCH else "complete")
+                if kind == _LAUNCH:
+                    self.streams.before_launch(work._token)
+                    launch, work._launch = work._launch, None
+                    work._inner = launch()
+                    self._inflight.append(work)
+                    for older in list(self._inflight[:-1]):   # one phase each, oldest first
+                        if older._inner.multi_phase:
+                            if hook is not None:
+                                hook("advance")
+                            older._inner.advance()
+                    self._retire_finished()
+                elif kind == _COMPLETE:
+                    if work in self._inflight:
+                        for older in list(self._inflight):
+                            if hook is not None:
+                                hook("advance")
+                            older._inner.wait()
+                            if older is work:
+                                break
+                    self._retire_finished()
+        except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
+            self._error = e
+
+    def _complete_ready(self) -> None:
+        """Complete the single-phase works whose handles have finished (issues nothing: timing may decide)."""
+        try:
+            with self.streams.context():
+                for w in self._inflight:
+                    if w._inner.ready:
+                        w._inner.wait()
+                self._retire_finished()
+        except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
+            self._error = e
+            self._fail_all(None)
+
+    def _retire_finished(self) -> None:
+        still: List[EngineWork] = []
+        for w in self._inflight:
+            if w._inner.done:
+                w._inner = None
+                w._done_token = self.streams.at_done()
+                w._event.set()
+            else:
+                still.append(w)
+        self._inflight = still
+
+    def _fail_all(self, work: Optional[EngineWork]) -> None:
+        """After a failure: every in-flight and every later work completes with the error (nothing is issued)."""
+        victims = list(self._inflight)
+        if work is not None and work not in victims:
+            victims.append(work)
+        self._inflight = []
+        for w in victims:
+            if not w._event.is_set():
+                w._error = self._error
+                w._launch = w._inner = None
+                w._event.set()
+
+
+# -- one engine per process and DP group ----------------------------------------------------------------------------
+_ENGINES: Dict[tuple, ProgressEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine_for(key: tuple, device: torch.device) -> ProgressEngine:
+    """The process's engine for the DP group ``key`` (shared by every wrapper over that group, e.g. virtual
+    pipeline chunks, so their launches share one FIFO)."""
+    with _ENGINES_LOCK:
+        eng = _ENGINES.get(key)
+        if eng is None:
+            streams: StreamOps = CudaStreamOps(device) if device.type == "cuda" else NullStreamOps()
+            eng = _ENGINES[key] = ProgressEngine(streams=streams)
+        return eng

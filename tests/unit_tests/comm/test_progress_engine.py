@@ -1,0 +1,221 @@
+"""The progress engine (megatron_ext/comm/progress.py): the FIFO rule in one process with fake works (order under
+random delays, errors surfacing at wait, the CUDA stream seam), and the ODO at DP=4 on 2 simulated nodes: 50 steps
+with random delays injected into the engine thread give bit-identical weights to the undelayed engine and to the
+synchronous path, for every hierarchical backend and a plan with replicas (chained works), and never hang."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_ext.comm.backend import Work
+from megatron_ext.comm.progress import ProgressEngine, ProgressEngineError, StreamOps, set_delay_hook
+from unit_tests.comm import _worlds as W
+from unit_tests.dist_harness import run_distributed
+
+
+class _FakeWork(Work):
+    """``phases`` hops; each issue is logged as (name, hop) -- the stand-in for a collective on a group."""
+
+    def __init__(self, name: str, phases: int, log: list, fail_at: int = -1) -> None:
+        self.name, self.phases, self.log, self.fail_at = name, phases, log, fail_at
+        self.hop = 0
+        self._issue()
+
+    def _issue(self) -> None:
+        if self.hop == self.fail_at:
+            raise ValueError(f"{self.name} failed at hop {self.hop}")
+        self.log.append((self.name, self.hop, threading.current_thread().name))
+
+    def advance(self) -> None:
+        if self.hop < self.phases:
+            self.hop += 1
+            if self.hop < self.phases:
+                self._issue()
+
+    def wait(self) -> None:
+        while self.hop < self.phases:
+            self.advance()
+
+    @property
+    def done(self) -> bool:
+        return self.hop >= self.phases
+
+
+def _program(engine: ProgressEngine, log: list) -> None:
+    """A backward-like program: launches in order, a wait in the middle (full pool), then the step's waits."""
+    works = []
+    for k in range(8):
+        works.append(engine.submit(lambda k=k: _FakeWork(f"b{k}", 1 + k % 3, log)))
+        if k == 4:
+            works[1].wait()
+    for w in works:
+        w.wait()
+
+
+def test_issue_order_is_a_function_of_the_commands_only():
+    reference: list = []
+    _program(ProgressEngine(), reference)
+    assert all(t.startswith("megatron-ext-progress") for _, _, t in reference), "issued off the engine thread"
+    rng = random.Random(0)
+    try:
+        for _ in range(15):
+            set_delay_hook(lambda where: time.sleep(rng.random() * 0.002) if rng.random() < 0.5 else None)
+            log: list = []
+            _program(ProgressEngine(), log)
+            assert [e[:2] for e in log] == [e[:2] for e in reference]
+    finally:
+        set_delay_hook(None)
+
+
+def test_done_only_after_wait_and_advance_is_a_noop():
+    eng = ProgressEngine()
+    w = eng.submit(lambda: _FakeWork("a", 2, []))
+    eng.quiesce()
+    assert not w.done and not w.multi_phase    # branching on done stays at the same program point everywhere
+    w.advance()
+    w.wait()
+    assert w.done and w.finished
+
+
+def test_failure_surfaces_at_wait_and_later_works_fail_too():
+    eng = ProgressEngine()
+    log: list = []
+    ok = eng.submit(lambda: _FakeWork("ok", 1, log))
+    bad = eng.submit(lambda: _FakeWork("bad", 3, log, fail_at=1))
+    later = eng.submit(lambda: _FakeWork("later", 2, log))
+    ok.wait()
+    with pytest.raises(ProgressEngineError) as e:
+        bad.wait()
+    assert isinstance(e.value.__cause__, ValueError)
+    with pytest.raises(ProgressEngineError):
+        later.wait()
+    after = eng.submit(lambda: _FakeWork("after", 1, log))
+    with pytest.raises(ProgressEngineError):
+        after.wait()
+    assert ("after", 0) not in [e[:2] for e in log], "a broken engine issued more"
+
+
+class _RecordingStreams(StreamOps):
+    """The CUDA seam with the stream calls recorded (runs on a CPU-only machine)."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def at_submit(self, tensors):
+        self.log.append(("submit", len(tensors)))
+        return "ready"
+
+    def before_launch(self, token) -> None:
+        self.log.append(("comm stream waits", token))
+
+    def at_done(self):
+        self.log.append(("done event",))
+        return "done"
+
+    def at_consume(self, token) -> None:
+        self.log.append(("compute stream waits", token))
+
+
+def test_stream_order_launch_after_ready_event_consumer_waits_on_done_event():
+    log: list = []
+    eng = ProgressEngine(streams=_RecordingStreams(log))
+    t = torch.zeros(4)
+    w = eng.submit(lambda: _FakeWork("a", 2, log), (t, t))
+    w.wait()
+    kinds = [e[0] for e in log]
+    assert kinds == ["submit", "comm stream waits", "a", "a", "done event", "compute stream waits"], log
+    assert log[1] == ("comm stream waits", "ready") and log[-1] == ("compute stream waits", "done")
+
+
+# -- the ODO at DP=4 ------------------------------------------------------------------------------------------------
+DP, RPN, STEPS = 4, 2, 50
+# (grad_reduce, param_gather, plan, qgz stages: None is the auto rule, one stage with this many buckets)
+CASES = [("qgz", "qwz", "zero2", 2), ("qgz", "qwz", "zero2", None), ("bytegrad", "plain", "zero2", 2),
+         ("qgz", "plain", "mics", 2), ("plain", "plain", "zero2", 2)]
+
+
+def test_auto_qgz_stages_one_stage_with_many_buckets_and_the_engine():
+    import megatron_ext as mx
+
+    auto = mx.OverlapConfig(qgz_pipeline_stages=None)
+    assert auto.resolved_qgz_stages(14, engine=True) == 1
+    assert auto.resolved_qgz_stages(2, engine=True) == 2
+    assert auto.resolved_qgz_stages(14, engine=False) == 2
+    assert mx.OverlapConfig().resolved_qgz_stages(14, engine=True) == 2   # the default stays explicit
+
+
+def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, steps: int = STEPS,
+           rpn: int = RPN) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 29), torch.nn.Tanh(),
+                                 torch.nn.Linear(29, 5))
+    sharding = mx.ShardingPlan() if plan == "zero2" else mx.ShardingPlan.mics(rpn)
+    cfg = mx.OverlapConfig(bucket_size=200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=rpn,
+                           quant_group_size=32, sharding=sharding, progress_engine=engine,
+                           qgz_pipeline_stages=stages)
+    model = mx.OverlappedDDP(module, cfg)
+    assert (model.engine is not None) == engine
+    if stages is None and engine:
+        assert model.qgz_stages == 1 and len(model.buckets) >= 4
+    opt = mx.OverlappedDistributedOptimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0), model)
+    rng = random.Random(1000 * rank + 7)
+    if delays:
+        set_delay_hook(lambda where: time.sleep(rng.random() * 0.003) if rng.random() < 0.3 else None)
+    try:
+        g = torch.Generator().manual_seed(100 + rank)
+        for step in range(steps):
+            x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+            if step % 5 == 4:   # some steps with two micro-batches (accumulation inside no_sync)
+                with model.no_sync():
+                    torch.nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+                torch.nn.functional.mse_loss(model(x[4:]), y[4:]).backward()
+            else:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            model.finish_grad_sync()
+            opt.step()
+            opt.zero_grad()
+        model.start_param_sync(force_sync=True)
+    finally:
+        set_delay_hook(None)
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _all_variants(cases=CASES, steps: int = STEPS, rpn: int = RPN):
+    W.capture_logs()
+    out = {}
+    for gr, pg, plan, stages in cases:
+        key = f"{gr}+{pg}/{plan}/stages={stages}"
+        # auto stages differ with and without the engine: compare the delayed engine with the undelayed one
+        out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, False, False, steps, rpn),
+                    "engine": _train(gr, pg, plan, stages, True, False, steps, rpn),
+                    "delayed": _train(gr, pg, plan, stages, True, True, steps, rpn)}
+    return out
+
+
+def test_random_engine_delays_give_the_same_weights_and_never_hang():
+    _check_same_weights(run_distributed(_all_variants, DP, timeout=600))
+
+
+def test_dp8_engine_and_delays_match_the_synchronous_path():
+    """2 nodes x 4 ranks: the engine (with and without random delays) gives the synchronous path's weights."""
+    cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2)]
+    _check_same_weights(run_distributed(_all_variants, 8, cases, 10, 4, timeout=600))
+
+
+def _check_same_weights(res) -> None:
+    for key in res[0]:
+        ref = res[0][key]["sync"]
+        for rank, out in enumerate(res):
+            for variant in ("sync", "engine", "delayed"):
+                assert torch.equal(out[key][variant], ref), (key, rank, variant)
