@@ -111,21 +111,34 @@ def _run(name: str, core: Callable, rows: int, dynamic: tuple[tuple[torch.Tensor
 # ----------------------------------------------------------------------------------------------------------------
 # Cores: pure torch on [rows, static width] blocks, written into preallocated outputs. Run compiled or eager.
 # ----------------------------------------------------------------------------------------------------------------
-def _quantize_rows(xf: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [G, bytes per group], scales [G]) of fp32 groups ``xf`` [G, g]."""
+def _quantize_pairs(vals: tuple[torch.Tensor, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [G, bytes per group], scales [G]) of fp32 groups given as one [G, g] tensor (INT8) or as their (even,
+    odd) elements, two [G, g/2] tensors (INT4): every loop then reads and writes contiguous memory."""
     qm = float(qmax(bits))
-    absmax = torch.maximum(xf.amax(1), xf.amin(1).neg()).abs()  # abs: +0.0 for all-zero groups
+    absmax = functools.reduce(torch.maximum, [torch.maximum(v.amax(1), v.amin(1).neg()) for v in vals]).abs()
     scale = absmax / torch.full_like(absmax, qm)  # a tensor divisor: an IEEE division, as the reference
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = torch.round(xf / safe[:, None]).clamp(-qm, qm)  # the clamp only bites under subnormal scales
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+    q = [torch.round(v / safe).clamp(-qm, qm) for v in vals]  # the clamp only bites under subnormal scales
     if bits == 8:
-        return y.to(torch.int8), scale
-    yi = y.to(torch.int32).view(y.shape[0], -1, 2)
-    return (((yi[..., 0] & 15) << 4) | (yi[..., 1] & 15)).to(torch.uint8), scale
+        return q[0].to(torch.int8), scale
+    even, odd = (c.to(torch.int32) for c in q)
+    return (((even & 15) << 4) | (odd & 15)).to(torch.uint8), scale
 
 
-def _quantize_core(xg: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> None:
-    c, s = _quantize_rows(xg.float(), bits)
+def _load_pairs(xg: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """fp32 values of ``xg`` (as :func:`_pair_view` gives it): [G, g] for INT8; for INT4 the (even, odd) elements
+    unpacked from one integer lane per pair (int64 for fp32, int32 for 16-bit, little-endian)."""
+    if bits == 8:
+        return (xg.float(),)
+    if xg.dtype == torch.int64:
+        return tuple(t.to(torch.int32).view(torch.float32) for t in (xg & 0xFFFFFFFF, xg >> 32))
+    return tuple(t.to(torch.int16).view(dtype).float() for t in (xg & 0xFFFF, xg >> 16))
+
+
+def _quantize_core(xg: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype
+                   ) -> None:
+    """Quantize groups ``xg`` of ``dtype`` (viewed by :func:`_pair_view`) into ``codes`` [G, bytes] and ``scales``."""
+    c, s = _quantize_pairs(_load_pairs(xg, bits, dtype), bits)
     codes.copy_(c)
     scales.copy_(s)
 
@@ -153,11 +166,14 @@ def _store_pairs(out: torch.Tensor, vals: tuple[torch.Tensor, ...], dtype: torch
         out.copy_((even.view(torch.int16).to(torch.int32) & 0xFFFF) | (odd.view(torch.int16).to(torch.int32) << 16))
 
 
-def _pair_view(out: torch.Tensor, bits: int) -> torch.Tensor:
-    """``out`` [G, g] as the core writes it: itself for INT8, one integer lane per (even, odd) pair for INT4."""
+def _pair_view(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """A float ``t`` [G, g] as the cores read or write it: itself for INT8, one integer lane per (even, odd) pair for
+    INT4 (a copy when ``t`` starts at an odd element, which such a view cannot express)."""
     if bits == 8:
-        return out
-    return out.view(torch.int64 if out.dtype == torch.float32 else torch.int32)
+        return t
+    if t.storage_offset() % 2:
+        t = t.clone()
+    return t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
 
 
 def _dequantize_core(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: int,
@@ -180,14 +196,9 @@ def _reduce_core(chunks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
 
 def _reduce_quantize_core(chunks: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, out_scales: torch.Tensor,
                           bits: int) -> None:
-    acc = _sum_pairs(chunks, scales, codes.shape[0], bits)
-    qm = float(qmax(bits))
-    absmax = functools.reduce(torch.maximum, [torch.maximum(a.amax(1), a.amin(1).neg()) for a in acc]).abs()
-    scale = absmax / torch.full_like(absmax, qm)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-    q = [torch.round(a / safe).clamp(-qm, qm).to(torch.int32) for a in acc]
-    codes.copy_(q[0].to(torch.int8) if bits == 8 else (((q[0] & 15) << 4) | (q[1] & 15)).to(torch.uint8))
-    out_scales.copy_(scale)
+    c, s = _quantize_pairs(_sum_pairs(chunks, scales, codes.shape[0], bits), bits)
+    codes.copy_(c)
+    out_scales.copy_(s)
 
 
 def _minmax_params(mins: torch.Tensor, maxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,14 +233,16 @@ def _quantize_into(flat: torch.Tensor, numel: int, bits: int, group_size: int, c
     full = numel // g
     bpg = g * bits // 8
     if full:
-        xg, cg, sg = flat[:full * g].view(full, g), codes[:full * bpg].view(full, bpg), scales[:full]
-        _run("quantize", _quantize_core, full, ((xg, 0), (cg, 0), (sg, 0)), xg, cg, sg, bits)
+        xg = _pair_view(flat[:full * g].view(full, g), bits)
+        cg, sg = codes[:full * bpg].view(full, bpg), scales[:full]
+        _run("quantize", _quantize_core, full, ((xg, 0), (cg, 0), (sg, 0)), xg, cg, sg, bits, flat.dtype)
     total = scales.numel()
     if total > full:  # partial last group and/or whole padding groups: at most a chunk, usually under one group
         tail = torch.zeros((total - full) * g, dtype=flat.dtype, device=flat.device)
         tail[:numel - full * g] = flat[full * g:numel]
         with torch.no_grad():
-            _quantize_core(tail.view(-1, g), codes[full * bpg:].view(-1, bpg), scales[full:], bits)
+            _quantize_core(_pair_view(tail.view(-1, g), bits), codes[full * bpg:].view(-1, bpg), scales[full:], bits,
+                           flat.dtype)
 
 
 def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
