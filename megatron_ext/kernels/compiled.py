@@ -12,14 +12,18 @@ sequential ``((d_0 + d_1) + d_2) + ...`` of the reduce ops unrolled in that orde
 clamps here are no-ops wherever the reference skips them (the reference's own argument), so results are equal bit for
 bit; tests hold the two paths to that.
 
-Shapes: the number of groups / chunks is dynamic (one graph serves every bucket size; Dynamo adds at most one more
-for a dimension of size 1), while the bit width, dtypes and the number of reduced chunks ``k`` are specialised.
-Compiled artefacts go to Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``), so a second process only retraces.
+Shapes: every core works on ``[rows, width]`` blocks whose width is a compile-time constant (the group size, or for
+min-max a piece that tiles the chunk) and whose row count is marked dynamic: Inductor then emits vectorised inner
+loops, and one graph per (op, bit width, dtypes, width, ``k``) serves every bucket size and offset. A single row and
+a partial last group run the same core eagerly (a size-1 dimension would be one more graph). INT4 is handled in
+(even, odd) pair space: float inputs and outputs are read and written through one integer lane per pair, so no loop
+interleaves. Compiled artefacts go to Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``), so a second process
+only retraces (well under a second per graph instead of seconds).
 
 When: ``MX_KERNELS_COMPILE`` = ``0`` (always eager), ``1`` (always compiled), unset/``auto`` (compiled from
 ``MIN_NUMEL`` elements: below that the first call's compile costs more than eager loses, and small tensors gain
-little). If compiling fails (no C++ compiler, an unsupported torch), the op logs once and runs eager from then on;
-eager and compiled give the same bits, so a fallback never changes results.
+little). If compiling fails (no C++ compiler, an unsupported torch), the op logs once and runs its core eagerly
+from then on; eager and compiled give the same bits, so a fallback never changes results.
 """
 from __future__ import annotations
 
