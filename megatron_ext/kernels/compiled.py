@@ -312,6 +312,17 @@ def _reduce_partial_group(chunks3: torch.Tensor, scales: torch.Tensor, g0: int, 
     return tmp.view(-1)
 
 
+_REDUCE_BLOCK = 1 << 21  # elements per compiled call of the reduce ops
+
+
+def _group_blocks(groups: int, group_size: int):
+    """[g0, g1) ranges of about ``_REDUCE_BLOCK`` elements. Why: Inductor makes several passes over a reduce op's
+    inputs (absmax, then codes); per block of 8 MB of fp32 they come from cache, not DRAM (3-4x faster at 64M)."""
+    per = max(2, _REDUCE_BLOCK // group_size)
+    for g0 in range(0, groups, per):
+        yield g0, min(groups, g0 + per)
+
+
 def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
@@ -321,8 +332,10 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     codes = torch.empty(groups, bpg, dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
     ch3 = chunks.view(k, groups, bpg)
-    _run("dequantize_reduce_quantize", _reduce_quantize_core, groups,
-         ((ch3, 1), (scales, 1), (codes, 0), (out_scales, 0)), ch3, scales, codes, out_scales, bits)
+    for g0, g1 in _group_blocks(groups, group_size):
+        cb, sb, qb, ob = ch3[:, g0:g1], scales[:, g0:g1], codes[g0:g1], out_scales[g0:g1]
+        _run("dequantize_reduce_quantize", _reduce_quantize_core, g1 - g0, ((cb, 1), (sb, 1), (qb, 0), (ob, 0)),
+             cb, sb, qb, ob, bits)
     return codes.view(-1), out_scales
 
 
@@ -339,10 +352,9 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
     out = torch.empty(numel, dtype=dtype, device=chunks.device)
     ch3 = chunks.view(k, groups, bpg)
     full = numel // g
-    if full:
-        og = _pair_view(out[:full * g].view(full, g), bits)
-        _run("dequantize_reduce", _reduce_core, full, ((ch3, 1), (scales, 1), (og, 0)), ch3, scales, og, bits,
-             dtype)
+    for g0, g1 in _group_blocks(full, g):
+        cb, sb, ob = ch3[:, g0:g1], scales[:, g0:g1], _pair_view(out[g0 * g:g1 * g].view(g1 - g0, g), bits)
+        _run("dequantize_reduce", _reduce_core, g1 - g0, ((cb, 1), (sb, 1), (ob, 0)), cb, sb, ob, bits, dtype)
     if numel > full * g:
         out[full * g:] = _reduce_partial_group(ch3, scales, full, bits, g, dtype)[:numel - full * g]
     return out
