@@ -78,7 +78,6 @@ def _wanted(numel: int) -> bool:
     return sys.byteorder == "little" and (mode == "1" or (mode == "auto" and numel >= MIN_NUMEL))
 
 
-
 @functools.lru_cache(maxsize=None)
 def _compiled(core: Callable) -> Callable:
     # dynamic=False: the inner (group / piece) dimension stays a constant, so Inductor emits vectorised inner loops
@@ -86,18 +85,17 @@ def _compiled(core: Callable) -> Callable:
     return torch.compile(core, dynamic=False, fullgraph=True)
 
 
-def _run(name: str, core: Callable, rows: int, dynamic: tuple[tuple[torch.Tensor, int], ...], *args) -> bool:
+def _run(name: str, core: Callable, rows: int, dynamic: tuple[tuple[torch.Tensor, int], ...], *args) -> None:
     """``core(*args)`` (it writes into its output arguments), compiled when ``rows >= 2``; the ``(tensor, dim)``
     pairs in ``dynamic`` are the row dimensions, marked dynamic so that one graph serves every bucket size.
 
     A single row runs the same core eagerly (Dynamo would specialise a size-1 dimension into one more graph), and so
-    does everything once compiling ``name`` has failed: the core's eager ops give the same bits. False: compiling
-    is switched off, the caller runs the reference.
+    does everything once compiling ``name`` has failed: the core's eager ops give the same bits.
     """
     if name in _failed or rows < 2:
         with torch.no_grad():
             core(*args)
-        return True
+        return
     for t, dim in dynamic:
         torch._dynamo.mark_dynamic(t, dim)
     try:
@@ -109,7 +107,6 @@ def _run(name: str, core: Callable, rows: int, dynamic: tuple[tuple[torch.Tensor
                     name, type(exc).__name__, exc)
         with torch.no_grad():
             core(*args)
-    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,7 +169,8 @@ def _store_pairs(out: torch.Tensor, vals: tuple[torch.Tensor, ...], dtype: torch
 
 def _pair_view(t: torch.Tensor, bits: int) -> torch.Tensor:
     """A float ``t`` [G, g] as the cores read or write it: itself for INT8, one integer lane per (even, odd) pair for
-    INT4 (a copy when ``t`` starts at an odd element, which such a view cannot express)."""
+    INT4 (a copy when ``t`` starts at an odd element, which such a view cannot express: only inputs can, e.g. a qgZ
+    partition of odd length; outputs are fresh tensors cut at whole groups, and INT4 groups are even)."""
     if bits == 8:
         return t
     if t.storage_offset() % 2:
