@@ -7,12 +7,15 @@ like the ops it allocates its output) and to a copy into a preallocated buffer (
 allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs
 after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike; on a GPU they are
 medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
-The torch path runs on CPU; with CUDA available the Triton path runs on the GPU too, and each Triton row first checks
-that its output equals the torch path's on the same inputs, bit for bit (the "= torch" column).
+On CPU two paths run, timed in the same interleaved loop: the eager torch reference (backend ``torch``) and the same
+math compiled by ``torch.compile`` (backend ``compiled``, the default CPU path); with CUDA available the Triton path
+runs on the GPU too. Each compiled or Triton row first checks that its output equals the eager torch path's on the
+same inputs, bit for bit (the "= torch" column); compiled rows also record their first call's seconds (compilation,
+or a load from Inductor's cache) in ``first_call_seconds``.
 Prints a table and writes JSON.
 
-Goals (issue 3), judged on the ratio to the clone: the torch path on CPU >= 30% of copy bandwidth, Triton on a GPU
->= 80%; the table marks each row. Default sizes 1M..256M elements on every device. A size whose estimated peak memory
+Goals, judged on the ratio to the clone: the eager torch path on CPU >= 30% of copy bandwidth (issue 3), the compiled
+CPU path >= 50% (issue 14), Triton on a GPU >= 80% (issue 3); the table marks each row. Default sizes 1M..256M elements on every device. A size whose estimated peak memory
 (:func:`estimate_peak_bytes`: 16.5 bytes per fp32 element + 256 MiB, 4.4 GiB at 256M; peak RSS measured at 64M
 was within the estimate) exceeds 80% of the memory available now is skipped with a message and listed in the JSON.
 
@@ -35,8 +38,8 @@ from megatron_ext import kernels as K
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SIZES = "1M,4M,16M,64M,256M"
-# issue 3: fraction of the clone bandwidth each (device, backend) should reach
-GOALS = {("cpu", "torch"): 0.30, ("cuda", "triton"): 0.80}
+# issues 3 and 14: fraction of the clone bandwidth each (device, backend) should reach
+GOALS = {("cpu", "torch"): 0.30, ("cpu", "compiled"): 0.50, ("cuda", "triton"): 0.80}
 MEMORY_HEADROOM = 0.8  # run a size only if its estimated peak fits in this fraction of the available memory
 
 
@@ -61,7 +64,8 @@ class Row:
     ratio_prealloc: float
     goal: float | None  # fraction of the clone bandwidth the issue asks for; None: no goal for this device/backend
     meets_goal: bool | None
-    matches_torch: bool | None = None  # Triton rows: output bit-identical to the torch path on the same inputs
+    matches_torch: bool | None = None  # compiled/Triton rows: output bit-identical to the torch path, same inputs
+    first_call_seconds: float | None = None  # compiled rows: the first call (compile, or load from Inductor's cache)
 
 
 def judge(device: str, backend: str, ratio: float) -> tuple[float | None, bool | None]:
@@ -192,36 +196,63 @@ def copy_fns(nbytes: int, device: str) -> tuple[Callable[[], object], Callable[[
     return src.clone, (lambda: dst.copy_(src)), 2 * src.numel()
 
 
+def backends_for(device: str) -> list[str]:
+    """The paths timed on ``device``: eager torch and compiled on CPU (unless MX_KERNELS forces one), else the
+    dispatcher's choice."""
+    forced = os.environ.get("MX_KERNELS")
+    if device == "cpu" and not forced:
+        return ["torch", "compiled"]
+    return [K.select_backend(device)]
+
+
+def _on(backend: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` on ``backend``; compiled at every size (the automatic mode leaves small tensors eager)."""
+    from megatron_ext.kernels.compiled import use_compile
+
+    def call():
+        with K.use_backend(backend), use_compile("1" if backend == "compiled" else None):
+            return fn()
+    return call
+
+
 def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) -> list[Row]:
     rows = []
-    backend = K.select_backend(device)
+    backends = backends_for(device)
     for numel in sizes:
-        for name, fn, nbytes in build_ops(numel, dtype, device, **geom):
-            matches = None
-            if backend != "torch":  # correct first: the kernel's output against the torch path's, same inputs
-                with K.use_backend("torch"):  # (before the copy buffers exist: two outputs fit the row's estimate)
-                    want = fn()
-                matches = same_outputs(fn(), want)
-                del want
+        for name, op, nbytes in build_ops(numel, dtype, device, **geom):
+            fns = {b: _on(b, op) for b in backends}
+            matches, first = {}, {}
+            for b, fn in fns.items():
+                if b == "compiled":  # the first call compiles (or loads Inductor's cache): reported, never timed
+                    first[b] = time_once(fn, device)
+                if b != "torch":  # correct first: the output against the eager torch path's, same inputs
+                    want = _on("torch", op)()  # (before the copy buffers exist: two outputs fit the estimate)
+                    matches[b] = same_outputs(fn(), want)
+                    del want
             clone, copy_, copied = copy_fns(nbytes, device)
             if device == "cuda":  # event-timed medians; the host clock would time launch latency at small sizes
-                t, tc, tp = time_cuda(fn), time_cuda(clone), time_cuda(copy_)
+                times = {b: time_cuda(fn) for b, fn in fns.items()}
+                tc, tp = time_cuda(clone), time_cuda(copy_)
             else:
-                for f in (fn, clone, copy_):  # warm-up: first-touch page faults, Triton compilation
+                for f in (*fns.values(), clone, copy_):  # warm-up: first-touch page faults, Triton compilation
                     time_once(f, device)
-                t, tc, tp = float("inf"), float("inf"), float("inf")
-                for _ in range(repeat):  # best of repeat, interleaved so that all three see the same machine load
-                    t = min(t, time_once(fn, device))
+                times = {b: float("inf") for b in fns}
+                tc, tp = float("inf"), float("inf")
+                for _ in range(repeat):  # best of repeat, interleaved so that all see the same machine load
+                    for b, fn in fns.items():
+                        times[b] = min(times[b], time_once(fn, device))
                     tc = min(tc, time_once(clone, device))
                     tp = min(tp, time_once(copy_, device))
             cp, pp = copied / tc / 1e9, copied / tp / 1e9
-            gb = nbytes / t / 1e9
-            rows.append(Row(name, device, backend, numel, nbytes, t, gb, cp, gb / cp, pp, gb / pp,
-                            *judge(device, backend, gb / cp), matches))
-            check = "" if matches is None else f"  {'== torch' if matches else '!= TORCH'}"
-            print(f"{name:42s} {device:4s} {backend:6s} {_size(numel):>5s} {t * 1e3:9.3f} ms "
-                  f"{gb:7.2f} GB/s  clone {cp:7.2f} GB/s {100 * gb / cp:5.0f}%  copy_ {pp:7.2f} GB/s "
-                  f"{100 * gb / pp:5.0f}%{check}", flush=True)
+            for b, t in times.items():
+                gb = nbytes / t / 1e9
+                rows.append(Row(name, device, b, numel, nbytes, t, gb, cp, gb / cp, pp, gb / pp,
+                                *judge(device, b, gb / cp), matches.get(b), first.get(b)))
+                check = "" if b not in matches else f"  {'== torch' if matches[b] else '!= TORCH'}"
+                compiled = "" if b not in first else f"  first call {first[b]:.2f} s"
+                print(f"{name:42s} {device:4s} {b:8s} {_size(numel):>5s} {t * 1e3:9.3f} ms "
+                      f"{gb:7.2f} GB/s  clone {cp:7.2f} GB/s {100 * gb / cp:5.0f}%  copy_ {pp:7.2f} GB/s "
+                      f"{100 * gb / pp:5.0f}%{check}{compiled}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -234,7 +265,7 @@ def _size(numel: int) -> str:
 def format_table(rows: list[Row]) -> list[str]:
     """Markdown table; the goal column marks whether each row reaches the issue's share of the clone bandwidth."""
     goals = ", ".join(f"{b} on {d.upper()} >= {100 * g:.0f}%" for (d, b), g in GOALS.items())
-    lines = [f"Goals (issue 3), as a share of copy bandwidth (clone of the same bytes): {goals}.", "",
+    lines = [f"Goals (issues 3 and 14), as a share of copy bandwidth (clone of the same bytes): {goals}.", "",
              "| op | device | backend | elements | ms | GB/s | clone GB/s | % of clone | goal | copy_ GB/s "
              "| % of copy_ | = torch |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,7 +1,8 @@
 """Quantization kernels for the quantized communication backends (qwZ, qgZ, ByteGrad).
 
-Every op has a torch reference (:mod:`.reference`, the specification and the CPU path) and a Triton kernel
-(:mod:`.triton_symmetric`, :mod:`.triton_minmax`), chosen per call by :mod:`.backend`. Layouts and padded sizes are
+Every op has a torch reference (:mod:`.reference`, the specification, run eager), the same math compiled into fused
+CPU loops by ``torch.compile`` (:mod:`.compiled`, the default CPU path) and a Triton kernel (:mod:`.triton_symmetric`,
+:mod:`.triton_minmax`, the CUDA path); all three give the same bits, and :mod:`.backend` chooses one per call. Layouts and padded sizes are
 documented in :mod:`.layout` ([Note: qgZ swizzle layout]).
 
 Codes: INT8 codes are ``torch.int8``; INT4 codes are ``torch.uint8`` bytes with two signed nibbles, the even element
@@ -28,9 +29,13 @@ __all__ = [
 
 
 def _impl(device_type: str):
-    if select_backend(device_type) == "triton":
+    backend = select_backend(device_type)
+    if backend == "triton":
         from . import triton_ops
         return triton_ops
+    if backend == "compiled":
+        from . import compiled
+        return compiled
     return _ref
 
 

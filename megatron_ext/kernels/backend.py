@@ -1,8 +1,9 @@
-"""The one dispatch point: which implementation (``torch`` or ``triton``) runs an op on a given tensor.
+"""The one dispatch point: which implementation (``torch``, ``compiled`` or ``triton``) runs an op on a given tensor.
 
-Default: Triton for CUDA tensors when Triton imports, the torch reference elsewhere. Override for a whole process with
-``MX_KERNELS=torch|triton`` or for a block of code with ``with use_backend("triton"): ...`` (tests use the latter to
-run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``).
+Default: Triton for CUDA tensors when Triton imports; elsewhere the reference's math compiled by ``torch.compile``
+(:mod:`.compiled`, same bits), or the eager torch reference when ``MX_KERNELS_COMPILE=0``. Override for a whole
+process with ``MX_KERNELS=torch|compiled|triton`` or for a block of code with ``with use_backend("triton"): ...``
+(tests use the latter to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import threading
 from typing import Iterator
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "compiled", "triton")
 _local = threading.local()
 
 
@@ -25,7 +26,7 @@ def _forced() -> str | None:
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
-    """Force ``name`` ("torch" or "triton"; None = automatic) for kernel calls made in this thread."""
+    """Force ``name`` ("torch", "compiled" or "triton"; None = automatic) for kernel calls made in this thread."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
     prev = getattr(_local, "backend", None)
@@ -45,4 +46,6 @@ def select_backend(device_type: str) -> str:
     forced = _forced()
     if forced is not None:
         return forced
-    return "triton" if device_type == "cuda" and triton_available() else "torch"
+    if device_type == "cuda" and triton_available():
+        return "triton"
+    return "torch" if os.environ.get("MX_KERNELS_COMPILE", "").strip() == "0" else "compiled"

@@ -1,6 +1,8 @@
-"""Torch reference implementations: the specification of every kernel, and the path used on CPU.
+"""Torch reference implementations: the specification of every kernel, run eagerly.
 
-Numerics are defined here and reproduced bit for bit by the Triton kernels:
+On CPU it runs when ``MX_KERNELS=torch`` or ``MX_KERNELS_COMPILE=0``, and for tensors below the compiled path's size
+threshold; :mod:`.compiled` generates fused loops from the same math. Numerics are defined here and reproduced bit
+for bit by the compiled CPU path and the Triton kernels:
   * all arithmetic in fp32; ``fl(a / b)`` is an IEEE division (never a multiplication by a reciprocal);
   * rounding is round-half-to-even (``torch.round``);
   * reductions over ``k`` received chunks accumulate sequentially, ``acc = ((0 + d_0) + d_1) + ...``, where
