@@ -56,7 +56,9 @@ def worker(a) -> None:
     for label in a.candidates.split(";"):
         cand = parse_candidate(label)
         sa = _shape_args(a.shape)
-        sa.micro_batches, sa.warmup, sa.iters = a.micro_batches, 1, a.iters
+        # Two warm-up steps: the first candidate of a process also pays one-time costs (kernel compilation or
+        # cache loads, allocator growth) that a single warm-up step did not always absorb.
+        sa.micro_batches, sa.warmup, sa.iters = a.micro_batches, 2, a.iters
         model, batches = _gpt_setup(sa, topo.rank)
         ddp = mx.OverlappedDDP(model, mx.OverlapConfig(
             bucket_size=cand.bucket_size, sharding=cand.sharding_plan(), grad_reduce=cand.grad_reduce,

@@ -115,6 +115,7 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         node_inter = sum(w * calls[i].inter for w, calls in zip(weights, per_rank))
         intra = max(calls[i].intra for calls in per_rank)
         kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
+        reduce_elems = max(calls[i].reduce_elems for calls in per_rank)
         g = c.group
         wire = float(node_inter)
         if profile.algorithm == "ring" and c.op in _RING_OPS and 1 < g.per_node < g.size:
@@ -122,7 +123,7 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         ledger_inter += node_inter
         wire_inter += wire
         intra_max += intra
-        sig = (c.op, g, intra, wire, kernel_elems)
+        sig = (c.op, g, intra, wire, kernel_elems, reduce_elems)
         if sig not in cache:
             t, links, t_intra = 0.0, [], 0.0
             if intra > 0:
@@ -134,7 +135,9 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
             if not links:       # nothing leaves the rank (e.g. a ByteGrad leader's reduce): latency only
                 links.append("intra" if g.nodes == 1 else "inter")
                 t = profile.link(links[0], c.op).alpha_s * steps(c.op, g.per_node if g.nodes == 1 else g.size)
-            cache[sig] = (t, tuple(links), 4.0 * kernel_elems / profile.kernel_bytes_per_s, t_intra)
+            kernel_s = 4.0 * (kernel_elems / profile.kernel_bytes_per_s
+                              + reduce_elems / (profile.reduce_kernel_bytes_per_s or profile.kernel_bytes_per_s))
+            cache[sig] = (t, tuple(links), kernel_s, t_intra)
         t, links, kernel_s, t_intra = cache[sig]
         timed.append(_Timed(c, t, links, kernel_s, t_intra))
     return timed, ledger_inter, int(wire_inter), intra_max

@@ -58,8 +58,8 @@ class Call:
     """One collective (or one hop of a multi-hop one) a rank issues in a step.
 
     ``intra`` / ``inter``: bytes this rank sends (ledger model). ``hop``: position inside a chained reduction (a
-    hop waits for the previous one of the same ``key``). ``kernel_elems``: elements the quantization kernels read
-    for this hop on this rank (quantize, dequantize, reduce passes).
+    hop waits for the previous one of the same ``key``). ``kernel_elems``: elements the quantize / dequantize
+    kernels read for this hop on this rank; ``reduce_elems``: those read by the fused reductions (slower per element).
     """
 
     name: str            # ledger row
@@ -72,6 +72,7 @@ class Call:
     key: Tuple = ()
     hop: int = 0
     kernel_elems: int = 0
+    reduce_elems: int = 0    # elements read by qgZ's fused dequantize-reduce(-requantize) kernels
     micro_batch: int = 0
 
 
@@ -102,10 +103,10 @@ def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOp
         calls = []
         if g.per_node > 1:
             calls.append(Call("qgz_intra_all_to_all", "all_to_all", intra=intra, inter=0, group=g, hop=0,
-                              kernel_elems=2 * B + B // g.per_node, **tag))   # swizzle+quantize, dequant-reduce
+                              kernel_elems=B, reduce_elems=B, **tag))   # swizzle+quantize; dequant-reduce-requant
         if g.nodes > 1:
             calls.append(Call("qgz_inter_all_to_all", "all_to_all", intra=0, inter=inter, group=g, hop=1,
-                              kernel_elems=B // g.per_node + n, **tag))
+                              reduce_elems=B // g.per_node, **tag))    # dequant-reduce of the nodes' sums
         return calls
     if backend == "bytegrad":
         leader = local_rank == 0
