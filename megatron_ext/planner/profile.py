@@ -142,30 +142,33 @@ def _uniform(alpha: float, bw: float) -> Dict[str, LinkCost]:
 
 
 GB = 1e9
+_ASSUMED = ("effective bandwidths 80% of line rate and compute 20% slower beside running NCCL kernels "
+            "(assumptions)")
+
+
+def _dgx2(ib_links: int) -> HardwareProfile:
+    return HardwareProfile(
+        f"dgx2-v100-{ib_links}ib", f"seed 000 section 5.1: DGX-2 nodes of 16 V100-SXM3 32 GB (NVSwitch, 150 GB/s per "
+        f"GPU per direction), {ib_links} x 100 Gbit/s InfiniBand per node; 120 TFLOP/s peak (seed 000 eq. 3); "
+        f"achieved compute 50% of peak, {_ASSUMED}",
+        16, 32 * 2 ** 30, 120e12, 60e12,
+        {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 12.5 * GB * ib_links)},
+        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2)
+
+
 PRESETS: Dict[str, HardwareProfile] = {p.name: p for p in (
-    HardwareProfile(
-        "dgx2-v100-1ib", "seed 000 section 5.1: DGX-2 nodes of 16 V100-SXM3 32 GB (NVSwitch, 150 GB/s per GPU per "
-        "direction), 1 x 100 Gbit/s InfiniBand per node; 120 TFLOP/s peak (seed 000 eq. 3); achieved compute 50% "
-        "of peak, effective bandwidths 80% of line rate, compute 20% slower beside NCCL kernels (assumptions)",
-        16, 32 * 2 ** 30, 120e12, 60e12,
-        {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 12.5 * GB)},
-        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2),
-    HardwareProfile(
-        "dgx2-v100-8ib", "as dgx2-v100-1ib with 8 x 100 Gbit/s InfiniBand per node (seed 000 section 5.1)",
-        16, 32 * 2 ** 30, 120e12, 60e12,
-        {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 100 * GB)},
-        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2),
+    _dgx2(1),
+    _dgx2(8),
     HardwareProfile(
         "dgx-a100", "seed 004 section VI-A: 8 A800 80 GB per node with NVLink, 4 x 200 Gbit/s HDR InfiniBand "
         "(800 Gbit/s per node, no SHARP); 312 TFLOP/s bf16 peak; achieved compute 65% of peak (seed 004: ZeRO-1 "
-        "on 8 GPUs reaches 63% MFU); effective bandwidths 80% of line rate, compute 20% slower beside NCCL kernels (assumptions)",
+        f"on 8 GPUs reaches 63% MFU); {_ASSUMED}",
         8, 80 * 2 ** 30, 312e12, 0.65 * 312e12,
         {"intra": _uniform(3e-6, 0.8 * 200 * GB), "inter": _uniform(6e-6, 0.8 * 100 * GB)},
         kernel_bytes_per_s=1000 * GB, optimizer_s_per_element=36 / 1000e9, overlap_slowdown=0.2),
     HardwareProfile(
         "h100", "DGX H100 datasheet: 8 H100 80 GB per node, NVLink 4 (450 GB/s per GPU per direction), 8 x 400 "
-        "Gbit/s NDR InfiniBand; 989 TFLOP/s bf16 dense peak; achieved compute 45% of peak, effective bandwidths "
-        "80% of line rate (assumptions)",
+        f"Gbit/s NDR InfiniBand; 989 TFLOP/s bf16 dense peak; achieved compute 45% of peak, {_ASSUMED}",
         8, 80 * 2 ** 30, 989e12, 0.45 * 989e12,
         {"intra": _uniform(3e-6, 0.8 * 450 * GB), "inter": _uniform(5e-6, 0.8 * 400 * GB)},
         kernel_bytes_per_s=2500 * GB, optimizer_s_per_element=36 / 2500e9, overlap_slowdown=0.2),
