@@ -231,8 +231,6 @@ def _gpt_loss(model, batch):
 def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: Optional[int] = None,
                engine: bool = True) -> Dict:
     """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off."""
-    import contextlib
-
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
@@ -245,15 +243,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
                             qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node))
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
-    M = len(batches)
-
-    def step():
-        for i, batch in enumerate(batches):
-            with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
-                opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
-        ddp.finish_grad_sync()
-        opt.step()
-        opt.zero_grad()
+    step = odo_step(ddp, opt, batches)
 
     ddp.ledger.enabled = False
     # Flushing completes the communication in flight (ZeRO-3's force_param_sync would gather every weight).
@@ -268,6 +258,23 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
             "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
             "memory": mem}
+
+
+def odo_step(ddp, opt, batches):
+    """One ODO training step over ``batches`` (megatron's no_sync pattern: the last micro-batch synchronises)."""
+    import contextlib
+
+    M = len(batches)
+
+    def step():
+        for i, batch in enumerate(batches):
+            with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
+                opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+
+    return step
 
 
 def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:

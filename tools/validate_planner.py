@@ -36,7 +36,6 @@ def _shape_args(shape: str) -> argparse.Namespace:
 
 # -- worker: run candidates --------------------------------------------------------------------------------------
 def worker(a) -> None:
-    import contextlib
     import datetime
 
     import torch
@@ -44,7 +43,7 @@ def worker(a) -> None:
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
-    from bench_cluster import _gpt_loss, _gpt_setup, _timed_steps
+    from bench_cluster import _gpt_setup, _timed_steps, odo_step
     from megatron_ext.comm import Topology
     from megatron_ext.planner import parse_candidate
 
@@ -64,17 +63,7 @@ def worker(a) -> None:
             bucket_size=cand.bucket_size, sharding=cand.sharding_plan(), grad_reduce=cand.grad_reduce,
             param_gather=cand.param_gather, qgz_bits=cand.qgz_bits, ranks_per_node=topo.ranks_per_node))
         opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
-        M = len(batches)
-
-        def step():
-            for i, batch in enumerate(batches):
-                with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
-                    opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
-            ddp.finish_grad_sync()
-            opt.step()
-            opt.zero_grad()
-
-        out = _timed_steps(topo, step, ddp.param_sync.wait_all, sa)
+        out = _timed_steps(topo, odo_step(ddp, opt, batches), ddp.param_sync.wait_all, sa)
         results[label] = {"step_s": statistics.median(out["times_s"]), "wire_per_node": out["wire_per_node"]}
         if a.rank == 0:
             print(f"    {label:<40} {1e3 * results[label]['step_s']:8.1f} ms", flush=True)
