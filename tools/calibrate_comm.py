@@ -314,6 +314,14 @@ def calibrate(a, rpn: int, device) -> dict:
 
 
 # -- emulated cluster --------------------------------------------------------------------------------------------
+def add_worker_args(ap: argparse.ArgumentParser) -> None:
+    """The hidden flags ``launch_ranks`` passes to a worker rank."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+
+
 def launch_ranks(cluster, script: str, world: int, rpn: int, args: List[str], timeout: float) -> None:
     """Run ``script --worker`` as ``world`` gloo ranks inside the emulated cluster's node namespaces (file store)."""
     with tempfile.TemporaryDirectory(prefix="mx_ranks_") as d:
@@ -363,10 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", default="", help="with --emulate: tbf rate of the inter-node links, e.g. 1gbit")
     ap.add_argument("--prefix", default="mxcal", help="with --emulate: namespace name prefix")
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
+    add_worker_args(ap)
     return ap
 
 

@@ -206,10 +206,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default="planner_validation.json")
     ap.add_argument("--png", default="planner_validation.png")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--rank", "--world", "--ranks-per-node"):
-        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--store", help=argparse.SUPPRESS)
+    from calibrate_comm import add_worker_args
+
+    add_worker_args(ap)
+    ap.add_argument("--ranks-per-node", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--candidates", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

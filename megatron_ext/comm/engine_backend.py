@@ -14,10 +14,10 @@ from .backend import GradReduce, ParamGather, Work
 from .progress import ProgressEngine
 
 
-class EngineGradReduce(GradReduce):
-    """``inner``'s reduce-scatter and all-reduce, run by ``engine``."""
+class _OnEngine:
+    """What both wrappers share: the inner backend's identity and alignment, the engine to submit to."""
 
-    def __init__(self, inner: GradReduce, engine: ProgressEngine) -> None:
+    def __init__(self, inner, engine: ProgressEngine) -> None:
         super().__init__(inner.topology, inner.ledger, inner.options)
         self.inner = inner
         self.engine = engine
@@ -26,6 +26,10 @@ class EngineGradReduce(GradReduce):
     @property
     def shard_alignment(self) -> int:
         return self.inner.shard_alignment
+
+
+class EngineGradReduce(_OnEngine, GradReduce):
+    """``inner``'s reduce-scatter and all-reduce, run by ``engine``."""
 
     @property
     def all_reduce_alignment(self) -> int:
@@ -38,18 +42,8 @@ class EngineGradReduce(GradReduce):
         return self.engine.submit(lambda: self.inner.all_reduce(tensor), (tensor,))
 
 
-class EngineParamGather(ParamGather):
+class EngineParamGather(_OnEngine, ParamGather):
     """``inner``'s all-gather, run by ``engine``."""
-
-    def __init__(self, inner: ParamGather, engine: ProgressEngine) -> None:
-        super().__init__(inner.topology, inner.ledger, inner.options)
-        self.inner = inner
-        self.engine = engine
-        self.name = inner.name
-
-    @property
-    def shard_alignment(self) -> int:
-        return self.inner.shard_alignment
 
     def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
         return self.engine.submit(lambda: self.inner.all_gather(shard, out_bucket), (shard, out_bucket))

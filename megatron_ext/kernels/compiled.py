@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import reference as _ref
-from .layout import (cdiv, check_bits_group, check_input, check_minmax_codes, codes_dtype, num_groups, qmax,
+from .layout import (cdiv, check_bits_group, check_input, codes_dtype, num_groups, qmax,
                      swizzle_layout)
 
 log = logging.getLogger(__name__)
@@ -411,10 +411,7 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    check_minmax_codes(q)
-    if q.numel() < numel or mins.numel() < cdiv(numel, chunk_size):
-        raise ValueError(f"{numel} elements need {cdiv(numel, chunk_size)} chunks of {chunk_size}: got "
-                         f"{q.numel()} codes and {mins.numel()} mins")
+    _ref.check_minmax_dequantize_args(q, mins, chunk_size, numel)
     piece = _piece(chunk_size)
     if not _wanted(numel) or piece is None:
         return _ref.dequantize_minmax_uint8(q, mins, maxs, chunk_size, numel, dtype)

@@ -330,12 +330,17 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     return q, mins, maxs
 
 
-def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def check_minmax_dequantize_args(q: torch.Tensor, mins: torch.Tensor, chunk_size: int, numel: int) -> None:
+    """The codes and per-chunk minima cover ``numel`` elements (shared by every dequantize_minmax_uint8 path)."""
     check_minmax_codes(q)
     if q.numel() < numel or mins.numel() < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(numel, chunk_size)} chunks of {chunk_size}: got "
                          f"{q.numel()} codes and {mins.numel()} mins")
+
+
+def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    check_minmax_dequantize_args(q, mins, chunk_size, numel)
     scale, lb = minmax_params(mins.float(), maxs.float())
     flat = q.view(-1)
     out = torch.empty(numel, dtype=dtype, device=q.device)

@@ -175,7 +175,7 @@ def group_local_ranks(plan: ResolvedPlan) -> Tuple[int, int]:
 def step_calls(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShape], micro_batches: int,
                wire: WireOptions = WireOptions()) -> List[Call]:
     """Every call DP rank ``plan.dp_rank`` issues in one steady-state step, in issue order per bucket."""
-    rpn, M = plan.ranks_per_node, micro_batches
+    M = micro_batches
     optim, replicas = plan_groups(plan)
     optim_backend, replica_backend = stage_backend_names(plan, cand.grad_reduce)
 
