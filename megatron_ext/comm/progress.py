@@ -14,7 +14,9 @@ executes them strictly in FIFO order with a fixed rule:
 * ``LAUNCH(k)``: run ``k``'s launch function (it issues ``k``'s first hop), then advance every older in-flight
   multi-phase work by one phase, oldest first (wait for its current hop, run the local work between hops, issue
   the next hop);
-* ``COMPLETE(k)``: complete every in-flight work up to and including ``k``, oldest first.
+* ``COMPLETE(k)``: complete every in-flight work launched up to and including ``k``, oldest first -- also when
+  ``k`` itself already finished (a single-phase work the engine completed while idle): whether older multi-phase
+  works get their remaining hops here must not depend on how fast ``k``'s handle was.
 
 After each command, and every ``POLL_S`` while it waits for one, the engine completes every single-phase work
 whose handle has finished (``Work.ready``): this runs its epilogue (qwZ's decode, plain's averaging) ahead of the
@@ -178,7 +180,7 @@ class EngineWork(Work):
     """The training thread's handle of a work the engine drives; ``wait()`` blocks on the engine's completion."""
 
     __slots__ = ("_engine", "_launch", "_token", "_inner", "_event", "_error", "_done_token", "_waited",
-                 "_submitted_complete")
+                 "_submitted_complete", "_seq")
 
     def __init__(self, engine: "ProgressEngine", launch: Callable[[], Work], token) -> None:
         self._engine = engine
@@ -190,6 +192,7 @@ class EngineWork(Work):
         self._done_token = None
         self._waited = False
         self._submitted_complete = False
+        self._seq = -1    # launch number, set by the engine thread
 
     def wait(self) -> None:
         if self._waited:
@@ -225,6 +228,7 @@ class ProgressEngine:
         self._idle = threading.Condition()
         self._pending = 0          # commands submitted and not yet executed
         self.commands = 0          # executed commands (reports)
+        self._launched = 0         # launches executed: each work's place in the FIFO order
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -293,6 +297,8 @@ class ProgressEngine:
                     self.streams.before_launch(work._token)
                     launch, work._launch = work._launch, None
                     work._inner = launch()
+                    work._seq = self._launched
+                    self._launched += 1
                     self._inflight.append(work)
                     for older in list(self._inflight[:-1]):   # one phase each, oldest first
                         if older._inner.multi_phase:
@@ -301,13 +307,13 @@ class ProgressEngine:
                             older._inner.advance()
                     self._retire_finished()
                 elif kind == _COMPLETE:
-                    if work in self._inflight:
-                        for older in list(self._inflight):
-                            if hook is not None:
-                                hook("advance")
-                            older._inner.wait()
-                            if older is work:
-                                break
+                    # By launch number, not by membership: ``work`` may have been retired while idle (timing).
+                    for older in list(self._inflight):
+                        if older._seq > work._seq:
+                            break
+                        if hook is not None:
+                            hook("advance")
+                        older._inner.wait()
                     self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
             self._error = e

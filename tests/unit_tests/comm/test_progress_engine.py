@@ -71,6 +71,50 @@ def test_issue_order_is_a_function_of_the_commands_only():
         set_delay_hook(None)
 
 
+class _FakeSingle(Work):
+    """A single-phase work (issued at launch) whose handle finishes at a moment the test picks: ``ready`` may turn
+    true before its ``wait()`` (the engine then completes it while idle) or only at it."""
+
+    def __init__(self, name: str, log: list, early: bool) -> None:
+        self.early, self._done = early, False
+        log.append((name, 0, threading.current_thread().name))
+
+    def wait(self) -> None:
+        self._done = True
+
+    @property
+    def ready(self) -> bool:
+        return self.early
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def _program_with_early_single(engine: ProgressEngine, log: list, early: bool) -> None:
+    """A multi-hop reduction, then a gather whose wait comes before the next launch (ZeRO-3's backward)."""
+    red = engine.submit(lambda: _FakeWork("reduce", 3, log))
+    gather = engine.submit(lambda: _FakeSingle("gather", log, early))
+    if early:
+        while not gather.finished:      # the engine retired it while idle
+            time.sleep(0.001)
+    gather.wait()
+    later = engine.submit(lambda: _FakeWork("next", 2, log))
+    red.wait()
+    later.wait()
+
+
+def test_complete_of_an_early_finished_work_still_completes_the_older_ones():
+    """The deadlock of ZeRO-3 + ByteGrad with replicas at DP 8: a gather's handle finished before its wait() on
+    one rank and not on another, so the older reduction's later hops were issued at different commands."""
+    logs = {}
+    for early in (False, True):
+        logs[early] = []
+        _program_with_early_single(ProgressEngine(), logs[early], early)
+    assert [e[:2] for e in logs[True]] == [e[:2] for e in logs[False]]
+    assert [e[:2] for e in logs[False]].index(("reduce", 2)) < [e[:2] for e in logs[False]].index(("next", 0))
+
+
 def test_done_only_after_wait_and_advance_is_a_noop():
     eng = ProgressEngine()
     w = eng.submit(lambda: _FakeWork("a", 2, []))
@@ -157,10 +201,14 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.Tanh(), torch.nn.Linear(37, 29), torch.nn.Tanh(),
-                                 torch.nn.Linear(29, 5))
-    sharding = mx.ShardingPlan() if plan == "zero2" else mx.ShardingPlan.mics(rpn)
-    cfg = mx.OverlapConfig(bucket_size=200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=rpn,
+    # ZeRO-3: one layer per bucket, so backward gathers and reductions interleave over many buckets.
+    widths = [32] * 7 + [5] if plan == "zero3x2" else [13, 37, 29, 5]
+    layers = [m for a, b in zip(widths[:-1], widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())]
+    module = torch.nn.Sequential(*layers[:-1])
+    plans = {"zero2": mx.ShardingPlan(), "mics": mx.ShardingPlan.mics(rpn),
+             "zero3x2": mx.ShardingPlan.zero3(dist.get_world_size() // 2)}   # ZeRO-3, 2 replicas: chained works
+    sharding = plans[plan]
+    cfg = mx.OverlapConfig(bucket_size=1100 if plan == "zero3x2" else 200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=rpn,
                            quant_group_size=32, sharding=sharding, progress_engine=engine,
                            qgz_pipeline_stages=stages)
     model = mx.OverlappedDDP(module, cfg)
@@ -175,7 +223,7 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
     try:
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(steps):
-            x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+            x, y = torch.randn(8, widths[0], generator=g), torch.randn(8, 5, generator=g)
             if step % 5 == 4:   # some steps with two micro-batches (accumulation inside no_sync)
                 with model.no_sync():
                     torch.nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
@@ -186,6 +234,7 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
             opt.step()
             opt.zero_grad()
         model.start_param_sync(force_sync=True)
+        model.force_param_sync()   # ZeRO-3: the weights are released after the step
     finally:
         set_delay_hook(None)
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -211,6 +260,12 @@ def test_dp8_engine_and_delays_match_the_synchronous_path():
     """2 nodes x 4 ranks: the engine (with and without random delays) gives the synchronous path's weights."""
     cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2)]
     _check_same_weights(run_distributed(_all_variants, 8, cases, 10, 4, timeout=600))
+
+
+def test_dp8_zero3_with_replicas_over_four_nodes():
+    """4 nodes x 2 ranks, ZeRO-3 over 2 nodes replicated twice with ByteGrad + qwZ: backward gathers wait between
+    chained multi-hop reductions (this deadlocked when an early-finished gather skipped completing older works)."""
+    _check_same_weights(run_distributed(_all_variants, 8, [("bytegrad", "qwz", "zero3x2", 2)], 10, 2, timeout=600))
 
 
 def _check_same_weights(res) -> None:
