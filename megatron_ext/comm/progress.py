@@ -50,23 +50,33 @@ communication stream so the caching allocator keeps them alive until the communi
 :class:`StreamOps` is the seam: ``CudaStreamOps`` does the above, ``NullStreamOps`` is the CPU no-op, and a test
 records the calls to check the order on a CPU-only machine.
 
+*Exit.* At interpreter exit (``atexit``) every engine is stopped and joined: the single-hop works still in flight
+(the gathers the last step launched for a forward that never comes) get up to ``STOP_WAIT_S`` to finish -- a gloo
+work that finishes during the interpreter's finalisation frees its tensors on gloo's thread, which can no longer
+take the GIL, and the process aborts ("terminate called without an active exception": a third of the runs of a
+2-node job that did not call ``destroy_process_group``) --, then every work is dropped; nothing new is issued, and
+a peer that is gone costs at most ``STOP_WAIT_S``.
+
 *Switch.* ``OverlapConfig.progress_engine`` (``--odo-progress-engine`` / ``--no-odo-progress-engine``, default from
 ``MEGATRON_EXT_PROGRESS_ENGINE``, on unless ``0``) -- off gives the synchronous path (``advance()`` on the training
 thread), kept for comparison.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .backend import Work
 
-_LAUNCH, _COMPLETE = range(2)
+_LAUNCH, _COMPLETE, _STOP = range(3)
 POLL_S = 0.001   # while single-phase works are in flight, the idle engine looks at their handles this often
+STOP_WAIT_S = 10.0   # at exit, how long the engine lets the handles in flight finish before dropping them
 
 # Test hook: called on the engine thread before every command and every phase it advances (random delays).
 _DELAY_HOOK: Optional[Callable[[str], None]] = None
@@ -253,6 +263,13 @@ class ProgressEngine:
             while self._pending:
                 self._idle.wait()
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the commands already submitted; in-flight works are dropped (see *Exit*)."""
+        if self.on_engine_thread() or not self._thread.is_alive():
+            return
+        self._put(_STOP, None)
+        self._thread.join(timeout)
+
     def on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
@@ -274,6 +291,9 @@ class ProgressEngine:
             except queue.Empty:   # idle: finish single-phase works whose handles are done (issues nothing)
                 self._complete_ready()
                 continue
+            if kind == _STOP:
+                self._stop()
+                return
             try:
                 if self._error is None:
                     self._execute(kind, work)
@@ -330,6 +350,20 @@ class ProgressEngine:
             self._error = e
             self._fail_all(None)
 
+    def _stop(self) -> None:
+        # Let the handles in flight finish (bounded: a peer may be gone): a gloo work still running at interpreter
+        # finalisation frees its tensors on gloo's thread, which cannot take the GIL any more -> std::terminate.
+        deadline = time.monotonic() + STOP_WAIT_S
+        for w in self._inflight:
+            while not w._inner.multi_phase and not w._inner.ready and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        if self._error is None:
+            self._error = ProgressEngineError("the progress engine was closed (interpreter exit)")
+        self._fail_all(None)
+        with self._idle:
+            self._pending = 0
+            self._idle.notify_all()
+
     def _retire_finished(self) -> None:
         still: List[EngineWork] = []
         for w in self._inflight:
@@ -365,6 +399,17 @@ def engine_for(key: tuple, device: torch.device) -> ProgressEngine:
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
+            if not _ENGINES:
+                atexit.register(close_all)
             streams: StreamOps = CudaStreamOps(device) if device.type == "cuda" else NullStreamOps()
             eng = _ENGINES[key] = ProgressEngine(streams=streams)
         return eng
+
+
+def close_all() -> None:
+    """Stop every engine of the process (registered with ``atexit``; see *Exit* in the module note)."""
+    with _ENGINES_LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+    for eng in engines:
+        eng.close()
