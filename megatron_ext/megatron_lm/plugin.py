@@ -27,7 +27,7 @@ import importlib
 from typing import Any, Callable, Dict, Optional
 
 from megatron_ext.training.arguments import (ArgumentError, add_auto_plan_args, add_megatron_ext_args,
-                                            check_megatron_lm_args)
+                                            check_megatron_lm_args, qgz_stages_config)
 
 _ORIGINALS: Dict[str, Any] = {}
 
@@ -146,6 +146,7 @@ def overlap_config_from_megatron_args(args: Any):
         kw["quant_group_size"] = int(args.quant_group_size)
     if getattr(args, "odo_progress_engine", None) is not None:
         kw["progress_engine"] = bool(args.odo_progress_engine)
+    kw.update(qgz_stages_config(args))
     return mx.OverlapConfig(**kw)
 
 

@@ -65,6 +65,27 @@ def _explain_unknown(extra: Sequence[str], parser: argparse.ArgumentParser) -> s
     return "; ".join(msgs)
 
 
+def _qgz_stages(value: str):
+    """``--qgz-pipeline-stages``: a positive integer or ``auto`` (argparse names the flag on error)."""
+    if value == "auto":
+        return value
+    try:
+        stages = int(value)
+    except ValueError:
+        stages = 0
+    if stages < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {value!r}")
+    return stages
+
+
+def qgz_stages_config(args: argparse.Namespace) -> dict:
+    """``OverlapConfig`` keyword for ``--qgz-pipeline-stages`` (none when unset: the config's default)."""
+    stages = getattr(args, "qgz_pipeline_stages", None)
+    if stages is None:
+        return {}
+    return {"qgz_pipeline_stages": None if stages == "auto" else int(stages)}
+
+
 def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """This project's flags; shared by pretrain_gpt and the Megatron-LM plug-in's extra_args_provider."""
     g = parser.add_argument_group("megatron-ext (OverlappedDistributedOptimizer and communication backends)")
@@ -77,6 +98,10 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="gradient reduce-scatter backend")
     g.add_argument("--param-gather", choices=("plain", "qwz"), default="plain", help="parameter all-gather backend")
     g.add_argument("--qgz-bits", type=int, choices=(4, 8), default=None, help="qgZ gradient bits (default 4)")
+    g.add_argument("--qgz-pipeline-stages", type=_qgz_stages, default=None, metavar="{N,auto}",
+                   help="qgZ: chunks of a bucket whose intra- and inter-node hops are pipelined (default 2); auto: 1 "
+                   "when the progress engine runs and there are at least 4 buckets (consecutive buckets already "
+                   "keep both links busy, and each stage costs a pair of all-to-alls per bucket), else 2")
     g.add_argument("--quant-group-size", type=int, default=None,
                    help="elements per quantization scale for qwZ/qgZ (default 2048)")
     g.add_argument("--odo-progress-engine", action=argparse.BooleanOptionalAction, default=None,
@@ -452,6 +477,8 @@ def check_backend_flags(args: argparse.Namespace) -> None:
               f"(available: {', '.join(available_param_gather())})")
     if qgz_bits is not None and grad_reduce != "qgz":
         _fail(f"--qgz-bits is only meaningful with --grad-reduce qgz (got --grad-reduce {grad_reduce})")
+    if getattr(args, "qgz_pipeline_stages", None) is not None and grad_reduce != "qgz":
+        _fail(f"--qgz-pipeline-stages is only meaningful with --grad-reduce qgz (got --grad-reduce {grad_reduce})")
     if group is not None and grad_reduce != "qgz" and param_gather != "qwz":
         _fail("--quant-group-size is only meaningful with --grad-reduce qgz or --param-gather qwz")
     if group is not None and group <= 0:
@@ -495,6 +522,7 @@ def check_megatron_lm_args(args: argparse.Namespace) -> None:
         for dest, flag, default in (("odo_accumulate", "--odo-accumulate", "auto"), ("grad_reduce", "--grad-reduce",
                                     "plain"), ("param_gather", "--param-gather", "plain"),
                                     ("qgz_bits", "--qgz-bits", None), ("quant_group_size", "--quant-group-size", None),
+                                    ("qgz_pipeline_stages", "--qgz-pipeline-stages", None),
                                     ("ranks_per_node", "--ranks-per-node", None),
                                     ("param_shard_size", "--param-shard-size", None),
                                     ("grad_shard_size", "--grad-shard-size", None),

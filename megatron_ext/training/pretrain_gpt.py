@@ -75,11 +75,12 @@ def _build_optimizer(args: argparse.Namespace, model):
 def _overlap_config(args: argparse.Namespace):
     import megatron_ext as mx
 
-    from .arguments import sharding_plan_from_args
+    from .arguments import qgz_stages_config, sharding_plan_from_args
 
     plan = sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
     engine = getattr(args, "odo_progress_engine", None)
     extra = {} if engine is None else {"progress_engine": bool(engine)}
+    extra.update(qgz_stages_config(args))
     return mx.OverlapConfig(bucket_size=args.ddp_bucket_size, sharding=plan, **extra,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, grad_reduce=args.grad_reduce,

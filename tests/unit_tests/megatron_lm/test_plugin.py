@@ -178,6 +178,7 @@ def _megatron_lm_parse(argv):
     (["--desync-residual", "2x"], ["--desync-residual", "not supported"]),
     (["--hpz-partition-size", "2"], ["--hpz-partition-size", "not supported"]),
     (["--qgz-bits", "8"], ["--qgz-bits", "--grad-reduce"]),
+    (["--qgz-pipeline-stages", "1"], ["--qgz-pipeline-stages", "--grad-reduce"]),
     (["--grad-reduce", "plain", "--quant-group-size", "256"], ["--quant-group-size"]),
     (["--grad-reduce", "qgz", "--quant-group-size", "0"], ["--quant-group-size must be positive"]),
 ])
@@ -331,7 +332,10 @@ def _plan_from_megatron_args():
             bad = "accepted"
         except ValueError as e:
             bad = str(e)
-        return amsp.sharding, inst.sharding, bad
+        stages = [overlap_config_from_megatron_args(argparse.Namespace(**base, grad_reduce="qgz", **kw)
+                                                    ).qgz_pipeline_stages
+                  for kw in ({}, {"qgz_pipeline_stages": 1}, {"qgz_pipeline_stages": "auto"})]
+        return amsp.sharding, inst.sharding, bad, stages
     finally:
         Utils.destroy_model_parallel()
 
@@ -339,7 +343,8 @@ def _plan_from_megatron_args():
 def test_plan_flags_reach_the_plugin(spawn):
     import megatron_ext as mx
 
-    amsp, inst, bad = spawn(_plan_from_megatron_args, 4)[0]
+    amsp, inst, bad, stages = spawn(_plan_from_megatron_args, 4)[0]
+    assert stages == [2, 1, None]            # --qgz-pipeline-stages: default, 1, auto
     assert amsp == mx.ShardingPlan.amsp_7b(2)
     assert inst == mx.ShardingPlan.mics(2)   # megatron-core's K instances: grad = optim = DP / K
     assert "--optim-shard-size" in bad and "does not divide" in bad

@@ -51,6 +51,8 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
     (["--loss-scale", "128"], ["--loss-scale", "--fp16"]),
     (["--qgz-bits", "8"], ["--qgz-bits", "--grad-reduce"]),
+    (["--qgz-pipeline-stages", "auto"], ["--qgz-pipeline-stages", "--grad-reduce"]),
+    (["--grad-reduce", "qgz", "--qgz-pipeline-stages", "0"], ["--qgz-pipeline-stages", "positive integer or auto"]),
     (["--quant-group-size", "256"], ["--quant-group-size"]),
     (["--global-batch-size", "6"], ["--global-batch-size", "--micro-batch-size"]),
     (["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size"]),
@@ -101,6 +103,15 @@ def test_plan_flags_build_the_plan():
     args = parse_args(BASE + ["--param-shard-size", "4", "--hpz-partition-size", "2", "--ranks-per-node", "4"],
                       world_size=4)
     assert sharding_plan_from_args(args, 4, 4) == ShardingPlan(param=4, grad=4, optim=4, hpz=2)
+
+
+@pytest.mark.parametrize("flag, stages", [([], 2), (["--qgz-pipeline-stages", "1"], 1),
+                                          (["--qgz-pipeline-stages", "auto"], None)])
+def test_qgz_pipeline_stages_reach_the_config(flag, stages):
+    from megatron_ext.training.pretrain_gpt import _overlap_config
+
+    args = parse_args(BASE + ["--grad-reduce", "qgz"] + flag, world_size=4)
+    assert _overlap_config(args).qgz_pipeline_stages == stages
 
 
 def test_unimplemented_backend_rejected_by_flag_name(capsys, monkeypatch):
