@@ -207,6 +207,9 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     tail = _optimizer_s(wl, profile, buckets) + _scalar_s(wl, profile) + (wl.pp - 1) * per_micro
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
+    # Pooled gradient buffers (buffer alternation): bucket k's first gradient takes a buffer, so backward waits
+    # there for the reduction ``buffer_pool_size`` launches back (grad_sync.py; none with local accumulation).
+    buffers = max(1, wl.setup.buffer_pool_size) if not plan.accumulates_locally(M > 1) else None
     reducing = {key[2] for key in chains if key[0] == "rs"}
 
     rp = _Replay(profile)
@@ -238,6 +241,8 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
                         if j not in issued_b:
                             issued_b[j] = rp.issue(chains.get(("bg", j, m), []))
                     rp.wait(issued_b[k])
+                if buffers is not None and ("rs", k, m) in chains and len(pending) >= buffers:
+                    rp.wait(pending[-buffers])
                 rp.now += bwd * share[k]
                 if ("rs", k, m) in chains:
                     pending.append(rp.issue(chains[("rs", k, m)]))
