@@ -46,13 +46,19 @@ def candidate_plans(dp: int, ranks_per_node: int) -> List[Tuple[int, int, int, i
 
 def enumerate_candidates(wl: Workload, *, allow_quantized: bool = False,
                          bucket_sizes: Sequence[int] = DEFAULT_BUCKET_SIZES) -> List[Candidate]:
+    from ..comm import available_grad_reduce, available_param_gather
+
     dp, rpn = wl.dp, wl.ranks_per_node
+    # Only backends this build has (a plan naming a missing one would fail at start-up).
+    have_grad, have_gather = set(available_grad_reduce()), set(available_param_gather())
+    all_grads = [b for b in GRAD_BACKENDS if b[0] in have_grad]
+    all_gathers = [b for b in GATHER_BACKENDS if b in have_gather]
     out = []
     for p, g, o, h in candidate_plans(dp, rpn):
         crosses = o > rpn or (dp // o > 1 and dp > rpn)
         gather_crosses = o > rpn
-        grads = GRAD_BACKENDS if (allow_quantized and crosses) else GRAD_BACKENDS[:1]
-        gathers = GATHER_BACKENDS if (allow_quantized and gather_crosses) else GATHER_BACKENDS[:1]
+        grads = all_grads if (allow_quantized and crosses) else all_grads[:1]
+        gathers = all_gathers if (allow_quantized and gather_crosses) else all_gathers[:1]
         for gr, bits in grads:
             for pg in gathers:
                 for b in bucket_sizes:

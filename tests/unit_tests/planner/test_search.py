@@ -7,7 +7,7 @@ import pytest
 from megatron_ext.optimizer.sharding import ShardingPlan
 from megatron_ext.planner import ModelSpec, hardware_preset, solve
 from megatron_ext.planner.cli import workload_from
-from megatron_ext.planner.search import aligned_factors, enumerate_candidates
+from megatron_ext.planner.search import aligned_factors, candidate_plans, enumerate_candidates
 
 # A GPT-2 small shape (~0.16B parameters): plans differ in memory, and a search takes a moment.
 SPEC = ModelSpec("gpt-12x768", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304,
@@ -47,6 +47,35 @@ def test_every_returned_plan_resolves_on_every_rank(everything):
         plan = ShardingPlan(param=c.param, grad=c.grad, optim=c.optim, hpz=c.hpz)
         for rank in range(wl.dp):           # the rules the ODO enforces, from every rank's point of view
             plan.resolve(wl.dp, wl.ranks_per_node, rank)
+
+
+@pytest.mark.parametrize("dp, per_node", [(32, 8), (48, 8), (8, 2), (16, 4), (4, 4)])
+def test_plans_are_exactly_those_the_odo_accepts(dp, per_node):
+    """The pre-filter neither drops a plan the ODO runs nor admits one it refuses: brute force over every
+    (param, grad, optim, hpz) of divisors of DP, checked by ``ShardingPlan.resolve`` on every rank."""
+    divisors = [f for f in range(1, dp + 1) if dp % f == 0]
+    accepted = set()
+    for p in divisors:
+        for g in divisors:
+            for o in divisors:
+                for h in divisors:
+                    try:
+                        for rank in range(dp):
+                            ShardingPlan(param=p, grad=g, optim=o, hpz=h).resolve(dp, per_node, rank)
+                    except ValueError:
+                        continue
+                    accepted.add((p, g, o, h))
+    plans = candidate_plans(dp, per_node)
+    assert len(plans) == len(set(plans)) and set(plans) == accepted
+
+
+def test_only_backends_this_build_has(monkeypatch):
+    import megatron_ext.comm as comm
+
+    monkeypatch.setattr(comm, "available_grad_reduce", lambda: ["plain", "qgz"])
+    monkeypatch.setattr(comm, "available_param_gather", lambda: ["plain"])
+    cands = enumerate_candidates(_wl(), allow_quantized=True, bucket_sizes=BUCKETS[:1])
+    assert {c.grad_reduce for c in cands} == {"plain", "qgz"} and {c.param_gather for c in cands} == {"plain"}
 
 
 def test_cap_below_every_plan_is_a_clear_error(everything):
