@@ -4,10 +4,12 @@
 One step is replayed in program order on three timelines: the compute stream (forward, backward, optimizer; plus
 the quantization kernels and the launch cost where they share the processor) and two communication channels,
 ``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
-use (both for a group spanning nodes) and starts when it is issued and its channels are free; a hop of a
-multi-hop reduction (qgZ, ByteGrad, a reduce-scatter chained to the replicas' all-reduce) starts when the hop
-before it ends: the progress engine (``comm/progress.py``, on by default) advances hops off the compute stream;
-without it (``--no-odo-progress-engine``) hops advance at later bucket launches and the model is optimistic.
+use (both for a group spanning nodes) and starts when it is issued and its channels are free. Every hop is issued
+by the progress engine (``comm/progress.py``, on by default) under its rule, replayed by :class:`_Replay`: a
+launch issues the new work's first hop and advances each older multi-hop work (qgZ, ByteGrad, a reduce-scatter
+chained to the replicas' all-reduce) by one hop once its current hop has ended; a wait issues every remaining hop
+of every work launched up to the one waited for. Without the engine (``--no-odo-progress-engine``) the same hops
+are issued on the training thread, which the model does not charge (it is optimistic there).
 What the ODO overlaps:
 
 - forward: the weights' all-gathers, issued after the previous step in forward order, are waited for bucket by
@@ -15,7 +17,9 @@ What the ODO overlaps:
   to ``gather_pool_size`` buckets ahead, and re-gathers for backward (from the hpZ pieces inside the node);
 - backward: a bucket's reduction is issued when its gradients are complete (after its backward segment), on the
   micro-batches that reduce (every one with grad = optim, the last with grad = 1), so it overlaps the backward of
-  the buckets after it; the step waits for the last one (the exposed tail);
+  the buckets after it; with pooled buffers (no local accumulation) a bucket's backward first waits for the
+  reduction ``buffer_pool_size`` launches back (buffer alternation); the step waits for the last one (the
+  exposed tail);
 - the optimizer runs after every reduction completed; then the next step's gathers are issued.
 
 Compute per bucket is proportional to its parameters (a transformer's FLOPs are); backward is twice the forward
@@ -143,34 +147,83 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
     return timed, ledger_inter, int(wire_inter), intra_max
 
 
+class _Chain:
+    """One backend work on the engine: its hops, the next one to issue, when the last issued one ends."""
+
+    __slots__ = ("hops", "next", "end")
+
+    def __init__(self, hops: Sequence[_Timed], end: float) -> None:
+        self.hops, self.next, self.end = list(hops), 0, end
+
+
 class _Replay:
-    """The three timelines of the module note."""
+    """The three timelines of the module note, and the progress engine's thread that issues every hop.
+
+    The engine's rule (``comm/progress.py``): ``LAUNCH(k)`` issues k's first hop, then advances every older
+    multi-hop work by one hop, each after its current hop has ended (the engine thread blocks on it);
+    ``COMPLETE(k)`` (the training thread waits for k: a forward pre-hook, a full buffer pool, the step) issues
+    every remaining hop of every work launched up to k, in order. A chain therefore moves one hop per later launch
+    and finishes at the next wait, not as soon as each hop could start.
+    """
 
     def __init__(self, profile: HardwareProfile) -> None:
         self.profile = profile
         self.now = 0.0
         self.free = {"intra": 0.0, "inter": 0.0}
+        self.engine = 0.0                       # the engine thread's clock
+        self.inflight: List[_Chain] = []
 
-    def issue(self, hops: Sequence[_Timed]) -> float:
-        """Issue a chain of hops now; returns when its last hop ends."""
-        ready = self.now
-        for h in hops:
-            self.now += self.profile.launch_s
-            dur = h.duration
-            if self.profile.kernels_on_compute:
-                self.now += h.kernel_s
-            else:
-                dur += h.kernel_s
-            if self.profile.intra_on_compute:
-                self.now += h.intra_s
-            start = max([ready, self.now] + [self.free[l] for l in h.links])
-            ready = start + dur
-            for l in h.links:
-                self.free[l] = ready
-        return ready
+    def _hop(self, h: _Timed, at: float) -> float:
+        """Issue one hop on the engine at ``at``; returns when it ends. Its host work shares the processor."""
+        p = self.profile
+        self.now += p.launch_s
+        dur = h.duration
+        if p.kernels_on_compute:
+            self.now += h.kernel_s
+            at += h.kernel_s
+        else:
+            dur += h.kernel_s
+        if p.intra_on_compute:
+            self.now += h.intra_s
+        start = max([at] + [self.free[l] for l in h.links])
+        end = start + dur
+        for l in h.links:
+            self.free[l] = end
+        return end
 
-    def wait(self, t: float) -> None:
-        self.now = max(self.now, t)
+    def _advance(self, c: _Chain, e: float) -> float:
+        e = max(e, c.end)
+        c.end = self._hop(c.hops[c.next], e)
+        c.next += 1
+        return e
+
+    def launch(self, hops: Sequence[_Timed]) -> _Chain:
+        """``LAUNCH``: submitted now by the training thread."""
+        c = _Chain(hops, self.now)
+        if not c.hops:
+            return c
+        e = max(self.engine, self.now)
+        c.end = self._hop(c.hops[0], e)
+        c.next = 1
+        for older in self.inflight:
+            if older.next < len(older.hops):
+                e = self._advance(older, e)
+        self.engine = e
+        self.inflight = [o for o in self.inflight if o.next < len(o.hops) or o.end > e] + [c]
+        return c
+
+    def complete(self, c: _Chain) -> None:
+        """``COMPLETE``: the training thread waits for ``c`` (and the engine first finishes everything older)."""
+        if c in self.inflight:
+            e = max(self.engine, self.now)
+            upto = self.inflight.index(c) + 1
+            for older in self.inflight[:upto]:
+                while older.next < len(older.hops):
+                    e = self._advance(older, e)
+                e = max(e, older.end)
+            self.engine = e
+            del self.inflight[:upto]
+        self.now = max(self.now, c.end)
 
 
 # Micro-batches replayed exactly; beyond, each further middle micro-batch adds what the last one did (they are alike).
@@ -213,45 +266,45 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     reducing = {key[2] for key in chains if key[0] == "rs"}
 
     rp = _Replay(profile)
-    gathered: Dict[int, float] = {}
+    gathered: Dict[int, _Chain] = {}
     step_ends = []
     for _ in range(2):
-        pending: List[float] = []
+        pending: List[_Chain] = []
         for m in range(M):
             if not zero3 and (m > 0 or not gathered) and m not in reducing:
                 rp.now += fwd + bwd      # neither waits for a gather nor reduces: compute only
                 continue
             if zero3:
-                issued: Dict[int, float] = {}
+                issued: Dict[int, _Chain] = {}
                 for i, k in enumerate(fwd_order):
                     for j in fwd_order[i:i + pool]:
                         if j not in issued:
-                            issued[j] = rp.issue(chains.get(("fg", j, m), []))
-                    rp.wait(issued[k])
+                            issued[j] = rp.launch(chains.get(("fg", j, m), []))
+                    rp.complete(issued[k])
                     rp.now += fwd * share[k]
             else:
                 for k in fwd_order:
                     if m == 0 and k in gathered:
-                        rp.wait(gathered[k])
+                        rp.complete(gathered[k])
                     rp.now += fwd * share[k]
-            issued_b: Dict[int, float] = {}
+            issued_b: Dict[int, _Chain] = {}
             for k in range(K):
                 if zero3:
                     for j in range(k, min(K, k + pool)):
                         if j not in issued_b:
-                            issued_b[j] = rp.issue(chains.get(("bg", j, m), []))
-                    rp.wait(issued_b[k])
+                            issued_b[j] = rp.launch(chains.get(("bg", j, m), []))
+                    rp.complete(issued_b[k])
                 if buffers is not None and ("rs", k, m) in chains and len(pending) >= buffers:
-                    rp.wait(pending[-buffers])
+                    rp.complete(pending[-buffers])
                 rp.now += bwd * share[k]
                 if ("rs", k, m) in chains:
-                    pending.append(rp.issue(chains[("rs", k, m)]))
-        for t in pending:
-            rp.wait(t)
+                    pending.append(rp.launch(chains[("rs", k, m)]))
+        for c in pending:
+            rp.complete(c)
         rp.now += tail
         step_ends.append(rp.now)
         if not zero3:
-            gathered = {k: rp.issue(chains.get(("ag", k), [])) for k in fwd_order}
+            gathered = {k: rp.launch(chains.get(("ag", k), [])) for k in fwd_order}
     busy = max(sum(t.duration for t in timed if link in t.links) for link in ("intra", "inter"))
     return _Replayed(step_ends[1] - step_ends[0], busy, ledger_inter, wire_inter, intra, len(timed))
 
