@@ -150,8 +150,10 @@ def _dequantize_pairs(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> t
     sc = scales[:, None]
     if bits == 8:
         return (codes.float() * sc,)
-    u = codes.to(torch.int32)  # signed nibbles: (n ^ 8) - 8; the even element is the high nibble
-    return (((u >> 4) ^ 8) - 8).float() * sc, (((u & 15) ^ 8) - 8).float() * sc
+    # the even element is the high nibble: the byte sign-extended, shifted (arithmetic) right by 4; the odd one is
+    # the low nibble moved to the top and back: 3 integer instructions per byte instead of 6
+    u = codes.view(torch.int8).to(torch.int32)
+    return (u >> 4).float() * sc, ((u << 28) >> 28).float() * sc
 
 
 def _store_pairs(out: torch.Tensor, vals: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
