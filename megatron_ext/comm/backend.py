@@ -84,6 +84,11 @@ class Work(abc.ABC):
         engine may complete it at any moment, whatever the timing. False when unknown."""
         return False
 
+    def notify_when_ready(self, callback: Callable[[], None]) -> bool:
+        """Arrange for ``callback()`` (from any thread) once :attr:`ready` may have turned true, so the progress
+        engine can sleep instead of polling; False when this work cannot (the engine then polls it)."""
+        return False
+
     @property
     @abc.abstractmethod
     def done(self) -> bool:
@@ -115,12 +120,14 @@ class TorchWork(Work):
         self._handle = handle
         self._epilogue = epilogue
         self._done = False
+        self._signalled = False
 
     def wait(self) -> None:
         if self._done:
             return
         if self._handle is not None:
             self._handle.wait()
+            self._handle = None    # the last reference is dropped here, with the GIL, not on the backend's thread
         if self._epilogue is not None:
             self._epilogue()
         self._done = True
@@ -131,7 +138,22 @@ class TorchWork(Work):
 
     @property
     def ready(self) -> bool:
-        return self._done or self._handle is None or self._handle.is_completed()
+        return self._done or self._handle is None or self._signalled or self._handle.is_completed()
+
+    def notify_when_ready(self, callback: Callable[[], None]) -> bool:
+        if self._handle is None:
+            return False
+        try:
+            future = self._handle.get_future()
+        except (AttributeError, RuntimeError):   # a process group without futures: the engine polls
+            return False
+
+        def finished(_future) -> None:
+            self._signalled = True
+            callback()
+
+        future.add_done_callback(finished)
+        return True
 
 
 class StagedWork(Work):

@@ -10,6 +10,7 @@ node. Scales, padding and metadata are counted: the ledger reports what went ove
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import defaultdict
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
@@ -36,6 +37,7 @@ class CommLedger:
         # Called before every read or reset: the progress engine records from its own thread, so readers wait
         # until it has run every command submitted so far (see [Note: progress engine] in progress.py).
         self.sync: Optional[Callable[[], None]] = None
+        self._lock = threading.Lock()   # the engine (reductions) and the training thread (gathers) both record
 
     def _synced(self) -> None:
         if self.sync is not None:
@@ -47,10 +49,11 @@ class CommLedger:
             return
         if intra < 0 or inter < 0:
             raise ValueError(f"negative byte count for {collective}: intra={intra} inter={inter}")
-        e = self._entries[collective]
-        e.calls += calls
-        e.intra += int(intra)
-        e.inter += int(inter)
+        with self._lock:
+            e = self._entries[collective]
+            e.calls += calls
+            e.intra += int(intra)
+            e.inter += int(inter)
 
     def record_pairwise(self, collective: str, bytes_per_peer: int, intra_peers: int, inter_peers: int) -> None:
         """Record a collective in which this rank sends ``bytes_per_peer`` to each of the given peers."""

@@ -15,7 +15,7 @@ import math
 from typing import Optional, Tuple
 
 from ..comm.backend import GradReduce, ParamGather, build_grad_reduce, build_param_gather
-from ..comm.engine_backend import EngineGradReduce, EngineParamGather
+from ..comm.engine_backend import EngineGradReduce
 from ..comm.progress import ProgressEngine
 from ..comm.ledger import CommLedger
 from ..comm.topology import Topology
@@ -77,8 +77,11 @@ def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_ga
                     options, engine: Optional[ProgressEngine] = None) -> PlanComm:
     """Create this rank's plan groups (members only, same order on every rank) and the stage backends.
 
-    With a progress ``engine`` the backends run on the engine thread over clones of the stage groups (see
-    [Note: progress engine] in comm/progress.py); the clones are created right after the originals.
+    With a progress ``engine`` the gradient backends run on the engine thread over clones of the stage groups (see
+    [Note: progress engine] in comm/progress.py); the clones are created right after the originals. The weight
+    gather stays on the training thread, on the original optim group: it is one hop, issued after the step and
+    waited for in forward, so the engine has nothing to advance, and handing each bucket's wait to it cost more
+    than it saved (see the note).
     """
     optim = dp.subgroup(plan.optim_members)
     replicas = dp.subgroup(plan.replica_members) if plan.replicas > 1 else None
@@ -91,9 +94,7 @@ def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_ga
         inner = build_grad_reduce(name, clones[id(t)], ledger, options)
         return EngineGradReduce(inner, engine) if engine is not None else inner
 
-    gather = build_param_gather(param_gather, clones[id(optim)], ledger, options)
-    if engine is not None:
-        gather = EngineParamGather(gather, engine)
+    gather = build_param_gather(param_gather, optim, ledger, options)
     return PlanComm(plan=plan, optim=optim, replicas=replicas, grad_reduce=grad_backend(optim, optim_name),
                     replica_reduce=grad_backend(replicas, replica_name) if replicas is not None else None,
                     param_gather=gather, hpz=hpz)

@@ -195,7 +195,8 @@ assert ddp.engine is not None and ddp.param_sync.pending > 0
 
 
 def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
-    """2 nodes of 1 rank: without the engine's exit hook about a third of these runs aborted in gloo's thread."""
+    """2 nodes of 1 rank, the last step's gathers in flight at exit: when the gathers ran on the engine, without its
+    exit hook about a third of these runs aborted in gloo's thread (a gloo work finishing during finalisation)."""
     import os
     import subprocess
     import sys
