@@ -8,8 +8,9 @@ use (both for a group spanning nodes) and starts when it is issued and its chann
 by the progress engine (``comm/progress.py``, on by default) under its rule, replayed by :class:`_Replay`: a
 launch issues the new work's first hop and advances each older multi-hop work (qgZ, ByteGrad, a reduce-scatter
 chained to the replicas' all-reduce) by one hop once its current hop has ended; a wait issues every remaining hop
-of every work launched up to the one waited for. Without the engine (``--no-odo-progress-engine``) the same hops
-are issued on the training thread, which the model does not charge (it is optimistic there).
+of every work launched up to the one waited for. Weight gathers are issued by the training thread itself (not on
+the engine) and waited for bucket by bucket. Without the engine (``--no-odo-progress-engine``) the reductions'
+hops are issued on the training thread too, which the model does not charge (it is optimistic there).
 What the ODO overlaps:
 
 - forward: the weights' all-gathers, issued after the previous step in forward order, are waited for bucket by
@@ -212,6 +213,17 @@ class _Replay:
         self.inflight = [o for o in self.inflight if o.next < len(o.hops) or o.end > e] + [c]
         return c
 
+    def direct(self, hops: Sequence[_Timed]) -> _Chain:
+        """A weight gather: issued by the training thread itself (not on the engine), waited for with ``done``."""
+        c = _Chain(hops, self.now)
+        for h in c.hops:
+            c.end = self._hop(h, max(self.now, c.end))
+        c.next = len(c.hops)
+        return c
+
+    def done(self, c: _Chain) -> None:
+        self.now = max(self.now, c.end)
+
     def complete(self, c: _Chain) -> None:
         """``COMPLETE``: the training thread waits for ``c`` (and the engine first finishes everything older)."""
         if c in self.inflight:
@@ -279,21 +291,21 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
                 for i, k in enumerate(fwd_order):
                     for j in fwd_order[i:i + pool]:
                         if j not in issued:
-                            issued[j] = rp.launch(chains.get(("fg", j, m), []))
-                    rp.complete(issued[k])
+                            issued[j] = rp.direct(chains.get(("fg", j, m), []))
+                    rp.done(issued[k])
                     rp.now += fwd * share[k]
             else:
                 for k in fwd_order:
                     if m == 0 and k in gathered:
-                        rp.complete(gathered[k])
+                        rp.done(gathered[k])
                     rp.now += fwd * share[k]
             issued_b: Dict[int, _Chain] = {}
             for k in range(K):
                 if zero3:
                     for j in range(k, min(K, k + pool)):
                         if j not in issued_b:
-                            issued_b[j] = rp.launch(chains.get(("bg", j, m), []))
-                    rp.complete(issued_b[k])
+                            issued_b[j] = rp.direct(chains.get(("bg", j, m), []))
+                    rp.done(issued_b[k])
                 if buffers is not None and ("rs", k, m) in chains and len(pending) >= buffers:
                     rp.complete(pending[-buffers])
                 rp.now += bwd * share[k]
@@ -304,7 +316,7 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
         rp.now += tail
         step_ends.append(rp.now)
         if not zero3:
-            gathered = {k: rp.launch(chains.get(("ag", k), [])) for k in fwd_order}
+            gathered = {k: rp.direct(chains.get(("ag", k), [])) for k in fwd_order}
     busy = max(sum(t.duration for t in timed if link in t.links) for link in ("intra", "inter"))
     return _Replayed(step_ends[1] - step_ends[0], busy, ledger_inter, wire_inter, intra, len(timed))
 
