@@ -12,9 +12,9 @@ profile-first approach in an alpha-beta form that extrapolates to group sizes th
 - ``steps`` is the number of sequential latency hops: ``ranks - 1`` for ring reduce-scatter / all-gather,
   ``2 (ranks - 1)`` for all-reduce, 1 for all-to-all (pairwise sends in parallel), ``log2(ranks)`` for
   reduce / broadcast;
-- ``algorithm = "ring"`` (NCCL's rings over nodes) counts a ring's cross-node bytes per node, ``(G-1)/G`` of the
-  payload, where the ledger's pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"``
-  keeps the ledger's count. A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
+- ``algorithm = "ring"`` (NCCL's rings over nodes; gloo's collectives too, checked against the emulated nodes'
+  eth0 counters) counts a ring's cross-node bytes per node, ``(G-1)/G`` of the payload, where the ledger's
+  pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"`` keeps the ledger's count. A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
 
 Overlap is not free: collectives take GPU SMs and memory bandwidth (CPU: cores) from the compute they hide
 behind, so compute overlapped by communication is ``overlap_slowdown`` slower (a calibrated profile measures it:
