@@ -307,6 +307,7 @@ def calibrate(a, rpn: int, device) -> dict:
         # 4x2 cluster the nodes' eth0 counters match the ring count (median 1%), not the pairwise one (19%). The
         # inter-node fit is the same either way (one rank per node: both count (G-1)/G of the payload).
         algorithm="ring",
+        reduce_scatter_as_all_reduce=a.backend == "gloo",
         kernel_bytes_per_s=kernel_bps, reduce_kernel_bytes_per_s=reduce_bps, kernels_on_compute=device.type == "cpu",
         optimizer_s_per_element=opt_s,
         launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,

@@ -122,24 +122,28 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
         reduce_elems = max(calls[i].reduce_elems for calls in per_rank)
         g = c.group
-        wire = float(node_inter)
-        if profile.algorithm == "ring" and c.op in _RING_OPS and 1 < g.per_node < g.size:
-            wire *= (g.size - 1) / (g.per_node * (g.size - g.per_node))
+        op = c.op
         ledger_inter += node_inter
+        if op == "reduce_scatter" and profile.reduce_scatter_as_all_reduce:
+            # gloo sends and times an all-reduce of the whole bucket (see the profile's note): twice the bytes
+            op, node_inter, intra = "all_reduce", 2 * node_inter, 2 * intra
+        wire = float(node_inter)
+        if profile.algorithm == "ring" and op in _RING_OPS and 1 < g.per_node < g.size:
+            wire *= (g.size - 1) / (g.per_node * (g.size - g.per_node))
         wire_inter += wire
         intra_max += intra
-        sig = (c.op, g, intra, wire, kernel_elems, reduce_elems)
+        sig = (op, g, intra, wire, kernel_elems, reduce_elems)
         if sig not in cache:
             t, links, t_intra = 0.0, [], 0.0
             if intra > 0:
-                t = t_intra = profile.link("intra", c.op).time(steps(c.op, g.per_node), intra)
+                t = t_intra = profile.link("intra", op).time(steps(op, g.per_node), intra)
                 links.append("intra")
             if wire > 0:
-                t = max(t, profile.link("inter", c.op).time(steps(c.op, g.size), wire))
+                t = max(t, profile.link("inter", op).time(steps(op, g.size), wire))
                 links.append("inter")
             if not links:       # nothing leaves the rank (e.g. a ByteGrad leader's reduce): latency only
                 links.append("intra" if g.nodes == 1 else "inter")
-                t = profile.link(links[0], c.op).alpha_s * steps(c.op, g.per_node if g.nodes == 1 else g.size)
+                t = profile.link(links[0], op).alpha_s * steps(op, g.per_node if g.nodes == 1 else g.size)
             kernel_s = 4.0 * (kernel_elems / profile.kernel_bytes_per_s
                               + reduce_elems / (profile.reduce_kernel_bytes_per_s or profile.kernel_bytes_per_s))
             cache[sig] = (t, tuple(links), kernel_s, t_intra)

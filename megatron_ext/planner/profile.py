@@ -15,6 +15,10 @@ profile-first approach in an alpha-beta form that extrapolates to group sizes th
 - ``algorithm = "ring"`` (NCCL's rings over nodes; gloo's collectives too, checked against the emulated nodes'
   eth0 counters) counts a ring's cross-node bytes per node, ``(G-1)/G`` of the payload, where the ledger's
   pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"`` keeps the ledger's count. A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
+- ``reduce_scatter_as_all_reduce`` (gloo): torch's gloo process group runs a reduce-scatter as a full all-reduce of
+  a copy of the input and keeps its own chunk (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so it sends
+  an all-reduce's bytes and takes an all-reduce's time: the planner costs it as the all-reduce it is. NCCL runs a
+  real reduce-scatter.
 
 Overlap is not free: collectives take GPU SMs and memory bandwidth (CPU: cores) from the compute they hide
 behind, so compute overlapped by communication is ``overlap_slowdown`` slower (a calibrated profile measures it:
@@ -69,6 +73,7 @@ class HardwareProfile:
     compute_flops: float                       # achieved per GPU in dense training (no communication)
     links: Dict[str, Dict[str, LinkCost]]      # links[link][op]
     algorithm: str = "ring"                    # "ring" | "pairwise": see the module note
+    reduce_scatter_as_all_reduce: bool = False  # gloo: a reduce-scatter is an all-reduce (see the module note)
     kernel_bytes_per_s: float = 1e12
     kernels_on_compute: bool = False
     reduce_kernel_bytes_per_s: float = 0.0     # qgZ's fused dequantize-reduce kernels (0: as kernel_bytes_per_s)
