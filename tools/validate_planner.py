@@ -91,17 +91,63 @@ def pick(ranked: list, count: int) -> list:
     return head + [rest[round(i * (len(rest) - 1) / (k - 1))] for i in range(k)]
 
 
+def _workloads(spec: str, a):
+    """(shape, workload) per GPT shape for the cluster ``spec`` (``NxR:rate``)."""
+    from megatron_ext.planner import TrainingSetup, Workload
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    nodes, rpn = (int(x) for x in spec.split(":")[0].lower().split("x"))
+    for shape in a.shapes.split(";"):
+        sa = _shape_args(shape)
+        model = ModelSpec(f"gpt-{sa.layers}x{sa.hidden}", sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
+        yield shape, Workload(model, nodes * rpn, rpn, sa.micro_batch, a.micro_batches,
+                              setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True))
+
+
+def _profile_path(spec: str, a) -> str:
+    topo, rate = spec.split(":")
+    return os.path.join(a.workdir, f"profile_{topo.lower()}_{rate}.json")
+
+
+def _rank(wl, prof, a):
+    from megatron_ext.planner import solve
+
+    return solve(wl, prof, allow_quantized=True, bucket_sizes=[int(x) for x in a.bucket_sizes.split(",")])
+
+
+def _row(spec: str, wl, ranking, p, measured: dict) -> dict:
+    return {"cluster": spec, "model": wl.spec.name, "label": p.candidate.label,
+            "plan": p.candidate.describe(wl.dp, wl.ranks_per_node), "planner_rank": ranking.ranked.index(p) + 1,
+            "predicted_s": p.step_s, "measured_s": measured["step_s"], "predicted_wire": p.wire_bytes_per_node,
+            "measured_wire": measured["wire_per_node"]}
+
+
+def rescore(rows: List[dict], a) -> List[dict]:
+    """The same measurements against this code's predictions, from the profiles in ``--workdir``: a change of the
+    cost model is judged on the runs it is meant to explain, without running them again."""
+    from megatron_ext.planner import HardwareProfile
+
+    out = []
+    for spec in a.clusters.split(","):
+        prof = HardwareProfile.load(_profile_path(spec, a))
+        for _, wl in _workloads(spec, a):
+            ranking = _rank(wl, prof, a)
+            by_label = {p.candidate.label: p for p in ranking.ranked}
+            for r in rows:
+                if r["cluster"] == spec and r["model"] == wl.spec.name:
+                    out.append(_row(spec, wl, ranking, by_label[r["label"]],
+                                    {"step_s": r["measured_s"], "wire_per_node": r["measured_wire"]}))
+    return out
+
+
 def validate_cluster(spec: str, a) -> List[dict]:
     from bench_cluster import Cluster
     from calibrate_comm import launch_ranks, main as calibrate
-    from megatron_ext.planner import HardwareProfile, TrainingSetup, Workload, solve
-    from megatron_ext.planner.model_spec import ModelSpec
+    from megatron_ext.planner import HardwareProfile
 
     topo, rate = spec.split(":")
     nodes, rpn = (int(x) for x in topo.lower().split("x"))
-    world = nodes * rpn
-    tag = f"{nodes}x{rpn}_{rate}"
-    prof_path = os.path.join(a.workdir, f"profile_{tag}.json")
+    prof_path = _profile_path(spec, a)
     if not os.path.exists(prof_path):
         print(f"[{spec}] calibrating", flush=True)
         calibrate(["--emulate", topo, "--rate", rate, "--prefix", a.prefix, "--out", prof_path,
@@ -111,30 +157,20 @@ def validate_cluster(spec: str, a) -> List[dict]:
     rows = []
     cluster = Cluster(nodes, rate, a.prefix)
     try:
-        for shape in a.shapes.split(";"):
-            sa = _shape_args(shape)
-            model = ModelSpec(f"gpt-{sa.layers}x{sa.hidden}", sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
-            wl = Workload(model, world, rpn, sa.micro_batch, a.micro_batches,
-                          setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True))
-            ranking = solve(wl, prof, allow_quantized=True,
-                            bucket_sizes=[int(x) for x in a.bucket_sizes.split(",")])
+        for shape, wl in _workloads(spec, a):
+            ranking = _rank(wl, prof, a)
             chosen = pick(ranking.ranked, a.plans)
             labels = [p.candidate.label for p in chosen]
-            print(f"[{spec}] {model.name}: {len(ranking.ranked)} candidates ranked; running {len(labels)}", flush=True)
+            print(f"[{spec}] {wl.spec.name}: {len(ranking.ranked)} candidates ranked; running {len(labels)}",
+                  flush=True)
             with tempfile.TemporaryDirectory(prefix="mx_validate_") as d:
                 out = os.path.join(d, "out.json")
-                launch_ranks(cluster, os.path.abspath(__file__), world, rpn,
+                launch_ranks(cluster, os.path.abspath(__file__), wl.dp, rpn,
                              ["--shape", shape, "--candidates", ";".join(labels), "--micro-batches",
                               str(a.micro_batches), "--iters", str(a.iters), "--out", out], a.timeout)
                 with open(out) as f:
                     measured = json.load(f)
-            for i, p in enumerate(chosen):
-                rank = ranking.ranked.index(p) + 1
-                rows.append({"cluster": spec, "model": model.name, "label": p.candidate.label,
-                             "plan": p.candidate.describe(world, rpn), "planner_rank": rank,
-                             "predicted_s": p.step_s, "measured_s": measured[p.candidate.label]["step_s"],
-                             "predicted_wire": p.wire_bytes_per_node,
-                             "measured_wire": measured[p.candidate.label]["wire_per_node"]})
+            rows += [_row(spec, wl, ranking, p, measured[p.candidate.label]) for p in chosen]
     finally:
         cluster.down()
     return rows
@@ -206,6 +242,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", default="planner_validation.json")
     ap.add_argument("--png", default="planner_validation.png")
+    ap.add_argument("--rescore", action="store_true",
+                    help="no runs: this code's predictions for the measurements already in --json (profiles from "
+                         "--workdir)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the clusters already in --json (an interrupted run's partial results), run the rest")
     from calibrate_comm import add_worker_args
 
     add_worker_args(ap)
@@ -217,14 +258,33 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
-    if os.geteuid() != 0:
+    if a.rescore:
+        with open(a.json) as f:
+            rows = rescore(json.load(f)["rows"], a)
+    elif os.geteuid() != 0:
         ap.error("needs root to create network namespaces")
-    os.makedirs(a.workdir, exist_ok=True)
+    else:
+        os.makedirs(a.workdir, exist_ok=True)
+        rows = run_clusters(a)
+    return report(rows, a)
+
+
+def run_clusters(a) -> List[dict]:
     rows: List[dict] = []
+    if a.resume and os.path.exists(a.json):
+        with open(a.json) as f:
+            rows = [r for r in json.load(f)["rows"] if r["cluster"] in a.clusters.split(",")]
     for spec in a.clusters.split(","):
+        if any(r["cluster"] == spec for r in rows):
+            print(f"[{spec}] kept from {a.json}", flush=True)
+            continue
         rows += validate_cluster(spec, a)
         with open(a.json, "w") as f:   # partial results survive an interrupted run
             json.dump({"rows": rows}, f, indent=1)
+    return rows
+
+
+def report(rows: List[dict], a) -> int:
     summary = summarize(rows)
     print(render(rows, summary))
     overall = {"spearman_min": min(s["spearman"] for s in summary.values()),
