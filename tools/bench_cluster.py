@@ -397,6 +397,50 @@ def default_extensions_dir() -> str:
         os.path.expanduser("~"), ".cache", "megatron_ext", "torch_extensions")
 
 
+def _add(store: Dict, key: str, r: Dict) -> Dict:
+    """Keep ``r`` under ``key``, or add its times to the earlier repeats' (their median is what is reported)."""
+    if key in store:
+        store[key]["times_s"] += r["times_s"]
+    else:
+        store[key] = {**r, "times_s": list(r["times_s"])}
+    return store[key]
+
+
+def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
+    """One round over every row (and sweep point); ``--repeats`` rounds interleave the rows, so a slow spell of the
+    machine is spread over all of them instead of falling on one."""
+    for plan_name in plans:
+        for combo in COMBOS:
+            label = combo.label
+            if a.combos and label not in a.combos.split(","):
+                continue
+            base_row = label if len(plans) == 1 else f"{plan_name} {label}"
+            extra = {"qgz_bits": combo.qgz_bits}
+            for engine in engines:
+                row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
+                if a.mode == "raw":
+                    r = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
+                else:
+                    r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                                   engine=engine)
+                _add(results, row, r)
+                if a.rank == 0:
+                    print(f"  {row:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step", flush=True)
+            # The sweep: the same combination at every other bucket size (progress engine as the first setting).
+            for size in sizes:
+                key = str(size)
+                if size == a.bucket_numel:
+                    r = results[base_row]   # all repeats so far: the point is replaced, not added to
+                    sweep.setdefault(base_row, {})[key] = _sweep_point({**r, "times_s": list(r["times_s"])})
+                    continue
+                r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                               bucket=size, engine=engines[0])
+                point = _add(sweep.setdefault(base_row, {}), key, _sweep_point(r))
+                if a.rank == 0:
+                    print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
+                          f"({point['buckets']} buckets)", flush=True)
+
+
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
@@ -415,47 +459,21 @@ def worker(a) -> None:
     plans = a.plans.split(",") if a.mode == "gpt" else ["zero2"]
     engines = {"on": [True], "off": [False], "both": [True, False]}[a.progress_engine]
     sizes = sweep_sizes(a) if a.mode == "gpt" else []
-    for plan_name in plans:
-        for combo in COMBOS:
-            label = combo.label
-            if a.combos and label not in a.combos.split(","):
-                continue
-            base_row = label if len(plans) == 1 else f"{plan_name} {label}"
-            extra = {"qgz_bits": combo.qgz_bits}
-            for engine in engines:
-                row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
-                if a.mode == "raw":
-                    results[row] = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
-                else:
-                    results[row] = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a,
-                                              plan_name, engine=engine)
-                if a.rank == 0:
-                    print(f"  {row:<22} {1e3 * statistics.median(results[row]['times_s']):9.1f} ms/step", flush=True)
-            # The sweep: the same combination at every other bucket size (progress engine as the first setting).
-            for size in sizes:
-                key = str(size)
-                if size == a.bucket_numel:
-                    sweep.setdefault(base_row, {})[key] = _sweep_point(results[base_row])
-                    continue
-                r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
-                               bucket=size, engine=engines[0])
-                sweep.setdefault(base_row, {})[key] = _sweep_point(r)
-                if a.rank == 0:
-                    print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
-                          f"({r['buckets']} buckets)", flush=True)
-    if a.mode == "gpt":
-        for key in [p for p in a.peers.split(",") if p]:
-            name, fn = PEERS[key]
-            if key.startswith("deepspeed"):
-                try:
-                    import deepspeed  # noqa: F401
-                except ImportError:
-                    if a.rank == 0:
-                        print(f"  {name}: skipped (deepspeed is not installed)", flush=True)
-                    continue
-            results[name] = fn(topo, a)
+    peers = [p for p in a.peers.split(",") if p] if a.mode == "gpt" else []
+    for key in [p for p in peers if p.startswith("deepspeed")]:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
             if a.rank == 0:
-                print(f"  {name:<22} {1e3 * statistics.median(results[name]['times_s']):9.1f} ms/step", flush=True)
+                print(f"  {PEERS[key][0]}: skipped (deepspeed is not installed)", flush=True)
+            peers.remove(key)
+    for _ in range(a.repeats):
+        _measure_rows(topo, a, plans, engines, sizes, results, sweep)
+        for key in peers:
+            name, fn = PEERS[key]
+            r = _add(results, name, fn(topo, a))
+            if a.rank == 0:
+                print(f"  {name:<22} {1e3 * statistics.median(r['times_s'][-1:]):9.1f} ms/step", flush=True)
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"rows": results, "sweep": sweep}, f)
@@ -611,7 +629,9 @@ def render(all_results: Dict[str, Dict], a) -> str:
                 else f"GPT {a.layers}x{a.hidden}, vocab {a.vocab}, seq {a.seq}, micro-batch {a.micro_batch} x "
                      f"{a.micro_batches} per step, bucket {a.bucket_numel / 1e6:.2f}M elements"),
              ("ms per step (median over iterations of the max over ranks)" if a.mode == "raw" else
-              f"ms per step (mean of {a.iters} back-to-back steps, max over ranks)") + f"; speedup = '{base}' / row; "
+              f"ms per step (mean of {a.iters} back-to-back steps, max over ranks"
+              + (f"; median of {a.repeats} interleaved rounds)" if a.repeats > 1 else ")"))
+             + f"; speedup = '{base}' / row; "
              "ledger and wire = MiB sent across nodes per node per step (wire: eth0 counter, TCP/IP included); "
              "state = model-state MB per rank"]
     hdr = f"{'row':<24}" + "".join(f"{r + ' ms':>14}{'speedup':>9}{'ledger':>9}{'wire':>9}" for r in rates)
@@ -653,6 +673,8 @@ def main(argv=None) -> int:
                     help="qgZ pipeline stages per bucket (0: the ODO's auto rule; raw mode: 2)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over all rows, interleaved; each row reports the median of its rounds")
     ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)
                     + ",DeepSpeed (gpt mode)")
     ap.add_argument("--plans", default="zero2",
