@@ -5,7 +5,8 @@ Why: with buckets small enough to overlap backward, what a backend costs per buc
 it sends -- decides whether it can keep up with plain on a fast link (issue 14). One gloo world of
 ``--nodes x --ranks-per-node`` CPU processes on this machine (loopback: an unlimited link), every backend on
 ``--buckets`` buckets of ``--bucket-numel`` elements, launched back to back and then waited for, as the ODO does
-during backward and at the step; with the progress engine on and off.
+during backward and at the step; the gradient reductions with the progress engine on and off (the weight gathers
+run on the training thread only).
 
 Reported per bucket and backend: ``collectives`` (torch.distributed calls, counted by wrapping them), ``ops`` (aten
 ops dispatched on the thread that runs the work: kernel launches on a GPU), ``launch_ms`` (host time of the
@@ -24,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -80,14 +81,13 @@ def _measure(topo, make_backend, call, a, engine: bool) -> Dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_ext.comm.engine_backend import EngineGradReduce, EngineParamGather
+    from megatron_ext.comm.engine_backend import EngineGradReduce
     from megatron_ext.comm.progress import ProgressEngine
 
     backend = make_backend(topo.engine_clone() if engine else topo)
     if engine:
         eng = ProgressEngine()
-        wrap = EngineGradReduce if hasattr(backend, "reduce_scatter") else EngineParamGather
-        backend = wrap(backend, eng)
+        backend = EngineGradReduce(backend, eng)
     P = topo.size
     n = -(-a.bucket_numel // (P * 64)) * 64
     g = torch.Generator().manual_seed(topo.rank)
@@ -145,12 +145,11 @@ def worker(rank: int, a, store: str, out_path: str) -> None:
             r = _measure(topo, lambda t: build_grad_reduce(name, t, CommLedger(), opts),
                          lambda be, b, s: be.reduce_scatter(b, s), a, engine)
             res["reduce_scatter"].setdefault(label, {})["engine" if engine else "sync"] = r
-    for label, name in GATHER:
+    for label, name in GATHER:   # gathers run on the training thread only (no engine)
         opts = BackendOptions(quant_group_size=a.group_size)
-        for engine in (False, True):
-            r = _measure(topo, lambda t: build_param_gather(name, t, CommLedger(), opts),
-                         lambda be, b, s: be.all_gather(s, b), a, engine)
-            res["all_gather"].setdefault(label, {})["engine" if engine else "sync"] = r
+        r = _measure(topo, lambda t: build_param_gather(name, t, CommLedger(), opts),
+                     lambda be, b, s: be.all_gather(s, b), a, False)
+        res["all_gather"][label] = {"sync": r}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(res, f)
@@ -168,7 +167,7 @@ def render(res: Dict, a) -> str:
             line = f"{op:<15}{label:<10}{r['sync']['collectives']:>6.0f}{r['sync'].get('ops', 0):>7.0f}"
             for m in ("sync", "engine"):
                 for k in ("launch_ms", "wait_ms", "total_ms"):
-                    line += f"{r[m][k]:>16.2f}"
+                    line += f"{r[m][k]:>16.2f}" if m in r else f"{'-':>16}"
             lines.append(line)
     return "\n".join(lines)
 

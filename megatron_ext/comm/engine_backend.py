@@ -1,4 +1,4 @@
-"""Backends driven by the progress engine: the same interface, each call submitted to the engine's FIFO.
+"""Gradient backends driven by the progress engine: the same interface, each call submitted to the engine's FIFO.
 
 The inner backend is built over the engine's clone of the topology (its own groups), so every collective it
 issues comes from the engine thread; see [Note: progress engine] in progress.py. Called on the engine thread
@@ -10,14 +10,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from .backend import GradReduce, ParamGather, Work
+from .backend import GradReduce, Work
 from .progress import ProgressEngine
 
 
-class _OnEngine:
-    """What both wrappers share: the inner backend's identity and alignment, the engine to submit to."""
+class EngineGradReduce(GradReduce):
+    """``inner``'s reduce-scatter and all-reduce, run by ``engine``. (Weight gathers have no engine wrapper: they
+    run on the training thread, see *What runs on it* in the engine's note.)"""
 
-    def __init__(self, inner, engine: ProgressEngine) -> None:
+    def __init__(self, inner: GradReduce, engine: ProgressEngine) -> None:
         super().__init__(inner.topology, inner.ledger, inner.options)
         self.inner = inner
         self.engine = engine
@@ -26,10 +27,6 @@ class _OnEngine:
     @property
     def shard_alignment(self) -> int:
         return self.inner.shard_alignment
-
-
-class EngineGradReduce(_OnEngine, GradReduce):
-    """``inner``'s reduce-scatter and all-reduce, run by ``engine``."""
 
     @property
     def all_reduce_alignment(self) -> int:
@@ -40,13 +37,6 @@ class EngineGradReduce(_OnEngine, GradReduce):
 
     def all_reduce(self, tensor: torch.Tensor) -> Work:
         return self.engine.submit(lambda: self.inner.all_reduce(tensor), (tensor,))
-
-
-class EngineParamGather(_OnEngine, ParamGather):
-    """``inner``'s all-gather, run by ``engine``."""
-
-    def all_gather(self, shard: torch.Tensor, out_bucket: torch.Tensor) -> Work:
-        return self.engine.submit(lambda: self.inner.all_gather(shard, out_bucket), (shard, out_bucket))
 
 
 def submit_with(backend, launch: Callable[[], Work], tensors: Sequence[torch.Tensor] = ()) -> Work:

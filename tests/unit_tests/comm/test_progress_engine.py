@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,15 +196,18 @@ assert ddp.engine is not None and ddp.param_sync.pending > 0
 
 
 def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
-    """2 nodes of 1 rank, the last step's gathers in flight at exit: when the gathers ran on the engine, without its
-    exit hook about a third of these runs aborted in gloo's thread (a gloo work finishing during finalisation)."""
+    """2 nodes of 1 rank, the last step's gathers in flight at exit: with the gathers on the engine and no exit hook,
+    about a third of these runs aborted in gloo's thread (a gloo work finishing during finalisation). The gathers now
+    run on the training thread and the engines are closed at exit; the process must still exit cleanly."""
     import os
     import subprocess
     import sys
 
     script = tmp_path / "exit_with_gathers.py"
     script.write_text(_EXIT_SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_EXT_PROGRESS_ENGINE="1")
+    root = str(Path(__file__).resolve().parents[3])   # the checkout, also when the package is not installed
+    env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_EXT_PROGRESS_ENGINE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     for _ in range(3):
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                               str(script)], env=env, capture_output=True, text=True, timeout=300)
