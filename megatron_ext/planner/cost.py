@@ -155,10 +155,10 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
 class _Chain:
     """One backend work on the engine: its hops, the next one to issue, when the last issued one ends."""
 
-    __slots__ = ("hops", "next", "end")
+    __slots__ = ("hops", "next", "end", "seq")
 
-    def __init__(self, hops: Sequence[_Timed], end: float) -> None:
-        self.hops, self.next, self.end = list(hops), 0, end
+    def __init__(self, hops: Sequence[_Timed], end: float, seq: int = -1) -> None:
+        self.hops, self.next, self.end, self.seq = list(hops), 0, end, seq   # seq: launch number on the engine
 
 
 class _Replay:
@@ -177,6 +177,7 @@ class _Replay:
         self.free = {"intra": 0.0, "inter": 0.0}
         self.engine = 0.0                       # the engine thread's clock
         self.inflight: List[_Chain] = []
+        self.launched = 0
 
     def _hop(self, h: _Timed, at: float) -> float:
         """Issue one hop on the engine at ``at``; returns when it ends. Its host work shares the processor."""
@@ -204,7 +205,8 @@ class _Replay:
 
     def launch(self, hops: Sequence[_Timed]) -> _Chain:
         """``LAUNCH``: submitted now by the training thread."""
-        c = _Chain(hops, self.now)
+        c = _Chain(hops, self.now, self.launched)
+        self.launched += 1
         if not c.hops:
             return c
         e = max(self.engine, self.now)
@@ -229,16 +231,17 @@ class _Replay:
         self.now = max(self.now, c.end)
 
     def complete(self, c: _Chain) -> None:
-        """``COMPLETE``: the training thread waits for ``c`` (and the engine first finishes everything older)."""
-        if c in self.inflight:
+        """``COMPLETE``: the training thread waits for ``c``; the engine first finishes every work launched up to it
+        -- by launch number, also when ``c`` itself already ended (the engine's rule)."""
+        upto = [o for o in self.inflight if o.seq <= c.seq]
+        if upto:
             e = max(self.engine, self.now)
-            upto = self.inflight.index(c) + 1
-            for older in self.inflight[:upto]:
+            for older in upto:
                 while older.next < len(older.hops):
                     e = self._advance(older, e)
                 e = max(e, older.end)
             self.engine = e
-            del self.inflight[:upto]
+            self.inflight = [o for o in self.inflight if o.seq > c.seq]
         self.now = max(self.now, c.end)
 
 
