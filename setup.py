@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Communication-efficient training extensions for megatron-core / Megatron-LM",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    package_data={"megatron_ext.kernels": ["csrc/*.c"]},  # built on first use (kernels/native.py)
     python_requires=">=3.10",
     # torch must be installed (pinned) before this package: see README.
     install_requires=["torch>=2.4", "megatron-core==0.16.1", "numpy", "tokenizers"],

@@ -5,7 +5,8 @@ For each operation and size: GB/s of bytes read + written by the op (its minimal
 once) and the ratio to a ``torch`` clone of the same number of bytes (a clone of B/2 bytes reads B/2 and writes B/2;
 like the ops it allocates its output) and to a copy into a preallocated buffer (the raw copy bandwidth, without the
 allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs
-after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike; on a GPU they are
+after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike, each after reading
+a buffer of twice the last-level cache (:class:`CacheFlush`: inputs come from memory, not from the cache); on a GPU they are
 medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
 On CPU two paths run, timed in the same interleaved loop: the eager torch reference (backend ``torch``) and the same
 math compiled by ``torch.compile`` (backend ``compiled``, the default CPU path); with CUDA available the Triton path
@@ -30,6 +31,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -79,7 +81,34 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_once(fn: Callable[[], object], device: str) -> float:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux), 32 MiB where it cannot be read."""
+    sizes = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * mult)
+    return max(sizes, default=32 << 20)
+
+
+class CacheFlush:
+    """Reads a buffer of twice the last-level cache before each timed CPU call, so that every op and every copy
+    reads its input from memory, as ``do_bench`` clears the L2 on a GPU: without it a 20 MB clone ran 30-47 GB/s
+    from run to run, depending on how much of it the L3 still held."""
+
+    def __init__(self) -> None:
+        self.buf = torch.ones(max(2 * last_level_cache_bytes(), 64 << 20) // 8, dtype=torch.int64)
+
+    def __call__(self) -> None:
+        self.buf.sum()
+
+
+def time_once(fn: Callable[[], object], device: str, flush: Callable[[], None] | None = None) -> float:
+    if flush is not None:
+        flush()
     t0 = time.perf_counter()
     fn()
     _sync(device)
@@ -217,6 +246,7 @@ def _on(backend: str, fn: Callable[[], object]) -> Callable[[], object]:
 
 def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) -> list[Row]:
     rows = []
+    flush = CacheFlush() if device == "cpu" else None
     backends = backends_for(device)
     for numel in sizes:
         for name, op, nbytes in build_ops(numel, dtype, device, **geom):
@@ -240,9 +270,9 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
                 tc, tp = float("inf"), float("inf")
                 for _ in range(repeat):  # best of repeat, interleaved so that all see the same machine load
                     for b, fn in fns.items():
-                        times[b] = min(times[b], time_once(fn, device))
-                    tc = min(tc, time_once(clone, device))
-                    tp = min(tp, time_once(copy_, device))
+                        times[b] = min(times[b], time_once(fn, device, flush))
+                    tc = min(tc, time_once(clone, device, flush))
+                    tp = min(tp, time_once(copy_, device, flush))
             cp, pp = copied / tc / 1e9, copied / tp / 1e9
             for b, t in times.items():
                 gb = nbytes / t / 1e9

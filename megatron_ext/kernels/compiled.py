@@ -2,7 +2,8 @@
 
 Why: eager torch makes one pass over memory per operation (cast, divide, round, pack...), so the fused qgZ steps
 ran at 10-30% of copy bandwidth; Inductor fuses each op into one or two loops over the input, from a well-kept
-compiler instead of hand-written C++.
+compiler instead of hand-written C++. One op is the exception: INT4 ``dequantize_reduce_quantize`` runs in
+:mod:`.native` where its vector build exists (Inductor's loop for it stays bound by its instruction mix).
 
 Bits: every core below is written so that the generated code must compute what :mod:`.reference` computes, operation
 for operation, in fp32: IEEE divisions by a tensor (never a multiplication by a reciprocal, except ByteGrad's
@@ -37,6 +38,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import native
 from . import reference as _ref
 from .layout import (cdiv, check_bits_group, check_input, codes_dtype, num_groups, qmax,
                      swizzle_layout)
@@ -351,6 +353,8 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
     if not _wanted(groups * group_size):
         return _ref.dequantize_reduce_quantize(chunks, scales, bits, group_size)
+    if bits == 4 and k <= native.MAX_K and native.available():  # hand-written: see native.py for why
+        return native.int4_reduce_quantize(chunks, scales, group_size)
     bpg = group_size * bits // 8
     codes = torch.empty(groups, bpg, dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)

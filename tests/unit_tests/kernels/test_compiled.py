@@ -81,10 +81,12 @@ def test_swizzle_quantize(comp, per, short, nodes, rpn, stages, seed, bits, grou
           ref.swizzle_quantize(x, bits, group, nodes, rpn, stages))
 
 
+@pytest.mark.parametrize("native", ["auto", "0"])  # INT4 requantize: the native kernel (if built here), Inductor's
 @pytest.mark.parametrize("k,bits,group,out_dtype", [(2, 4, 64, F32), (3, 8, 6, BF16), (1, 4, 6, F16)])
 @SETTINGS
 @given(groups=st.integers(1, 30), cut=st.integers(0, 10), seed=st.integers(0, 2 ** 16))
-def test_dequantize_reduce(comp, groups, cut, seed, k, bits, group, out_dtype):
+def test_dequantize_reduce(comp, groups, cut, seed, k, bits, group, out_dtype, native, monkeypatch):
+    monkeypatch.setenv("MX_KERNELS_NATIVE", native)
     qs = [ref.quantize_symmetric(_data(groups * group, torch.float32, seed + i), bits=bits, group_size=group)
           for i in range(k)]
     chunks, scales = torch.stack([c for c, _ in qs]), torch.stack([s for _, s in qs])
