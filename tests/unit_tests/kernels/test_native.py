@@ -96,12 +96,14 @@ def test_compiled_path_uses_it(monkeypatch):
     monkeypatch.setattr(native, "int4_reduce_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     chunks, scales = _chunks(4, 5, 2048, 0)
     want = ref.dequantize_reduce_quantize(chunks, scales, 4, 2048)
+    for mode, expect in (("auto", [1]), ("1", [1, 1]), ("0", [1, 1])):  # auto: also below MIN_NUMEL; 0: eager
+        with compiled.use_compile(mode):
+            _same(compiled.dequantize_reduce_quantize(chunks, scales, 4, 2048), want)
+        assert calls == expect, mode
+    monkeypatch.setenv("MX_KERNELS_NATIVE", "0")
     with compiled.use_compile("1"):
         _same(compiled.dequantize_reduce_quantize(chunks, scales, 4, 2048), want)
-        assert calls == [1]
-        monkeypatch.setenv("MX_KERNELS_NATIVE", "0")
-        _same(compiled.dequantize_reduce_quantize(chunks, scales, 4, 2048), want)
-        assert calls == [1]
+    assert calls == [1, 1]
 
 
 def test_build_is_cached_and_failure_falls_back(monkeypatch, tmp_path, caplog):
