@@ -353,7 +353,8 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
     # hand-written (native.py says why); at every size unless MX_KERNELS_COMPILE=0: it compiles once per machine,
     # not per shape, and runs 10x faster than eager on qgZ's 100k-element stage chunks
-    if bits == 4 and k <= native.MAX_K and compile_mode() != "0" and native.available():
+    if (bits == 4 and k <= native.MAX_K and chunks.device.type == scales.device.type == "cpu"
+            and compile_mode() != "0" and native.available()):
         return native.int4_reduce_quantize(chunks, scales, group_size)
     if not _wanted(groups * group_size):
         return _ref.dequantize_reduce_quantize(chunks, scales, bits, group_size)
