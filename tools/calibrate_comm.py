@@ -173,16 +173,20 @@ def measure_kernels(device) -> float:
     return 2 * 4 * x.numel() / t
 
 
-def measure_reduce_kernel(device) -> float:
-    """Bytes/s (4 per element read) of qgZ's fused dequantize-reduce-requantize over two INT4 chunks."""
+def measure_reduce_kernels(device) -> tuple[float, float]:
+    """Bytes/s (4 per element read) of qgZ's reductions over two INT4 chunks of 2M elements: (the final
+    dequantize-reduce, charged to INT8's requantizing step too; the INT4 dequantize-reduce-requantize, native C on
+    AVX-512 CPUs and several times faster)."""
     import torch
 
-    from megatron_ext.kernels import dequantize_reduce_quantize, quantize_symmetric
+    from megatron_ext.kernels import dequantize_reduce, dequantize_reduce_quantize, quantize_symmetric
 
     rows = [quantize_symmetric(torch.randn(1 << 21, device=device), bits=4, group_size=2048) for _ in range(2)]
     codes, scales = torch.stack([c for c, _ in rows]), torch.stack([s for _, s in rows])
-    t = _timed(lambda: dequantize_reduce_quantize(codes, scales, 4, 2048), 3)
-    return 4 * 2 * (1 << 21) / t
+    read = 4 * 2 * (1 << 21)
+    final = _timed(lambda: dequantize_reduce(codes, scales, bits=4, group_size=2048), 3)
+    requant = _timed(lambda: dequantize_reduce_quantize(codes, scales, 4, 2048), 3)
+    return read / final, read / requant
 
 
 def measure_optimizer(device) -> float:
@@ -287,7 +291,7 @@ def calibrate(a, rpn: int, device) -> dict:
         name, busy = measure_compute(a.gpt[0], device, a.iters, background=threading.Thread(target=loop))
         slowdown = max(0.0, compute[name] / busy - 1.0)
     kernel_bps = measure_kernels(device)
-    reduce_bps = measure_reduce_kernel(device)
+    reduce_bps, requant_bps = measure_reduce_kernels(device)
     opt_s = measure_optimizer(device)
     grad_s = measure_grad_add(device)
     launch_s = measure_launch(bg_group or dist.group.WORLD, device)
@@ -308,7 +312,8 @@ def calibrate(a, rpn: int, device) -> dict:
         # inter-node fit is the same either way (one rank per node: both count (G-1)/G of the payload).
         algorithm="ring",
         reduce_scatter_as_all_reduce=a.backend == "gloo",
-        kernel_bytes_per_s=kernel_bps, reduce_kernel_bytes_per_s=reduce_bps, kernels_on_compute=device.type == "cpu",
+        kernel_bytes_per_s=kernel_bps, reduce_kernel_bytes_per_s=reduce_bps, requant_kernel_bytes_per_s=requant_bps,
+        kernels_on_compute=device.type == "cpu",
         optimizer_s_per_element=opt_s,
         launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,
         intra_on_compute=device.type == "cpu", stores_attention_scores=device.type == "cpu", device=device.type)

@@ -121,6 +121,7 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         intra = max(calls[i].intra for calls in per_rank)
         kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
         reduce_elems = max(calls[i].reduce_elems for calls in per_rank)
+        requant_elems = max(calls[i].requant_elems for calls in per_rank)
         g = c.group
         op = c.op
         ledger_inter += node_inter
@@ -132,7 +133,7 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
             wire *= (g.size - 1) / (g.per_node * (g.size - g.per_node))
         wire_inter += wire
         intra_max += intra
-        sig = (op, g, intra, wire, kernel_elems, reduce_elems)
+        sig = (op, g, intra, wire, kernel_elems, reduce_elems, requant_elems)
         if sig not in cache:
             t, links, t_intra = 0.0, [], 0.0
             if intra > 0:
@@ -144,8 +145,9 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
             if not links:       # nothing leaves the rank (e.g. a ByteGrad leader's reduce): latency only
                 links.append("intra" if g.nodes == 1 else "inter")
                 t = profile.link(links[0], op).alpha_s * steps(op, g.per_node if g.nodes == 1 else g.size)
-            kernel_s = 4.0 * (kernel_elems / profile.kernel_bytes_per_s
-                              + reduce_elems / (profile.reduce_kernel_bytes_per_s or profile.kernel_bytes_per_s))
+            reduce_bps = profile.reduce_kernel_bytes_per_s or profile.kernel_bytes_per_s
+            kernel_s = 4.0 * (kernel_elems / profile.kernel_bytes_per_s + reduce_elems / reduce_bps
+                              + requant_elems / (profile.requant_kernel_bytes_per_s or reduce_bps))
             cache[sig] = (t, tuple(links), kernel_s, t_intra)
         t, links, kernel_s, t_intra = cache[sig]
         timed.append(_Timed(c, t, links, kernel_s, t_intra))

@@ -77,6 +77,7 @@ class HardwareProfile:
     kernel_bytes_per_s: float = 1e12
     kernels_on_compute: bool = False
     reduce_kernel_bytes_per_s: float = 0.0     # qgZ's fused dequantize-reduce kernels (0: as kernel_bytes_per_s)
+    requant_kernel_bytes_per_s: float = 0.0    # qgZ's INT4 dequantize-reduce-requantize (0: as the reduce kernels)
     optimizer_s_per_element: float = 2e-11     # Adam update of one owned element (masters, states, cast)
     launch_s: float = 5e-6                     # host time to issue one collective (per hop)
     overlap_slowdown: float = 0.0              # compute slows by this fraction while a collective runs beside it

@@ -59,7 +59,8 @@ class Call:
 
     ``intra`` / ``inter``: bytes this rank sends (ledger model). ``hop``: position inside a chained reduction (a
     hop waits for the previous one of the same ``key``). ``kernel_elems``: elements the quantize / dequantize
-    kernels read for this hop on this rank; ``reduce_elems``: those read by the fused reductions (slower per element).
+    kernels read for this hop on this rank; ``reduce_elems``: those read by the fused reductions (slower per element);
+    ``requant_elems``: those read by the INT4 dequantize-reduce-requantize, a kernel of its own (native C on CPU).
     """
 
     name: str            # ledger row
@@ -73,6 +74,7 @@ class Call:
     hop: int = 0
     kernel_elems: int = 0
     reduce_elems: int = 0    # elements read by qgZ's fused dequantize-reduce(-requantize) kernels
+    requant_elems: int = 0   # ... by the INT4 dequantize-reduce-requantize (its own rate: profile.requant_rate)
     micro_batch: int = 0
 
 
@@ -102,8 +104,9 @@ def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOp
         B = n * g.size
         calls = []
         if g.per_node > 1:
+            reduce = {"requant_elems" if bits == 4 else "reduce_elems": B}  # dequant-reduce-requant
             calls.append(Call("qgz_intra_all_to_all", "all_to_all", intra=intra, inter=0, group=g, hop=0,
-                              kernel_elems=B, reduce_elems=B, **tag))   # swizzle+quantize; dequant-reduce-requant
+                              kernel_elems=B, **reduce, **tag))   # and swizzle+quantize
         if g.nodes > 1:
             calls.append(Call("qgz_inter_all_to_all", "all_to_all", intra=0, inter=inter, group=g, hop=1,
                               reduce_elems=B // g.per_node, **tag))    # dequant-reduce of the nodes' sums

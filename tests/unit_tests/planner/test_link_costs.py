@@ -38,3 +38,22 @@ def test_gloo_reduce_scatter_sends_an_all_reduce_and_takes_its_time():
     slow = {"intra": links["intra"], "inter": inter}
     assert predict(zero2, wl, _profile(links=slow)).step_s == pytest.approx(nccl.step_s, rel=1e-12)
     assert predict(zero2, wl, _profile(links=slow, reduce_scatter_as_all_reduce=True)).step_s > 1.5 * nccl.step_s
+
+
+def test_int4_requantizing_reduction_has_its_own_rate():
+    """qgZ's intra-node INT4 dequantize-reduce-requantize (native C on CPU) is charged at the profile's requant rate;
+    INT8's requantizing step and the final dequantize-reduce stay at the reduce rate; without a requant rate the
+    INT4 step falls back to the reduce rate (profiles calibrated before the split predict what they did)."""
+    wl = workload_from(SPEC, gpus=8, gpus_per_node=4, micro_batch=1, global_batch=8)
+    int4, int8 = (parse_candidate(f"p1.g8.o8.h1 {b}+plain b250k") for b in ("qgz4", "qgz8"))
+    slow = dict(kernels_on_compute=True, kernel_bytes_per_s=1e15, reduce_kernel_bytes_per_s=1e8)
+    base4, base8 = predict(int4, wl, _profile(**slow)), predict(int8, wl, _profile(**slow))
+    fast4 = predict(int4, wl, _profile(requant_kernel_bytes_per_s=1e15, **slow))
+    fast8 = predict(int8, wl, _profile(requant_kernel_bytes_per_s=1e15, **slow))
+    assert fast8.step_s == pytest.approx(base8.step_s, rel=1e-12)   # INT8: no requant elements
+    assert fast4.step_s < base4.step_s
+    # the INT4 step reads each bucket's B elements once: the saving is at most 4 bytes x all buckets' elements / the
+    # reduce rate, and those are the parameters plus padding to 8 shards of whole 2048-element groups (< 7% at 250k)
+    assert base4.step_s - fast4.step_s <= 4.0 * SPEC.num_params * 1.07 / 1e8
+    same = predict(int4, wl, _profile(requant_kernel_bytes_per_s=1e8, **slow))
+    assert same.step_s == pytest.approx(base4.step_s, rel=1e-12)
