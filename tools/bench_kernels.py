@@ -86,11 +86,9 @@ def last_level_cache_bytes() -> int:
     sizes = []
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            text = (index / "size").read_text().strip().upper()
-        except OSError:
+            sizes.append(parse_size((index / "size").read_text()))  # "1024K", "32768K"
+        except (OSError, ValueError):
             continue
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * mult)
     return max(sizes, default=32 << 20)
 
 

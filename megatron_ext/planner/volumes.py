@@ -74,7 +74,7 @@ class Call:
     hop: int = 0
     kernel_elems: int = 0
     reduce_elems: int = 0    # elements read by qgZ's fused dequantize-reduce(-requantize) kernels
-    requant_elems: int = 0   # ... by the INT4 dequantize-reduce-requantize (its own rate: profile.requant_rate)
+    requant_elems: int = 0   # ... by the INT4 dequantize-reduce-requantize (its own rate: requant_kernel_bytes_per_s)
     micro_batch: int = 0
 
 
