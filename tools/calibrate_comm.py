@@ -10,7 +10,8 @@ What it times, every rank at once (so shared links and shared processors are mea
 - compute: forward + backward of the GPT shapes given with ``--gpt`` (megatron-core, as pretrain_gpt builds them),
   as FLOP/s by Megatron's formula, alone and beside a running collective (``overlap_slowdown``);
 - the quantization kernels (bytes/s), the Adam update and the gradient hook's add into a bucket (s per element),
-  and the host cost of issuing a collective.
+  the host cost of issuing a collective, and -- CPU ranks -- the compute time one collective hop takes from the
+  training beside it.
 
     torchrun --nnodes 4 --nproc-per-node 8 ... tools/calibrate_comm.py --backend nccl --out profile.json \\
         --gpt 32,4096,32,32000,4096,1
@@ -130,8 +131,8 @@ def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int):
     return links, samples, (cross_groups[rank % rpn] if nodes > 1 else None)
 
 
-def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
-    """FLOP/s of forward + backward of the GPT ``L,H,heads,V,seq,mb`` on this rank (min over ranks)."""
+def _gpt_fwd_bwd(shape: str, device):
+    """(model name, FLOPs per call, a callable running forward + backward of the GPT ``L,H,heads,V,seq,mb``)."""
     import torch
 
     from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
@@ -147,7 +148,14 @@ def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[st
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
     fwd_bwd()
+    return spec.name, spec.flops_per_sequence() * mb, fwd_bwd
+
+
+def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
+    """FLOP/s of forward + backward of the GPT ``L,H,heads,V,seq,mb`` on this rank (min over ranks)."""
+    name, flops, fwd_bwd = _gpt_fwd_bwd(shape, device)
     if background is not None:
         background.start()
     t0 = time.perf_counter()
@@ -156,8 +164,57 @@ def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[st
     dt = (time.perf_counter() - t0) / iters
     if background is not None:
         background.join()
-    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
-    return spec.name, spec.flops_per_sequence() * mb / _max_over_ranks(dt)
+    return name, flops / _max_over_ranks(dt)
+
+
+HOP_PROBES = 400   # small collectives the background thread runs; the same count on every rank
+
+
+def measure_hop_cpu(shape: str, device, iters: int, group) -> float:
+    """Seconds of compute one small collective takes from forward + backward running beside it (mean over ranks).
+
+    On CPU ranks every hop of a reduction or gather costs the cores that compute something besides its bytes:
+    gloo's socket calls, the wake-ups of the thread that waits on it, a scheduler switch while more ranks than cores
+    are runnable. The background thread runs ``HOP_PROBES`` tiny all-to-alls (the multi-hop backends' collective)
+    and stamps each; the cost is the compute time lost over the window divided by the hops completed inside it.
+    On GPUs the hops run on their own engines: 0.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if device.type != "cpu":
+        return 0.0
+    _, _, fwd_bwd = _gpt_fwd_bwd(shape, device)
+    n = max(iters, 5)
+
+    def window() -> Tuple[float, float]:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fwd_bwd()
+        return t0, time.perf_counter()
+
+    dist.barrier()
+    t0, t1 = window()
+    alone = t1 - t0
+    size = dist.get_world_size(group)
+    x, y = torch.zeros(16 * size, device=device), torch.zeros(16 * size, device=device)
+    done: List[float] = []
+
+    def probes():
+        for _ in range(HOP_PROBES):
+            dist.all_to_all_single(y, x, group=group)
+            done.append(time.perf_counter())
+
+    bg = threading.Thread(target=probes)
+    dist.barrier()
+    bg.start()
+    t0, t1 = window()
+    bg.join()
+    hops = sum(t0 <= t <= t1 for t in done)
+    cost = max(0.0, (t1 - t0) - alone) / hops if hops else 0.0
+    t = torch.tensor([cost], dtype=torch.float64, device=_DEVICE)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 def measure_kernels(device) -> float:
@@ -255,7 +312,8 @@ def worker(a) -> None:
         print(f"wrote {a.out}: " + ", ".join(f"{l} {op} {c['bytes_per_s'] / 1e6:.0f} MB/s + {1e6 * c['alpha_s']:.0f} us"
                                             for l, ops in links.items() for op, c in ops.items()
                                             if op == "all_gather")
-              + f"; compute {out['compute_flops'] / 1e9:.1f} GFLOP/s, overlap slowdown {out['overlap_slowdown']:.2f}",
+              + f"; compute {out['compute_flops'] / 1e9:.1f} GFLOP/s, overlap slowdown {out['overlap_slowdown']:.2f}, "
+              f"{1e3 * out['hop_cpu_s']:.2f} ms of compute per hop",
               flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -290,6 +348,7 @@ def calibrate(a, rpn: int, device) -> dict:
 
         name, busy = measure_compute(a.gpt[0], device, a.iters, background=threading.Thread(target=loop))
         slowdown = max(0.0, compute[name] / busy - 1.0)
+    hop_cpu_s = measure_hop_cpu(a.gpt[0], device, a.iters, bg_group or dist.group.WORLD) if a.gpt else 0.0
     kernel_bps = measure_kernels(device)
     reduce_bps, requant_bps = measure_reduce_kernels(device)
     opt_s = measure_optimizer(device)
@@ -315,7 +374,8 @@ def calibrate(a, rpn: int, device) -> dict:
         kernel_bytes_per_s=kernel_bps, reduce_kernel_bytes_per_s=reduce_bps, requant_kernel_bytes_per_s=requant_bps,
         kernels_on_compute=device.type == "cpu",
         optimizer_s_per_element=opt_s,
-        launch_s=launch_s, overlap_slowdown=slowdown, compute_by_model=compute, grad_s_per_element=grad_s,
+        launch_s=launch_s, hop_cpu_s=hop_cpu_s, overlap_slowdown=slowdown, compute_by_model=compute,
+        grad_s_per_element=grad_s,
         intra_on_compute=device.type == "cpu", stores_attention_scores=device.type == "cpu", device=device.type)
     out = prof.to_json()
     out["samples"] = {k: [list(p) for p in v] for k, v in samples.items()}

@@ -2,7 +2,8 @@
 
 [Note: the overlap model]
 One step is replayed in program order on three timelines: the compute stream (forward, backward, optimizer; plus
-the quantization kernels and the launch cost where they share the processor) and two communication channels,
+the quantization kernels, the launch cost and -- CPU ranks -- each hop's own processor time (``hop_cpu_s``) where
+they share the processor) and two communication channels,
 ``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
 use (both for a group spanning nodes) and starts when it is issued and its channels are free. Every hop is issued
 by the progress engine (``comm/progress.py``, on by default) under its rule, replayed by :class:`_Replay`: a
@@ -184,7 +185,7 @@ class _Replay:
     def _hop(self, h: _Timed, at: float) -> float:
         """Issue one hop on the engine at ``at``; returns when it ends. Its host work shares the processor."""
         p = self.profile
-        self.now += p.launch_s
+        self.now += p.launch_s + p.hop_cpu_s
         dur = h.duration
         if p.kernels_on_compute:
             self.now += h.kernel_s

@@ -80,6 +80,7 @@ class HardwareProfile:
     requant_kernel_bytes_per_s: float = 0.0    # qgZ's INT4 dequantize-reduce-requantize (0: as the reduce kernels)
     optimizer_s_per_element: float = 2e-11     # Adam update of one owned element (masters, states, cast)
     launch_s: float = 5e-6                     # host time to issue one collective (per hop)
+    hop_cpu_s: float = 0.0                     # CPU ranks: compute time a hop takes from the training beside it
     overlap_slowdown: float = 0.0              # compute slows by this fraction while a collective runs beside it
     grad_s_per_element: float = 0.0            # per micro-batch: a gradient element added into its bucket buffer
     intra_on_compute: bool = False             # node-local transfers are copies by the processor that computes (CPU)

@@ -61,6 +61,7 @@ def test_calibration_writes_a_profile_the_planner_uses(spawn):
     assert prof.kernels_on_compute and prof.intra_on_compute and prof.algorithm == "ring"   # gloo rings too
     assert prof.reduce_scatter_as_all_reduce   # gloo's reduce-scatter is an all-reduce of the whole buffer
     assert prof.reduce_kernel_bytes_per_s > 0 and prof.requant_kernel_bytes_per_s > 0  # both reductions timed
+    assert 0.0 <= prof.hop_cpu_s < 0.05 and "hop_cpu_s" in out   # a hop's processor time: measured, not seconds
     assert len(out["samples"]["inter all_gather"]) == 2
     wl = Workload(ModelSpec("gpt-1x64", 1, 64, 4, 128, 32), 4, 2, 1, 2, setup=TrainingSetup(params_dtype="fp32"))
     ranking = solve(wl, prof, bucket_sizes=[4096])

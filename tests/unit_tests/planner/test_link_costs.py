@@ -57,3 +57,20 @@ def test_int4_requantizing_reduction_has_its_own_rate():
     assert base4.step_s - fast4.step_s <= 4.0 * SPEC.num_params * 1.07 / 1e8
     same = predict(int4, wl, _profile(requant_kernel_bytes_per_s=1e8, **slow))
     assert same.step_s == pytest.approx(base4.step_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("label", ["p1.g1.o8.h1 qgz4+qwz b250k", "p8.g8.o8.h2 plain+plain b1M"])
+def test_each_hop_takes_its_processor_time_from_compute(label):
+    """A CPU profile's ``hop_cpu_s`` is charged once per hop to the compute timeline: on links too fast to matter
+    the step grows by exactly (hops per step) x ``hop_cpu_s``; a profile without it predicts as before."""
+    wl = workload_from(SPEC, gpus=8, gpus_per_node=2, micro_batch=1, global_batch=16)
+    fast = LinkCost(0.0, 1e18)
+    links = {l: {op: fast for op in ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")}
+             for l in ("intra", "inter")}
+    cand = parse_candidate(label)
+    base = predict(cand, wl, _profile(links=links))
+    hop = 1e-3
+    charged = predict(cand, wl, _profile(links=links, hop_cpu_s=hop))
+    assert base.collectives > 10
+    assert charged.step_s - base.step_s == pytest.approx(base.collectives * hop, rel=1e-9)
+    assert predict(cand, wl, _profile(links=links, hop_cpu_s=0.0)).step_s == base.step_s
