@@ -5,8 +5,9 @@ For every cluster (``NODESxRANKS:RATE``) it (1) calibrates a profile with ``tool
 (2) lets the planner rank every admissible candidate (plans, quantized backends, bucket sizes) for each GPT shape
 and picks ``--plans`` of them -- the planner's first choices and a spread over the rest of its ranking --, (3) runs
 them on the same emulated cluster (the ODO on megatron-core GPT, back-to-back steps as ``tools/bench_cluster.py``
-times them) and (4) reports predicted against measured step time: Spearman rank correlation, median absolute
-error, and how far the planner's first choice is from the measured best. A table, a JSON and a scatter plot (PNG).
+times them, in ``--rounds`` rounds that interleave the candidates) and (4) reports predicted against measured step
+time: Spearman rank correlation, median absolute error, and how far the planner's first choice is from the measured
+best. A table, a JSON and a scatter plot (PNG).
 
     sudo python tools/validate_planner.py --clusters 2x2:1gbit,2x2:200mbit,4x2:1gbit,4x2:200mbit \\
         --json docs/benchmarks/planner_validation.json --png docs/benchmarks/planner_validation.png
@@ -81,7 +82,6 @@ def worker(a) -> None:
         for label, res in results.items():
             spread = " ".join(f"{1e3 * t:.0f}" for t in res["rounds_s"])
             print(f"    {label:<40} {1e3 * res['step_s']:8.1f} ms   (rounds: {spread})", flush=True)
-    if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f)
     dist.barrier()
