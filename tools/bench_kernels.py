@@ -6,8 +6,8 @@ once) and the ratio to a ``torch`` clone of the same number of bytes (a clone of
 like the ops it allocates its output) and to a copy into a preallocated buffer (the raw copy bandwidth, without the
 allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs
 after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike, each after reading
-a buffer of twice the last-level cache (:class:`CacheFlush`: inputs come from memory, not from the cache); on a GPU they are
-medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
+a buffer of twice the last-level cache (:class:`CacheFlush`: inputs come from memory, not from the cache); on a GPU
+they are medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
 On CPU two paths run, timed in the same interleaved loop: the eager torch reference (backend ``torch``) and the same
 math compiled by ``torch.compile`` (backend ``compiled``, the default CPU path); with CUDA available the Triton path
 runs on the GPU too. Each compiled or Triton row first checks that its output equals the eager torch path's on the

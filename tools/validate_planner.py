@@ -44,7 +44,7 @@ def worker(a) -> None:
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
-    from bench_cluster import _gpt_setup, _timed_steps, odo_step
+    from bench_cluster import _add, _gpt_setup, _timed_steps, odo_step
     from megatron_ext.comm import Topology
     from megatron_ext.planner import parse_candidate
 
@@ -64,20 +64,18 @@ def worker(a) -> None:
         opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
         runs.append((label, odo_step(ddp, opt, batches), ddp.param_sync.wait_all))
     # Rounds interleave the candidates (A B C .. A B C ..), so a slow minute of the shared host lands on one round of
-    # every candidate instead of on all rounds of one; each candidate's step time is the median of its round means.
-    rounds: Dict[str, list] = {label: [] for label, _, _ in runs}
-    wire: Dict[str, list] = {label: [] for label, _, _ in runs}
+    # every candidate instead of on all rounds of one; each candidate's step time is the median of its round means
+    # (bench_cluster's --repeats, the same bookkeeping).
+    rounds: Dict[str, dict] = {}
     for r in range(a.rounds):
         for label, step, flush in runs:
             # A round's first step has no all-gather to overlap (the last round flushed it): a warm-up. The first
             # round takes two, as the first candidate of a process also pays one-time costs (kernel compilation or
             # cache loads, allocator growth) that a single warm-up step did not always absorb.
             sa.warmup = 2 if r == 0 else 1
-            out = _timed_steps(topo, step, flush, sa)
-            rounds[label] += out["times_s"]
-            wire[label].append(out["wire_per_node"])
-    results: Dict[str, dict] = {label: {"step_s": statistics.median(rounds[label]), "rounds_s": rounds[label],
-                                        "wire_per_node": statistics.median(wire[label])} for label in rounds}
+            _add(rounds, label, _timed_steps(topo, step, flush, sa))
+    results = {label: {"step_s": statistics.median(m["times_s"]), "rounds_s": m["times_s"],
+                       "wire_per_node": m["wire_per_node"]} for label, m in rounds.items()}
     if a.rank == 0:
         for label, res in results.items():
             spread = " ".join(f"{1e3 * t:.0f}" for t in res["rounds_s"])

@@ -14,7 +14,8 @@ profile-first approach in an alpha-beta form that extrapolates to group sizes th
   reduce / broadcast;
 - ``algorithm = "ring"`` (NCCL's rings over nodes; gloo's collectives too, checked against the emulated nodes'
   eth0 counters) counts a ring's cross-node bytes per node, ``(G-1)/G`` of the payload, where the ledger's
-  pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"`` keeps the ledger's count. A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
+  pairwise model counts ``D (G-D)/G`` (D ranks of the group per node); ``"pairwise"`` keeps the ledger's count.
+  A calibrated profile fits ``alpha`` and ``bw`` with the same formula it is used with.
 - ``reduce_scatter_as_all_reduce`` (gloo): torch's gloo process group runs a reduce-scatter as a full all-reduce of
   a copy of the input and keeps its own chunk (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so it sends
   an all-reduce's bytes and takes an all-reduce's time: the planner costs it as the all-reduce it is. NCCL runs a

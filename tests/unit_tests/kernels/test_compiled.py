@@ -197,12 +197,11 @@ def test_compile_modes(monkeypatch):
         compiled.quantize_symmetric(x, bits=8, group_size=64)
 
 
-def test_reduce_blocks_give_the_same_bits(comp, monkeypatch):
-    """The reduce ops run in blocks of groups (cache-sized); blocks of 2 groups and a 1-group remainder (eager)."""
-    monkeypatch.setattr(compiled, "_REDUCE_BLOCK", 2 * 64)
+def test_reduce_tails_give_the_same_bits(comp):
+    """dequantize_reduce: one call over the whole groups plus the partial last group; one whole group runs eager."""
     qs = [ref.quantize_symmetric(_data(9 * 64, torch.float32, 20 + i), bits=4, group_size=64) for i in range(2)]
     chunks, scales = torch.stack([c for c, _ in qs]), torch.stack([s for _, s in qs])
     _same(comp.dequantize_reduce_quantize(chunks, scales, 4, 64), ref.dequantize_reduce_quantize(chunks, scales, 4, 64))
-    for numel in (9 * 64, 9 * 64 - 70):
+    for numel in (9 * 64, 9 * 64 - 70, 64 + 5, 40):
         kw = dict(bits=4, group_size=64, numel=numel)
         _same(comp.dequantize_reduce(chunks, scales, **kw), ref.dequantize_reduce(chunks, scales, **kw))
