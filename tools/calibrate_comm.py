@@ -7,8 +7,9 @@ What it times, every rank at once (so shared links and shared processors are mea
   node-local groups (every node's ranks, all nodes at once: the ``intra`` link) and on cross-node groups (one rank
   per node, every local index at once: the ``inter`` link, shared by the node's ranks); each (link, collective)
   gets an alpha-beta fit in the units of ``megatron_ext/planner/profile.py`` [Note: the cost of a collective];
-- compute: forward + backward of the GPT shapes given with ``--gpt`` (megatron-core, as pretrain_gpt builds them),
-  as FLOP/s by Megatron's formula, alone and beside a running collective (``overlap_slowdown``);
+- compute: the ODO's training step at DP 1 on the GPT shapes given with ``--gpt`` (megatron-core, as pretrain_gpt
+  builds them), as forward + backward FLOP/s by Megatron's formula (the median of ``--windows`` windows); and
+  forward + backward alone and beside a running collective (``overlap_slowdown``);
 - the quantization kernels (bytes/s), the Adam update and the gradient hook's add into a bucket (s per element),
   the host cost of issuing a collective, and -- CPU ranks -- the compute time one collective hop takes from the
   training beside it.
@@ -165,6 +166,69 @@ def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[st
     if background is not None:
         background.join()
     return name, flops / _max_over_ranks(dt)
+
+
+STEP_MICRO_BATCHES = 2   # the no_sync pattern's smallest step: one micro-batch accumulates, the last synchronises
+
+
+def fwd_bwd_from_step(step_s: float, numel: int, micro_batches: int, optimizer_s_per_element: float,
+                      grad_s_per_element: float) -> float:
+    """Seconds of one micro-batch's forward + backward inside a measured DP-1 training step: what the cost model's
+    compute-alone time (``cost.predict``: ``M x (fwd+bwd + grad copy) + optimizer``) must give back. The step's
+    other host work (hooks, buffers, the loss, zeroing) is folded into forward + backward, in proportion to FLOPs."""
+    rest = numel * optimizer_s_per_element + micro_batches * numel * grad_s_per_element
+    return max(step_s - rest, 0.5 * step_s) / micro_batches   # noisy kernel rates never leave less than half
+
+
+def dp1_training_step(shape: str, device, solo_group, micro_batches: int = STEP_MICRO_BATCHES):
+    """(model name, forward + backward FLOPs per micro-batch, parameters, step, flush): the ODO's own training step
+    of the GPT ``L,H,heads,V,seq,mb`` at DP 1 (``solo_group``: this rank alone) -- the compute the planner calibrates
+    on; ``flush`` waits for the weight gathers the last step launched."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from bench_cluster import odo_step
+    from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
+    torch.manual_seed(1234)
+    model = build_gpt_model(L, H, heads, V, seq).to(device)
+    batches = [{k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=i).items()}
+               for i in range(micro_batches)]
+    ddp = mx.OverlappedDDP(model, mx.OverlapConfig(bucket_size=1_000_000, ranks_per_node=1), dp_group=solo_group)
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
+    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
+    numel = sum(p.numel() for p in model.parameters())
+    return spec.name, spec.flops_per_sequence() * mb, numel, odo_step(ddp, opt, batches), ddp.param_sync.wait_all
+
+
+def measure_training_step(shape: str, device, iters: int, windows: int, solo_group, optimizer_s_per_element: float,
+                          grad_s_per_element: float) -> Tuple[str, float]:
+    """FLOP/s of forward + backward as the training step sees it: :func:`dp1_training_step` on every rank at once
+    (the processors shared as in training), forward + backward taken from the step by :func:`fwd_bwd_from_step`.
+    ``windows`` windows of ``iters`` back-to-back steps; each window's time is the slowest rank's, the result the
+    median window (one window of a shared host can be 25% off)."""
+    import torch
+    import torch.distributed as dist
+
+    name, flops, numel, step, _ = dp1_training_step(shape, device, solo_group)
+    step()
+    _sync()
+    times = []
+    for _ in range(windows):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        _sync()
+        times.append((time.perf_counter() - t0) / iters)
+    t = torch.tensor(times, dtype=torch.float64, device=_DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    fb = fwd_bwd_from_step(statistics.median(t.tolist()), numel, STEP_MICRO_BATCHES, optimizer_s_per_element,
+                           grad_s_per_element)
+    return name, flops / fb
 
 
 HOP_PROBES = 400   # small collectives the background thread runs; the same count on every rank
@@ -331,11 +395,15 @@ def calibrate(a, rpn: int, device) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else list(DEFAULT_SIZES)
     links, samples, bg_group = measure_links(rank, world, rpn, device, sizes, a.iters)
-    compute: Dict[str, float] = {}
+    solo_group = [dist.new_group([r]) for r in range(world)][rank]   # every rank creates every group
+    opt_s = measure_optimizer(device)
+    grad_s = measure_grad_add(device)
+    compute: Dict[str, float] = {}     # from the DP-1 training step: what the planner predicts with
+    alone: Dict[str, float] = {}       # forward + backward only: the reference of overlap_slowdown
     slowdown = 0.0
     for shape in a.gpt:
-        name, flops = measure_compute(shape, device, a.iters)
-        compute[name] = flops
+        name, alone[name] = measure_compute(shape, device, a.iters)
+        compute[name] = measure_training_step(shape, device, a.iters, a.windows, solo_group, opt_s, grad_s)[1]
     if a.gpt and bg_group is not None:
         # The thread's fixed count of collectives (the same on every rank) outlasts the compute loop it is beside.
         x = torch.randn(1 << 18, device=device)
@@ -347,12 +415,10 @@ def calibrate(a, rpn: int, device) -> dict:
                 dist.all_reduce(x, group=bg_group)
 
         name, busy = measure_compute(a.gpt[0], device, a.iters, background=threading.Thread(target=loop))
-        slowdown = max(0.0, compute[name] / busy - 1.0)
+        slowdown = max(0.0, alone[name] / busy - 1.0)
     hop_cpu_s = measure_hop_cpu(a.gpt[0], device, a.iters, bg_group or dist.group.WORLD) if a.gpt else 0.0
     kernel_bps = measure_kernels(device)
     reduce_bps, requant_bps = measure_reduce_kernels(device)
-    opt_s = measure_optimizer(device)
-    grad_s = measure_grad_add(device)
     launch_s = measure_launch(bg_group or dist.group.WORLD, device)
     first = compute[next(iter(compute))] if compute else 1e11
     if device.type == "cuda":
@@ -379,6 +445,7 @@ def calibrate(a, rpn: int, device) -> dict:
         intra_on_compute=device.type == "cpu", stores_attention_scores=device.type == "cpu", device=device.type)
     out = prof.to_json()
     out["samples"] = {k: [list(p) for p in v] for k, v in samples.items()}
+    out["fwd_bwd_flops_by_model"] = alone   # for reference: forward + backward alone, outside a training step
     return out
 
 
@@ -433,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
     ap.add_argument("--sizes", default="", help="payload bytes, comma-separated (default 64K,1M,4M,16M)")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=5,
+                    help="windows of --iters training steps for the compute rate; the median window counts")
     ap.add_argument("--gpt", action="append", default=[],
                     help="a GPT shape L,H,heads,vocab,seq,micro_batch to time forward+backward (repeatable)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s per GPU for MFU (default: measured)")

@@ -15,18 +15,20 @@ best. A table, a JSON and a scatter plot (PNG).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+COMPUTE_REF = "compute reference (DP 1)"
 DEFAULT_SHAPES = ("4,256,4,1024,128,2", "2,512,8,2048,128,2")   # L,H,heads,vocab,seq,micro-batch
 
 
@@ -45,6 +47,7 @@ def worker(a) -> None:
 
     import megatron_ext as mx
     from bench_cluster import _add, _gpt_setup, _timed_steps, odo_step
+    from calibrate_comm import dp1_training_step
     from megatron_ext.comm import Topology
     from megatron_ext.planner import parse_candidate
 
@@ -63,6 +66,11 @@ def worker(a) -> None:
             param_gather=cand.param_gather, qgz_bits=cand.qgz_bits, ranks_per_node=topo.ranks_per_node))
         opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
         runs.append((label, odo_step(ddp, opt, batches), ddp.param_sync.wait_all))
+    # The compute reference, timed in the same rounds: the DP-1 training step calibrate_comm derives its compute
+    # rate from, every rank at once. The host's speed drifts by 10-15% over the minutes between calibration and runs.
+    solo = [dist.new_group([r]) for r in range(a.world)][a.rank]
+    _, _, numel, ref_step, ref_flush = dp1_training_step(a.shape, torch.device("cpu"), solo, a.micro_batches)
+    runs.append((COMPUTE_REF, ref_step, ref_flush))
     # Rounds interleave the candidates (A B C .. A B C ..), so a slow minute of the shared host lands on one round of
     # every candidate instead of on all rounds of one; each candidate's step time is the median of its round means
     # (bench_cluster's --repeats, the same bookkeeping).
@@ -76,6 +84,7 @@ def worker(a) -> None:
             _add(rounds, label, _timed_steps(topo, step, flush, sa))
     results = {label: {"step_s": statistics.median(m["times_s"]), "rounds_s": m["times_s"],
                        "wire_per_node": m["wire_per_node"]} for label, m in rounds.items()}
+    results[COMPUTE_REF]["numel"] = numel
     if a.rank == 0:
         for label, res in results.items():
             spread = " ".join(f"{1e3 * t:.0f}" for t in res["rounds_s"])
@@ -126,11 +135,37 @@ def _rank(wl, prof, a):
     return solve(wl, prof, allow_quantized=True, bucket_sizes=[int(x) for x in a.bucket_sizes.split(",")])
 
 
-def _row(spec: str, wl, ranking, p, measured: dict) -> dict:
-    return {"cluster": spec, "model": wl.spec.name, "label": p.candidate.label,
-            "plan": p.candidate.describe(wl.dp, wl.ranks_per_node), "planner_rank": ranking.ranked.index(p) + 1,
-            "predicted_s": p.step_s, "measured_s": measured["step_s"], "predicted_wire": p.wire_bytes_per_node,
-            "measured_wire": measured["wire_per_node"]}
+def _inrun_profile(prof, wl, ref: dict):
+    """``prof`` with this model's compute rate taken from the DP-1 step timed in the rounds beside the plans (the
+    same derivation as the calibration's, :func:`calibrate_comm.fwd_bwd_from_step`)."""
+    from calibrate_comm import fwd_bwd_from_step
+
+    fb = fwd_bwd_from_step(ref["step_s"], ref["numel"], wl.micro_batches, prof.optimizer_s_per_element,
+                           prof.grad_s_per_element)
+    rate = wl.spec.flops_per_sequence() * wl.micro_batch / fb
+    return dataclasses.replace(prof, compute_by_model={**prof.compute_by_model, wl.spec.name: rate})
+
+
+def _rows(spec: str, wl, prof, a, measured: Dict[str, dict], ref: Optional[dict]) -> List[dict]:
+    """One row per measured plan: the profile's prediction and, with the compute reference ``ref``, the prediction
+    on the compute rate measured in the rounds (each with that profile's planner rank)."""
+    ranking = _rank(wl, prof, a)
+    inrun = _rank(wl, _inrun_profile(prof, wl, ref), a) if ref else None
+    by_label = {p.candidate.label: p for p in ranking.ranked}
+    by_label_inrun = {p.candidate.label: p for p in inrun.ranked} if inrun else {}
+    rows = []
+    for label, m in measured.items():
+        p = by_label[label]
+        row = {"cluster": spec, "model": wl.spec.name, "label": label,
+               "plan": p.candidate.describe(wl.dp, wl.ranks_per_node), "planner_rank": ranking.ranked.index(p) + 1,
+               "predicted_s": p.step_s, "measured_s": m["step_s"], "measured_rounds_s": m.get("rounds_s"),
+               "predicted_wire": p.wire_bytes_per_node, "measured_wire": m["wire_per_node"]}
+        if inrun:
+            q = by_label_inrun[label]
+            row.update(predicted_inrun_s=q.step_s, planner_rank_inrun=inrun.ranked.index(q) + 1,
+                       compute_ref_step_s=ref["step_s"], compute_ref_numel=ref["numel"])
+        rows.append(row)
+    return rows
 
 
 def rescore(rows: List[dict], a) -> List[dict]:
@@ -142,12 +177,12 @@ def rescore(rows: List[dict], a) -> List[dict]:
     for spec in a.clusters.split(","):
         prof = HardwareProfile.load(_profile_path(spec, a))
         for _, wl in _workloads(spec, a):
-            ranking = _rank(wl, prof, a)
-            by_label = {p.candidate.label: p for p in ranking.ranked}
-            for r in rows:
-                if r["cluster"] == spec and r["model"] == wl.spec.name:
-                    out.append(_row(spec, wl, ranking, by_label[r["label"]],
-                                    {"step_s": r["measured_s"], "wire_per_node": r["measured_wire"]}))
+            mine = [r for r in rows if r["cluster"] == spec and r["model"] == wl.spec.name]
+            measured = {r["label"]: {"step_s": r["measured_s"], "rounds_s": r.get("measured_rounds_s"),
+                                     "wire_per_node": r["measured_wire"]} for r in mine}
+            ref = ({"step_s": mine[0]["compute_ref_step_s"], "numel": mine[0]["compute_ref_numel"]}
+                   if mine and "compute_ref_step_s" in mine[0] else None)
+            out += _rows(spec, wl, prof, a, measured, ref)
     return out
 
 
@@ -182,41 +217,61 @@ def validate_cluster(spec: str, a) -> List[dict]:
                               "--out", out], a.timeout)
                 with open(out) as f:
                     measured = json.load(f)
-            rows += [_row(spec, wl, ranking, p, measured[p.candidate.label]) for p in chosen]
+            ref = measured.pop(COMPUTE_REF)
+            rows += _rows(spec, wl, prof, a, measured, ref)
     finally:
         cluster.down()
     return rows
 
 
-def summarize(rows: List[dict]) -> Dict[str, dict]:
+PREDICTIONS = (("predicted_s", "planner_rank", "the profile's compute rate"),
+               ("predicted_inrun_s", "planner_rank_inrun", "compute rate measured in the rounds"))
+
+
+def summarize(rows: List[dict], pred: str = "predicted_s", rank: str = "planner_rank") -> Dict[str, dict]:
     out = {}
     for key in sorted({(r["cluster"], r["model"]) for r in rows}):
         rs = [r for r in rows if (r["cluster"], r["model"]) == key]
-        pred, meas = [r["predicted_s"] for r in rs], [r["measured_s"] for r in rs]
-        first = min(rs, key=lambda r: r["planner_rank"])
+        pr, meas = [r[pred] for r in rs], [r["measured_s"] for r in rs]
+        first = min(rs, key=lambda r: r[rank])
         best = min(meas)
         out[f"{key[0]} {key[1]}"] = {
-            "plans": len(rs), "spearman": spearman(pred, meas),
-            "median_abs_error": statistics.median(abs(p - m) / m for p, m in zip(pred, meas)),
+            "plans": len(rs), "spearman": spearman(pr, meas),
+            "median_abs_error": statistics.median(abs(p - m) / m for p, m in zip(pr, meas)),
             "first_choice_over_best": first["measured_s"] / best - 1.0,
             # after --rescore, the new model's first choice may be a plan that was not run: then this row's
             # "first choice" is only its best-ranked measured plan, and the table says so
-            "first_choice_ran": first["planner_rank"] == 1}
+            "first_choice_ran": first[rank] == 1}
     return out
 
 
-def render(rows: List[dict], summary: Dict[str, dict]) -> str:
-    lines = [f"{'cluster':<14}{'model':<12}{'#':>3}  {'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
+def overall(rows: List[dict], summary: Dict[str, dict], pred: str) -> dict:
+    return {"spearman_min": min(s["spearman"] for s in summary.values()),
+            "median_abs_error_all": statistics.median(abs(r[pred] - r["measured_s"]) / r["measured_s"] for r in rows),
+            "first_choice_over_best_max": max(s["first_choice_over_best"] for s in summary.values())}
+
+
+def _predictions(rows: List[dict]):
+    """The prediction columns these rows have (runs before the compute reference have the profile's only)."""
+    return [p for p in PREDICTIONS if all(p[0] in r for r in rows)]
+
+
+def render(rows: List[dict], summaries: Dict[str, dict]) -> str:
+    preds = _predictions(rows)
+    head = "".join(f"{name:>18}{'error':>7}" for name, _ in zip(("predicted ms", "pred. (rounds) ms"), preds))
+    lines = [f"{'cluster':<14}{'model':<12}{'#':>3}  {'plan':<40}{'measured ms':>12}" + head]
     for r in rows:
-        err = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        cols = "".join(f"{1e3 * r[p]:>18.1f}{100 * (r[p] - r['measured_s']) / r['measured_s']:>6.0f}%"
+                       for p, _, _ in preds)
         lines.append(f"{r['cluster']:<14}{r['model']:<12}{r['planner_rank']:>3}  {r['label']:<40}"
-                     f"{1e3 * r['predicted_s']:>13.1f}{1e3 * r['measured_s']:>12.1f}{100 * err:>7.0f}%")
-    lines.append("")
-    lines.append(f"{'cluster / model':<28}{'plans':>6}{'Spearman':>10}{'median |err|':>14}{'1st vs best':>13}")
-    for k, s in summary.items():
-        lines.append(f"{k:<28}{s['plans']:>6}{s['spearman']:>10.2f}{100 * s['median_abs_error']:>13.0f}%"
-                     f"{100 * s['first_choice_over_best']:>12.0f}%" + ("" if s["first_choice_ran"] else
-                                                                         "  (first choice not run)"))
+                     f"{1e3 * r['measured_s']:>12.1f}" + cols)
+    for (pred, _, what) in preds:
+        lines += ["", f"predicted with {what}:",
+                  f"{'cluster / model':<28}{'plans':>6}{'Spearman':>10}{'median |err|':>14}{'1st vs best':>13}"]
+        for k, s in summaries[pred].items():
+            lines.append(f"{k:<28}{s['plans']:>6}{s['spearman']:>10.2f}{100 * s['median_abs_error']:>13.0f}%"
+                         f"{100 * s['first_choice_over_best']:>12.0f}%" + ("" if s["first_choice_ran"] else
+                                                                             "  (first choice not run)"))
     return "\n".join(lines)
 
 
@@ -225,22 +280,24 @@ def plot(rows: List[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 6))
-    for key in sorted({(r["cluster"], r["model"]) for r in rows}):
-        rs = [r for r in rows if (r["cluster"], r["model"]) == key]
-        ax.scatter([1e3 * r["measured_s"] for r in rs], [1e3 * r["predicted_s"] for r in rs], label=" ".join(key),
-                   s=18)
-    lo = min(1e3 * min(r["measured_s"], r["predicted_s"]) for r in rows) * 0.8
-    hi = max(1e3 * max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.2
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
-    ax.plot([lo, hi], [0.8 * lo, 0.8 * hi], "k:", lw=0.6)
-    ax.plot([lo, hi], [1.2 * lo, 1.2 * hi], "k:", lw=0.6, label="+-20%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured step time (ms)")
-    ax.set_ylabel("planner's predicted step time (ms)")
-    ax.set_title("Planner vs measurement, emulated cluster")
-    ax.legend(fontsize=7)
+    preds = _predictions(rows)
+    fig, axes = plt.subplots(1, len(preds), figsize=(6 * len(preds), 6), squeeze=False)
+    lo = min(1e3 * min([r["measured_s"]] + [r[p] for p, _, _ in preds]) for r in rows) * 0.8
+    hi = max(1e3 * max([r["measured_s"]] + [r[p] for p, _, _ in preds]) for r in rows) * 1.2
+    for ax, (pred, _, what) in zip(axes[0], preds):
+        for key in sorted({(r["cluster"], r["model"]) for r in rows}):
+            rs = [r for r in rows if (r["cluster"], r["model"]) == key]
+            ax.scatter([1e3 * r["measured_s"] for r in rs], [1e3 * r[pred] for r in rs], label=" ".join(key), s=18)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
+        ax.plot([lo, hi], [0.8 * lo, 0.8 * hi], "k:", lw=0.6)
+        ax.plot([lo, hi], [1.2 * lo, 1.2 * hi], "k:", lw=0.6, label="+-20%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("measured step time (ms)")
+        ax.set_ylabel("planner's predicted step time (ms)")
+        ax.set_title(f"predicted with {what}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("Planner vs measurement, emulated cluster")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -303,18 +360,21 @@ def run_clusters(a) -> List[dict]:
 
 
 def report(rows: List[dict], a) -> int:
-    summary = summarize(rows)
-    print(render(rows, summary))
-    overall = {"spearman_min": min(s["spearman"] for s in summary.values()),
-               "median_abs_error_all": statistics.median(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"]
-                                                          for r in rows),
-               "first_choice_over_best_max": max(s["first_choice_over_best"] for s in summary.values())}
-    print(f"overall: Spearman >= {overall['spearman_min']:.2f}, median |error| "
-          f"{100 * overall['median_abs_error_all']:.0f}%, first choice within "
-          f"{100 * overall['first_choice_over_best_max']:.0f}% of the measured best")
+    summaries, totals = {}, {}
+    for pred, rank, what in _predictions(rows):
+        summaries[pred] = summarize(rows, pred, rank)
+        totals[pred] = overall(rows, summaries[pred], pred)
+    print(render(rows, summaries))
+    for pred, _, what in _predictions(rows):
+        o = totals[pred]
+        print(f"overall, {what}: Spearman >= {o['spearman_min']:.2f}, median |error| "
+              f"{100 * o['median_abs_error_all']:.0f}%, first choice within "
+              f"{100 * o['first_choice_over_best_max']:.0f}% of the measured best")
     with open(a.json, "w") as f:
         json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store")},
-                   "rows": rows, "summary": summary, "overall": overall}, f, indent=1)
+                   "rows": rows, "summary": summaries["predicted_s"], "overall": totals["predicted_s"],
+                   "summary_inrun": summaries.get("predicted_inrun_s"),
+                   "overall_inrun": totals.get("predicted_inrun_s")}, f, indent=1)
     plot(rows, a.png)
     print(f"wrote {a.json} and {a.png}")
     return 0

@@ -25,8 +25,11 @@ What the ODO overlaps:
 - the optimizer runs after every reduction completed; then the next step's gathers are issued.
 
 Compute per bucket is proportional to its parameters (a transformer's FLOPs are); backward is twice the forward
-(three times with full recompute), plus the gradient hooks' copies into the bucket buffers; compute overlapped by communication is ``overlap_slowdown`` slower (the
-profile's note). The step time is the second of two replayed steps (steady state: the first
+(three times with full recompute), plus the gradient hooks' copies into the bucket buffers; compute overlapped by
+communication is ``overlap_slowdown`` slower (the profile's note). Work that differs between a node's ranks
+(ByteGrad's leader quantizes and broadcasts, the others do not) is the busiest rank's on GPUs, and the node's mean
+where the ranks share the processors (CPU profiles: ``kernels_on_compute``, ``intra_on_compute``): a rank that waits
+gives its cores to the one that works. The step time is the second of two replayed steps (steady state: the first
 step's gathers overlap the second step's forward). Exposed communication = step time - compute alone.
 """
 from __future__ import annotations
@@ -117,28 +120,37 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         raise AssertionError("ranks of a node issue different call sequences")
     timed, ledger_inter, wire_inter, intra_max = [], 0, 0.0, 0
     cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float, float]] = {}
+    def per_rank_work(field: str, on_compute: bool) -> float:
+        """A hop's work on one rank. Ranks sharing a node's processors (CPU) pool it: the node's mean; ranks with
+        their own processors (GPU) wait for the busiest."""
+        vals = [getattr(calls[i], field) for calls in per_rank]
+        return sum(w * v for w, v in zip(weights, vals)) / sum(weights) if on_compute else max(vals)
+
     for i, c in enumerate(per_rank[0]):
         node_inter = sum(w * calls[i].inter for w, calls in zip(weights, per_rank))
         intra = max(calls[i].intra for calls in per_rank)
-        kernel_elems = max(calls[i].kernel_elems for calls in per_rank)
-        reduce_elems = max(calls[i].reduce_elems for calls in per_rank)
-        requant_elems = max(calls[i].requant_elems for calls in per_rank)
+        intra_cpu = per_rank_work("intra", profile.intra_on_compute)
+        kernel_elems = per_rank_work("kernel_elems", profile.kernels_on_compute)
+        reduce_elems = per_rank_work("reduce_elems", profile.kernels_on_compute)
+        requant_elems = per_rank_work("requant_elems", profile.kernels_on_compute)
         g = c.group
         op = c.op
         ledger_inter += node_inter
         if op == "reduce_scatter" and profile.reduce_scatter_as_all_reduce:
             # gloo sends and times an all-reduce of the whole bucket (see the profile's note): twice the bytes
-            op, node_inter, intra = "all_reduce", 2 * node_inter, 2 * intra
+            op, node_inter, intra, intra_cpu = "all_reduce", 2 * node_inter, 2 * intra, 2 * intra_cpu
         wire = float(node_inter)
         if profile.algorithm == "ring" and op in _RING_OPS and 1 < g.per_node < g.size:
             wire *= (g.size - 1) / (g.per_node * (g.size - g.per_node))
         wire_inter += wire
         intra_max += intra
-        sig = (op, g, intra, wire, kernel_elems, reduce_elems, requant_elems)
+        sig = (op, g, intra, intra_cpu, wire, kernel_elems, reduce_elems, requant_elems)
         if sig not in cache:
             t, links, t_intra = 0.0, [], 0.0
             if intra > 0:
-                t = t_intra = profile.link("intra", op).time(steps(op, g.per_node), intra)
+                t = profile.link("intra", op).time(steps(op, g.per_node), intra)
+                t_intra = t if intra_cpu == intra else profile.link("intra", op).time(steps(op, g.per_node),
+                                                                                      intra_cpu)
                 links.append("intra")
             if wire > 0:
                 t = max(t, profile.link("inter", op).time(steps(op, g.size), wire))

@@ -3,6 +3,7 @@ profile the planner reads and solves with."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -43,8 +44,8 @@ def _calibrate():
     ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     with loaded_tool("calibrate_comm") as tool:
-        a = argparse.Namespace(sizes="65536,262144", iters=1, gpt=[SHAPE], backend="gloo", name="test", rate="",
-                               peak_tflops=None)
+        a = argparse.Namespace(sizes="65536,262144", iters=1, windows=2, gpt=[SHAPE], backend="gloo", name="test",
+                               rate="", peak_tflops=None)
         out = tool.calibrate(a, 2, torch.device("cpu"))
     ps.destroy_model_parallel()
     return out if dist.get_rank() == 0 else None
@@ -58,6 +59,7 @@ def test_calibration_writes_a_profile_the_planner_uses(spawn):
         assert set(link) == {"reduce_scatter", "all_gather", "all_reduce", "all_to_all"}
         assert all(c.bytes_per_s > 0 and c.alpha_s >= 0 for c in link.values())
     assert list(prof.compute_by_model) == ["gpt-1x64"] and prof.compute_flops > 0
+    assert list(out["fwd_bwd_flops_by_model"]) == ["gpt-1x64"]   # forward + backward alone, kept for reference
     assert prof.kernels_on_compute and prof.intra_on_compute and prof.algorithm == "ring"   # gloo rings too
     assert prof.reduce_scatter_as_all_reduce   # gloo's reduce-scatter is an all-reduce of the whole buffer
     assert prof.reduce_kernel_bytes_per_s > 0 and prof.requant_kernel_bytes_per_s > 0  # both reductions timed
@@ -66,3 +68,23 @@ def test_calibration_writes_a_profile_the_planner_uses(spawn):
     wl = Workload(ModelSpec("gpt-1x64", 1, 64, 4, 128, 32), 4, 2, 1, 2, setup=TrainingSetup(params_dtype="fp32"))
     ranking = solve(wl, prof, bucket_sizes=[4096])
     assert ranking.best.step_s > ranking.best.compute_s * 0.99 > 0
+
+
+def test_compute_from_the_training_step_gives_the_step_back():
+    """The compute rate is taken from a measured DP-1 step so that the cost model's compute-alone time of that step
+    (forward + backward, gradient copies, optimizer) is the measured time again -- whatever the kernel rates are."""
+    spec = ModelSpec("gpt-2x64", 2, 64, 4, 128, 32)
+    with loaded_tool("calibrate_comm") as tool:
+        M, step_s = tool.STEP_MICRO_BATCHES, 0.25
+        link = {op: {"alpha_s": 1e-5, "bytes_per_s": 1e9}
+                for op in ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")}
+        base = HardwareProfile.from_json({"name": "t", "source": "test", "gpus_per_node": 1,
+                                          "gpu_memory_bytes": 1 << 34, "peak_flops": 1e12, "compute_flops": 1e12,
+                                          "links": {"intra": link, "inter": link},
+                                          "optimizer_s_per_element": 3e-8, "grad_s_per_element": 1e-8})
+        wl = Workload(spec, 1, 1, 2, M, setup=TrainingSetup(params_dtype="fp32"))
+        numel = sum(spec.busiest_stage_numels(1, 1))
+        fb = tool.fwd_bwd_from_step(step_s, numel, M, base.optimizer_s_per_element, base.grad_s_per_element)
+    prof = dataclasses.replace(base, compute_by_model={spec.name: spec.flops_per_sequence() * wl.micro_batch / fb})
+    for p in solve(wl, prof, bucket_sizes=[4096, 1 << 20]).ranked:
+        assert p.compute_s == pytest.approx(step_s, rel=1e-9)
