@@ -516,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if a.windows < 1 or a.iters < 1:
+        build_parser().error(f"--windows and --iters must be at least 1, got {a.windows} and {a.iters}")
     if not a.worker:   # a rank 0 that cannot write would leave the others waiting at the end: check first
         try:
             with open(a.out, "a"):

@@ -7,7 +7,9 @@ and picks ``--plans`` of them -- the planner's first choices and a spread over t
 them on the same emulated cluster (the ODO on megatron-core GPT, back-to-back steps as ``tools/bench_cluster.py``
 times them, in ``--rounds`` rounds that interleave the candidates) and (4) reports predicted against measured step
 time: Spearman rank correlation, median absolute error, and how far the planner's first choice is from the measured
-best. A table, a JSON and a scatter plot (PNG).
+best. A table, a JSON and a scatter plot (PNG). As a control for the host's drift between calibration and runs, the
+rounds also time the DP-1 training step the calibration takes its compute rate from, and a second summary predicts
+with the rate from those rounds.
 
     sudo python tools/validate_planner.py --clusters 2x2:1gbit,2x2:200mbit,4x2:1gbit,4x2:200mbit \\
         --json docs/benchmarks/planner_validation.json --png docs/benchmarks/planner_validation.png

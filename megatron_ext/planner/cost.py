@@ -120,19 +120,20 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
         raise AssertionError("ranks of a node issue different call sequences")
     timed, ledger_inter, wire_inter, intra_max = [], 0, 0.0, 0
     cache: Dict[Tuple, Tuple[float, Tuple[str, ...], float, float]] = {}
-    def per_rank_work(field: str, on_compute: bool) -> float:
-        """A hop's work on one rank. Ranks sharing a node's processors (CPU) pool it: the node's mean; ranks with
-        their own processors (GPU) wait for the busiest."""
+
+    def per_rank_work(i: int, field: str, shared: bool) -> float:
+        """Call ``i``'s work on one rank. Ranks sharing a node's processors (CPU) pool it: the node's mean; ranks
+        with their own processors (GPU) wait for the busiest."""
         vals = [getattr(calls[i], field) for calls in per_rank]
-        return sum(w * v for w, v in zip(weights, vals)) / sum(weights) if on_compute else max(vals)
+        return sum(w * v for w, v in zip(weights, vals)) / sum(weights) if shared else max(vals)
 
     for i, c in enumerate(per_rank[0]):
         node_inter = sum(w * calls[i].inter for w, calls in zip(weights, per_rank))
         intra = max(calls[i].intra for calls in per_rank)
-        intra_cpu = per_rank_work("intra", profile.intra_on_compute)
-        kernel_elems = per_rank_work("kernel_elems", profile.kernels_on_compute)
-        reduce_elems = per_rank_work("reduce_elems", profile.kernels_on_compute)
-        requant_elems = per_rank_work("requant_elems", profile.kernels_on_compute)
+        intra_cpu = per_rank_work(i, "intra", profile.intra_on_compute)
+        kernel_elems = per_rank_work(i, "kernel_elems", profile.kernels_on_compute)
+        reduce_elems = per_rank_work(i, "reduce_elems", profile.kernels_on_compute)
+        requant_elems = per_rank_work(i, "requant_elems", profile.kernels_on_compute)
         g = c.group
         op = c.op
         ledger_inter += node_inter
