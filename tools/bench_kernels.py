@@ -16,7 +16,8 @@ or a load from Inductor's cache) in ``first_call_seconds``.
 Prints a table and writes JSON.
 
 Goals, judged on the ratio to the clone: the eager torch path on CPU >= 30% of copy bandwidth (issue 3), the compiled
-CPU path >= 50% (issue 14), Triton on a GPU >= 80% (issue 3); the table marks each row. Default sizes 1M..256M elements on every device. A size whose estimated peak memory
+CPU path >= 50% (issue 14), Triton on a GPU >= 80% (issue 3); the table marks each row. Default sizes 1M..256M
+elements on every device. A size whose estimated peak memory
 (:func:`estimate_peak_bytes`: 16.5 bytes per fp32 element + 256 MiB, 4.4 GiB at 256M; peak RSS measured at 64M
 was within the estimate) exceeds 80% of the memory available now is skipped with a message and listed in the JSON.
 

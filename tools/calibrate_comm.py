@@ -208,25 +208,15 @@ def measure_training_step(shape: str, device, iters: int, windows: int, solo_gro
                           grad_s_per_element: float) -> Tuple[str, float]:
     """FLOP/s of forward + backward as the training step sees it: :func:`dp1_training_step` on every rank at once
     (the processors shared as in training), forward + backward taken from the step by :func:`fwd_bwd_from_step`.
-    ``windows`` windows of ``iters`` back-to-back steps; each window's time is the slowest rank's, the result the
-    median window (one window of a shared host can be 25% off)."""
-    import torch
-    import torch.distributed as dist
-
+    ``windows`` windows of ``iters`` back-to-back steps timed by :func:`_timed` (the median window, the slowest
+    rank's: one window of a shared host can be 25% off)."""
     name, flops, numel, step, _ = dp1_training_step(shape, device, solo_group)
-    step()
-    _sync()
-    times = []
-    for _ in range(windows):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def window():
         for _ in range(iters):
             step()
-        _sync()
-        times.append((time.perf_counter() - t0) / iters)
-    t = torch.tensor(times, dtype=torch.float64, device=_DEVICE)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    fb = fwd_bwd_from_step(statistics.median(t.tolist()), numel, STEP_MICRO_BATCHES, optimizer_s_per_element,
+
+    fb = fwd_bwd_from_step(_timed(window, windows) / iters, numel, STEP_MICRO_BATCHES, optimizer_s_per_element,
                            grad_s_per_element)
     return name, flops / fb
 

@@ -307,7 +307,8 @@ def plot(rows: List[dict], path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clusters", default="2x2:1gbit,2x2:200mbit,4x2:1gbit,4x2:200mbit")
-    ap.add_argument("--shapes", default=";".join(DEFAULT_SHAPES), help="GPT shapes L,H,heads,vocab,seq,mb; ';'-separated")
+    ap.add_argument("--shapes", default=";".join(DEFAULT_SHAPES),
+                    help="GPT shapes L,H,heads,vocab,seq,mb; ';'-separated")
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--bucket-sizes", default="250000,1000000")
     ap.add_argument("--plans", type=int, default=8, help="candidates run per cluster and shape")

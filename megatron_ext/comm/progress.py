@@ -25,8 +25,8 @@ finished from the handle's future (``Work.notify_when_ready``: its done-callback
 sleeps otherwise; only works that cannot notify are polled every ``POLL_S``. Polling cost more than it saved: on a
 loaded CPU each poll takes the GIL from the training thread, and a 1 ms poll doubled the forward pass of a
 20-bucket ZeRO-2 step (4 ranks on 2 cores: 190 ms against 85 ms without the engine). The engine never blocks on a
-single-phase work outside ``COMPLETE`` (a launch arriving meanwhile would wait: no two reduce-scatters in flight), and never
-completes a multi-phase work while idle (that would issue its later hops at a time that depends on timing).
+single-phase work outside ``COMPLETE`` (a launch arriving meanwhile would wait: no two reduce-scatters in flight),
+and never completes a multi-phase work while idle (that would issue its later hops at a time that depends on timing).
 
 *What runs on it.* The gradient reductions (every stage of a sharding plan). The weight gathers do not: a gather
 is one hop, issued after the step (ZeRO-3: at the hooks) and waited for where its bucket is needed, so the engine
