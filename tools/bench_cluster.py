@@ -131,7 +131,8 @@ def _wire_per_node_per_step(topo, before: int, steps: int) -> float:
 
 
 def _timed_steps(topo, step, flush, a) -> Dict:
-    """Back-to-back step time (max over ranks) and the wire bytes per node per step of the timed steps."""
+    """Back-to-back step time (max over ranks) and the wire bytes per node per step of the timed steps; for an
+    :class:`OdoStep`, also its mean phase times (max over ranks)."""
     import torch.distributed as dist
 
     for _ in range(a.warmup):
@@ -139,8 +140,36 @@ def _timed_steps(topo, step, flush, a) -> Dict:
     flush()
     dist.barrier()
     before = _wire_tx_bytes()
+    if hasattr(step, "reset_phases"):
+        step.reset_phases()
     times = _max_over_ranks(_timed_continuous(step, flush, a.iters, 0))
-    return {"times_s": times, "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
+    out = {"times_s": times, "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
+    if hasattr(step, "mean_phases"):
+        phases = step.mean_phases()
+        out["phases_s"] = {k: [v] for k, v in zip(phases, _max_over_ranks(list(phases.values())))}
+    return out
+
+
+def _wire_split(topo, step: OdoStep, flush) -> Dict[str, float]:
+    """Cross-node bytes per node of one step, split at the point between the gradient reductions and the weight
+    gathers: ``reduce`` = forward + backward + gradient sync (the last step's gathers flushed before, so forward
+    sends nothing), ``gather`` = the optimizer step and its gathers, flushed."""
+    import torch
+    import torch.distributed as dist
+
+    flush()
+    dist.barrier()
+    c0 = _wire_tx_bytes()
+    step.fwd_bwd()
+    dist.barrier()
+    c1 = _wire_tx_bytes()
+    step.update()
+    flush()
+    dist.barrier()
+    c2 = _wire_tx_bytes()
+    t = torch.tensor([float(c1 - c0), float(c2 - c1)] if topo.local_rank == 0 else [0.0, 0.0], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {"reduce": t[0].item() / topo.num_nodes, "gather": t[1].item() / topo.num_nodes}
 
 
 def _max_over_ranks(times: List[float]) -> List[float]:
@@ -248,6 +277,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     ddp.ledger.enabled = False
     # Flushing completes the communication in flight (ZeRO-3's force_param_sync would gather every weight).
     out = _timed_steps(topo, step, ddp.param_sync.wait_all, a)
+    out["wire_split"] = _wire_split(topo, step, ddp.param_sync.wait_all)
     step()   # steady state again before the step whose bytes the ledger counts
     ddp.ledger.enabled = True
     ddp.ledger.reset()
@@ -260,21 +290,58 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
             "memory": mem}
 
 
-def odo_step(ddp, opt, batches):
-    """One ODO training step over ``batches`` (megatron's no_sync pattern: the last micro-batch synchronises)."""
-    import contextlib
+PHASES = ("forward", "backward", "update")
 
-    M = len(batches)
 
-    def step():
-        for i, batch in enumerate(batches):
-            with ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
-                opt.scale_loss(_gpt_loss(ddp, batch) / M).backward()
-        ddp.finish_grad_sync()
-        opt.step()
-        opt.zero_grad()
+class OdoStep:
+    """One ODO training step over ``batches`` (megatron's no_sync pattern: the last micro-batch synchronises), in two
+    halves so the bench can read the link counters between them, summing the time of the phases a link transfer can
+    hide behind: ``forward`` (the first micro-batch's, where the weight gathers are consumed), ``backward`` (the last
+    micro-batch's, which the gradient reductions overlap) and ``update`` (``opt.step``: clipping norm, Adam, the
+    gathers' launch)."""
 
-    return step
+    def __init__(self, ddp, opt, batches) -> None:
+        self.ddp, self.opt, self.batches = ddp, opt, batches
+        self.reset_phases()
+
+    def reset_phases(self) -> None:
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+
+    def mean_phases(self) -> Dict[str, float]:
+        return {k: v / max(1, self.steps) for k, v in self.phase_s.items()}
+
+    def fwd_bwd(self) -> None:
+        import contextlib
+
+        M = len(self.batches)
+        for i, batch in enumerate(self.batches):
+            t0 = time.perf_counter()
+            with self.ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
+                loss = self.opt.scale_loss(_gpt_loss(self.ddp, batch) / M)
+                t1 = time.perf_counter()
+                loss.backward()
+            if i == 0:
+                self.phase_s["forward"] += t1 - t0
+            if i == M - 1:
+                self.phase_s["backward"] += time.perf_counter() - t1
+        self.ddp.finish_grad_sync()
+
+    def update(self) -> None:
+        t0 = time.perf_counter()
+        self.opt.step()
+        self.phase_s["update"] += time.perf_counter() - t0
+        self.opt.zero_grad()
+
+    def __call__(self) -> None:
+        self.fwd_bwd()
+        self.update()
+        self.steps += 1
+
+
+def odo_step(ddp, opt, batches) -> OdoStep:
+    """One ODO training step over ``batches`` as a callable (see :class:`OdoStep`)."""
+    return OdoStep(ddp, opt, batches)
 
 
 def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
@@ -398,11 +465,16 @@ def default_extensions_dir() -> str:
 
 
 def _add(store: Dict, key: str, r: Dict) -> Dict:
-    """Keep ``r`` under ``key``, or add its times to the earlier repeats' (their median is what is reported)."""
+    """Keep ``r`` under ``key``, or add its times (and phase times) to the earlier repeats' (their median is what
+    is reported)."""
     if key in store:
         store[key]["times_s"] += r["times_s"]
+        for k, v in (r.get("phases_s") or {}).items():
+            store[key].setdefault("phases_s", {}).setdefault(k, []).extend(v)
     else:
         store[key] = {**r, "times_s": list(r["times_s"])}
+        if "phases_s" in r:
+            store[key]["phases_s"] = {k: list(v) for k, v in r["phases_s"].items()}
     return store[key]
 
 
@@ -431,7 +503,7 @@ def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) ->
                 key = str(size)
                 if size == a.bucket_numel:
                     r = results[base_row]   # all repeats so far: the point is replaced, not added to
-                    sweep.setdefault(base_row, {})[key] = _sweep_point({**r, "times_s": list(r["times_s"])})
+                    sweep.setdefault(base_row, {})[key] = _sweep_point(_add({}, key, r))
                     continue
                 r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
                                bucket=size, engine=engines[0])
@@ -542,7 +614,8 @@ def sweep_sizes(a) -> List[int]:
 def _sweep_point(r: Dict) -> Dict:
     ledger = r.get("ledger") or {}
     return {"times_s": r["times_s"], "wire_per_node": r.get("wire_per_node"), "buckets": r.get("buckets"),
-            "ledger_inter_per_node": (ledger.get("per_node") or {}).get("inter")}
+            "ledger_inter_per_node": (ledger.get("per_node") or {}).get("inter"),
+            "phases_s": r.get("phases_s"), "wire_split": r.get("wire_split")}
 
 
 def rate_bits_per_s(rate: str) -> Optional[float]:
@@ -556,11 +629,27 @@ def rate_bits_per_s(rate: str) -> Optional[float]:
     raise ValueError(f"unknown rate {rate!r}")
 
 
+def phase_limit(floor: Dict, wire_split: Optional[Dict], bps: Optional[float]) -> Optional[float]:
+    """The floor of a synchronous step with a global clipping norm on this link: the weight gathers can hide only
+    behind the update and the next forward (a bucket's new weights exist after the norm, which needs every gradient,
+    and forward needs them all), the gradient reductions only behind the last backward:
+    ``rest + max(update + forward, gather bytes / rate) + max(backward, reduce bytes / rate)``, with the phase times
+    and ``rest`` (step - phases) of the no-link run ``floor``. Always >= the limit max(floor, bytes / rate)."""
+    phases = floor.get("phases_s")
+    if not phases or not wire_split or not bps:
+        return None
+    step = statistics.median(floor["times_s"])
+    fwd = statistics.median(phases["forward"]) + statistics.median(phases["update"])
+    bwd = statistics.median(phases["backward"])
+    rest = max(0.0, step - fwd - bwd)
+    return rest + max(fwd, wire_split["gather"] * 8 / bps) + max(bwd, wire_split["reduce"] * 8 / bps)
+
+
 def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: List[str]) -> Dict[str, Dict]:
     """Per rate and row: the common-size step, the best bucket size of the sweep, the limit
     ``max(no-link step, cross-node bytes per node / link rate)`` (no-link step: the same row and bucket size on the
-    ``unlimited`` run, when there is one) and the ratio of the best step to its limit, plus best-against-best
-    speedups over plain."""
+    ``unlimited`` run, when there is one) and the ratio of the best step to its limit, the same for
+    :func:`phase_limit` where the rows have phase times, plus best-against-best speedups over plain."""
     floor_rate = "unlimited" if "unlimited" in results else None
     out: Dict[str, Dict] = {}
     for rate, rows in results.items():
@@ -571,30 +660,18 @@ def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: Lis
             points.update(sweeps.get(rate, {}).get(label, {}))
             best_key = min(points, key=lambda k: statistics.median(points[k]["times_s"]))
             best = points[best_key]
-
-            def floor_of(key: str) -> Optional[float]:
-                if floor_rate is None:
-                    return None
-                frow = results[floor_rate].get(label)
-                if frow is None:
-                    return None
-                if key == str(frow.get("bucket_numel", "common")):
-                    return statistics.median(frow["times_s"])
-                fp = sweeps.get(floor_rate, {}).get(label, {}).get(key)
-                return statistics.median(fp["times_s"]) if fp else None
-
-            def limit_of(key: str, point: Dict) -> Optional[float]:
-                floor = floor_of(key)
-                wire = point.get("wire_per_node") or point.get("ledger_inter_per_node") or 0.0
-                link = wire * 8 / bps if bps else 0.0
-                return max(floor, link) if floor is not None else (link or None)
-
+            floor = _floor_point(results, sweeps, floor_rate, label, best_key)
+            wire = best.get("wire_per_node") or best.get("ledger_inter_per_node") or 0.0
+            link = wire * 8 / bps if bps else 0.0
+            limit = max(statistics.median(floor["times_s"]), link) if floor else (link or None)
+            plimit = (phase_limit(floor, best.get("wire_split"), bps) if bps else limit) if floor else None
             best_ms = statistics.median(best["times_s"])
-            limit = limit_of(best_key, best)
             summ[label] = {"common_ms": 1e3 * statistics.median(row["times_s"]), "best_bucket": best_key,
                            "best_ms": 1e3 * best_ms, "best_buckets": best.get("buckets"),
                            "limit_ms": 1e3 * limit if limit else None,
                            "ratio_to_limit": best_ms / limit if limit else None,
+                           "phase_limit_ms": 1e3 * plimit if plimit else None,
+                           "ratio_to_phase_limit": best_ms / plimit if plimit else None,
                            "peer": label in peer_names}
         plain = summ.get("plain")
         for v in summ.values():
@@ -603,20 +680,37 @@ def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: Lis
     return out
 
 
+def _floor_point(results: Dict[str, Dict], sweeps: Dict[str, Dict], floor_rate: Optional[str], label: str,
+                 key: str) -> Optional[Dict]:
+    """The no-link run of row ``label`` at bucket size ``key`` (the common row or its sweep point), if measured."""
+    if floor_rate is None or label not in results[floor_rate]:
+        return None
+    frow = results[floor_rate][label]
+    if key == str(frow.get("bucket_numel", "common")):
+        return frow
+    return sweeps.get(floor_rate, {}).get(label, {}).get(key)
+
+
 def render_summary(summary: Dict[str, Dict]) -> str:
     lines = ["best against best: each row at its best bucket size of the sweep; limit = max(no-link step, "
-             "cross-node bytes per node / link rate); speedup = best plain / best row"]
+             "cross-node bytes per node / link rate); phase limit = the floor when the gathers hide only behind "
+             "update + forward and the reductions only behind backward; speedup = best plain / best row"]
     hdr = f"{'row':<24}{'rate':>10}{'common ms':>11}{'best ms':>9}{'bucket':>10}{'#b':>4}{'limit ms':>10}" \
-          f"{'x limit':>9}{'speedup':>9}"
+          f"{'x limit':>9}{'phase ms':>10}{'x phase':>9}{'speedup':>9}"
     lines += [hdr, "-" * len(hdr)]
+
+    def ms(x: Optional[float]) -> str:
+        return f"{x:>10.1f}" if x else f"{'-':>10}"
+
+    def ratio(x: Optional[float]) -> str:
+        return f"{x:>8.2f}x" if x else f"{'-':>9}"
+
     for rate, rows in summary.items():
         for label, v in rows.items():
-            lim = f"{v['limit_ms']:>10.1f}" if v["limit_ms"] else f"{'-':>10}"
-            ratio = f"{v['ratio_to_limit']:>8.2f}x" if v["ratio_to_limit"] else f"{'-':>9}"
-            sp = f"{v['speedup_vs_best_plain']:>8.2f}x" if v["speedup_vs_best_plain"] else f"{'-':>9}"
             nb = v.get("best_buckets") or "-"
             lines.append(f"{label:<24}{rate:>10}{v['common_ms']:>11.1f}{v['best_ms']:>9.1f}{v['best_bucket']:>10}"
-                         f"{nb:>4}{lim}{ratio}{sp}")
+                         f"{nb:>4}{ms(v['limit_ms'])}{ratio(v['ratio_to_limit'])}{ms(v.get('phase_limit_ms'))}"
+                         f"{ratio(v.get('ratio_to_phase_limit'))}{ratio(v['speedup_vs_best_plain'])}")
     return "\n".join(lines)
 
 

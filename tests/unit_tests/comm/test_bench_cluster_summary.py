@@ -42,3 +42,29 @@ def test_summary_best_bucket_limit_and_speedup():
     assert p["best_bucket"] == "400" and p["limit_ms"] == pytest.approx(40 * mb * 8 / 2e8 * 1e3)
     assert q["speedup_vs_best_plain"] == pytest.approx(2000 / 600)
     assert "quant" in text and "200mbit" in text
+
+
+def test_phase_limit_hides_gathers_behind_forward_and_reductions_behind_backward():
+    """Closed form: a 400 ms no-link step of forward 100 + update 20 + backward 200 (+ 80 ms rest); at 200 Mbit/s
+    its 5 MiB of gathers take 209.7 ms (> forward + update: 89.7 ms exposed) and its 1 MiB of reductions 41.9 ms
+    (< backward: hidden), so the phase limit is 80 + 209.7 + 200 = 489.7 ms, above the limit max(400, 251.7)."""
+    mb = 2 ** 20
+    phases = {"forward": [0.100], "update": [0.020], "backward": [0.200]}
+    split = {"gather": 5 * mb, "reduce": 1 * mb}
+    floor = {**_row(400, 400, 6 * mb), "phases_s": phases, "wire_split": split}
+    slow = {**_row(560, 400, 6 * mb), "phases_s": phases, "wire_split": split}
+    with loaded_tool("bench_cluster") as bc:
+        s = bc.summarize({"unlimited": {"q": floor}, "200mbit": {"q": slow}}, {}, [])
+        text = bc.render_summary(s)
+        assert bc.phase_limit(floor, split, None) is None and bc.phase_limit(_row(400, 400, 0), split, 2e8) is None
+    q = s["200mbit"]["q"]
+    gather_s, reduce_s = 5 * mb * 8 / 2e8, 1 * mb * 8 / 2e8
+    assert q["limit_ms"] == pytest.approx(400)
+    assert q["phase_limit_ms"] == pytest.approx(1e3 * (0.080 + gather_s + 0.200))
+    assert q["ratio_to_phase_limit"] == pytest.approx(560 / q["phase_limit_ms"])
+    assert s["unlimited"]["q"]["phase_limit_ms"] == pytest.approx(400)   # no link: the floor itself
+    # the gathers hidden too (a slower forward): the phase limit is the floor again
+    slow_fwd = {**floor, "phases_s": {**phases, "forward": [0.190]}, "times_s": [0.490]}
+    with loaded_tool("bench_cluster") as bc:
+        assert bc.phase_limit(slow_fwd, split, 2e8) == pytest.approx(0.490)
+    assert "x phase" in text
