@@ -27,9 +27,11 @@ peers are measured the same way as the ODO, TCP/IP headers included) and the mod
 Honest comparison (gpt mode, issue 14): ``--sweep 4000000,1000000,400000`` runs every combo at each bucket size too,
 ``--floor`` adds an ``unlimited`` link run first (the no-link floor), and the summary reports, per rate, each row at
 its best bucket size next to its limit ``max(no-link step, cross-node bytes per node / link rate)`` and the
-best-against-best speedup over plain; ``--peers fsdp2,deepspeed-zero2`` adds FSDP2 (ZeRO-2-like:
-``reshard_after_forward=False``) and DeepSpeed ZeRO-2. ``--progress-engine both`` adds each combo without the
-progress engine (row ``<combo> (sync)``), for comparison.
+best-against-best speedup over plain, and next to its phase limit (:func:`phase_limit`: the gathers hidden only behind
+the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
+records; ``--rescore JSON`` recomputes a stored run's summary); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
+(ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2. ``--progress-engine both`` adds each combo
+without the progress engine (row ``<combo> (sync)``), for comparison.
 
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
     sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
@@ -629,20 +631,28 @@ def rate_bits_per_s(rate: str) -> Optional[float]:
     raise ValueError(f"unknown rate {rate!r}")
 
 
-def phase_limit(floor: Dict, wire_split: Optional[Dict], bps: Optional[float]) -> Optional[float]:
-    """The floor of a synchronous step with a global clipping norm on this link: the weight gathers can hide only
-    behind the update and the next forward (a bucket's new weights exist after the norm, which needs every gradient,
-    and forward needs them all), the gradient reductions only behind the last backward:
-    ``rest + max(update + forward, gather bytes / rate) + max(backward, reduce bytes / rate)``, with the phase times
-    and ``rest`` (step - phases) of the no-link run ``floor``. Always >= the limit max(floor, bytes / rate)."""
+def _pipelined(compute_s: float, link_s: float, buckets: Optional[int]) -> float:
+    """Two stages over ``buckets`` equal buckets (compute makes or uses a bucket, the link carries it): the longer
+    stage plus one bucket of the shorter, the pipe's fill or drain (none when the bucket count is unknown)."""
+    return max(compute_s, link_s) + (min(compute_s, link_s) / buckets if buckets else 0.0)
+
+
+def phase_limit(floor: Dict, wire_split: Optional[Dict], bps: Optional[float],
+                buckets: Optional[int] = None) -> Optional[float]:
+    """The floor of this design's step on this link. A bucket's new weights exist only after the global clipping
+    norm, which needs every gradient, and the step updates every bucket before the first gather: the weight gathers
+    can hide only behind the next forward, the gradient reductions only behind the last backward, each as a pipe of
+    ``buckets`` buckets (:func:`_pipelined`): ``rest + update + pipe(forward, gather bytes / rate) + pipe(backward,
+    reduce bytes / rate)``, with the phase times and ``rest`` (step - phases) of the no-link run ``floor``. Always
+    >= the limit max(floor, bytes / rate)."""
     phases = floor.get("phases_s")
     if not phases or not wire_split or not bps:
         return None
     step = statistics.median(floor["times_s"])
-    fwd = statistics.median(phases["forward"]) + statistics.median(phases["update"])
-    bwd = statistics.median(phases["backward"])
-    rest = max(0.0, step - fwd - bwd)
-    return rest + max(fwd, wire_split["gather"] * 8 / bps) + max(bwd, wire_split["reduce"] * 8 / bps)
+    fwd, bwd, upd = (statistics.median(phases[k]) for k in ("forward", "backward", "update"))
+    rest = max(0.0, step - fwd - bwd - upd)
+    return (rest + upd + _pipelined(fwd, wire_split["gather"] * 8 / bps, buckets)
+            + _pipelined(bwd, wire_split["reduce"] * 8 / bps, buckets))
 
 
 def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: List[str]) -> Dict[str, Dict]:
@@ -664,7 +674,8 @@ def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: Lis
             wire = best.get("wire_per_node") or best.get("ledger_inter_per_node") or 0.0
             link = wire * 8 / bps if bps else 0.0
             limit = max(statistics.median(floor["times_s"]), link) if floor else (link or None)
-            plimit = (phase_limit(floor, best.get("wire_split"), bps) if bps else limit) if floor else None
+            plimit = ((phase_limit(floor, best.get("wire_split"), bps, best.get("buckets")) if bps else limit)
+                      if floor else None)
             best_ms = statistics.median(best["times_s"])
             summ[label] = {"common_ms": 1e3 * statistics.median(row["times_s"]), "best_bucket": best_key,
                            "best_ms": 1e3 * best_ms, "best_buckets": best.get("buckets"),
@@ -694,7 +705,8 @@ def _floor_point(results: Dict[str, Dict], sweeps: Dict[str, Dict], floor_rate: 
 def render_summary(summary: Dict[str, Dict]) -> str:
     lines = ["best against best: each row at its best bucket size of the sweep; limit = max(no-link step, "
              "cross-node bytes per node / link rate); phase limit = the floor when the gathers hide only behind "
-             "update + forward and the reductions only behind backward; speedup = best plain / best row"]
+             "forward and the reductions only behind backward, each a pipe of the row's buckets; "
+             "speedup = best plain / best row"]
     hdr = f"{'row':<24}{'rate':>10}{'common ms':>11}{'best ms':>9}{'bucket':>10}{'#b':>4}{'limit ms':>10}" \
           f"{'x limit':>9}{'phase ms':>10}{'x phase':>9}{'speedup':>9}"
     lines += [hdr, "-" * len(hdr)]
@@ -753,6 +765,19 @@ def render(all_results: Dict[str, Dict], a) -> str:
     return "\n".join(lines)
 
 
+def rescore(path: str) -> int:
+    """The summary of a stored run, recomputed (a run from before the phase times gets no phase limit)."""
+    with open(path) as f:
+        doc = json.load(f)
+    peers = [PEERS[p][0] for p in doc["config"].get("peers", "").split(",") if p in PEERS]
+    doc["summary"] = summarize(doc["results"], doc.get("sweep", {}), peers)
+    print(render_summary(doc["summary"]))
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=["raw", "gpt"], default="raw")
@@ -796,6 +821,9 @@ def main(argv=None) -> int:
     ap.add_argument("--extensions-dir", default=default_extensions_dir(),
                     help="writable TORCH_EXTENSIONS_DIR for the op DeepSpeed compiles on first use")
     ap.add_argument("--json", default="bench_cluster.json")
+    ap.add_argument("--rescore", metavar="JSON",
+                    help="recompute the summary of a stored --json run with this code (no cluster, no root) and write "
+                    "it back to that file")
     # worker-only
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -806,6 +834,8 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.rescore:
+        return rescore(a.rescore)
     if os.geteuid() != 0:
         ap.error("needs root to create network namespaces")
     os.makedirs(a.extensions_dir, exist_ok=True)

@@ -2,6 +2,8 @@
 ratio to it and best-against-best speedups -- on hand-made results, no cluster needed."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ..tool_loader import loaded_tool
@@ -44,27 +46,43 @@ def test_summary_best_bucket_limit_and_speedup():
     assert "quant" in text and "200mbit" in text
 
 
-def test_phase_limit_hides_gathers_behind_forward_and_reductions_behind_backward():
-    """Closed form: a 400 ms no-link step of forward 100 + update 20 + backward 200 (+ 80 ms rest); at 200 Mbit/s
-    its 5 MiB of gathers take 209.7 ms (> forward + update: 89.7 ms exposed) and its 1 MiB of reductions 41.9 ms
-    (< backward: hidden), so the phase limit is 80 + 209.7 + 200 = 489.7 ms, above the limit max(400, 251.7)."""
+def test_phase_limit_pipes_gathers_through_forward_and_reductions_through_backward():
+    """Closed form: a 400 ms no-link step of forward 100 + update 20 + backward 200 (+ 80 ms rest), 3 buckets; at
+    200 Mbit/s its 5 MiB of gathers take 209.7 ms and its 1 MiB of reductions 41.9 ms. Gathers: the link is the
+    longer stage, plus one bucket's forward (33.3 ms, the pipe's drain); reductions: backward, plus one bucket's
+    link time (14.0 ms). Phase limit 80 + 20 + 243.0 + 214.0 = 557.0 ms, above the limit max(400, 251.7)."""
     mb = 2 ** 20
     phases = {"forward": [0.100], "update": [0.020], "backward": [0.200]}
     split = {"gather": 5 * mb, "reduce": 1 * mb}
     floor = {**_row(400, 400, 6 * mb), "phases_s": phases, "wire_split": split}
-    slow = {**_row(560, 400, 6 * mb), "phases_s": phases, "wire_split": split}
+    slow = {**_row(600, 400, 6 * mb), "phases_s": phases, "wire_split": split}
     with loaded_tool("bench_cluster") as bc:
         s = bc.summarize({"unlimited": {"q": floor}, "200mbit": {"q": slow}}, {}, [])
         text = bc.render_summary(s)
         assert bc.phase_limit(floor, split, None) is None and bc.phase_limit(_row(400, 400, 0), split, 2e8) is None
-    q = s["200mbit"]["q"]
+        # without a bucket count there is no fill or drain: rest + update + max + max
+        unpiped = bc.phase_limit(floor, split, 2e8)
+        # the link hidden in both phases: the floor plus one bucket of each link stage
+        quiet = bc.phase_limit(floor, {"gather": 0.5 * mb, "reduce": 0.5 * mb}, 2e8, 3)
     gather_s, reduce_s = 5 * mb * 8 / 2e8, 1 * mb * 8 / 2e8
+    q = s["200mbit"]["q"]
     assert q["limit_ms"] == pytest.approx(400)
-    assert q["phase_limit_ms"] == pytest.approx(1e3 * (0.080 + gather_s + 0.200))
-    assert q["ratio_to_phase_limit"] == pytest.approx(560 / q["phase_limit_ms"])
+    assert q["phase_limit_ms"] == pytest.approx(1e3 * (0.080 + 0.020 + gather_s + 0.100 / 3 + 0.200 + reduce_s / 3))
+    assert q["ratio_to_phase_limit"] == pytest.approx(600 / q["phase_limit_ms"])
+    assert unpiped == pytest.approx(0.080 + 0.020 + gather_s + 0.200)
+    assert quiet == pytest.approx(0.400 + 2 * (0.5 * mb * 8 / 2e8) / 3)
     assert s["unlimited"]["q"]["phase_limit_ms"] == pytest.approx(400)   # no link: the floor itself
-    # the gathers hidden too (a slower forward): the phase limit is the floor again
-    slow_fwd = {**floor, "phases_s": {**phases, "forward": [0.190]}, "times_s": [0.490]}
-    with loaded_tool("bench_cluster") as bc:
-        assert bc.phase_limit(slow_fwd, split, 2e8) == pytest.approx(0.490)
     assert "x phase" in text
+
+
+def test_rescore_recomputes_a_stored_summary(tmp_path):
+    mb = 2 ** 20
+    doc = {"config": {"peers": ""}, "results": {"unlimited": {"plain": _row(500, 400, 40 * mb)},
+                                                 "200mbit": {"plain": _row(2000, 400, 40 * mb)}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    with loaded_tool("bench_cluster") as bc:
+        assert bc.main(["--rescore", str(path)]) == 0
+    summ = json.loads(path.read_text())["summary"]
+    assert summ["200mbit"]["plain"]["limit_ms"] == pytest.approx(40 * mb * 8 / 2e8 * 1e3)
+    assert summ["200mbit"]["plain"]["phase_limit_ms"] is None   # a run without phase times
