@@ -132,16 +132,30 @@ def measure_links(rank: int, world: int, rpn: int, device, sizes, iters: int):
     return links, samples, (cross_groups[rank % rpn] if nodes > 1 else None)
 
 
+def _gpt(shape: str, device, micro_batches: int):
+    """(name, forward + backward FLOPs per micro-batch, model, batches) of the GPT ``L,H,heads,V,seq,mb`` on
+    ``device``, as pretrain_gpt builds it (the name is the profile's ``compute_by_model`` key)."""
+    import torch
+
+    from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
+    torch.manual_seed(1234)
+    model = build_gpt_model(L, H, heads, V, seq).to(device)
+    batches = [{k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=i).items()}
+               for i in range(micro_batches)]
+    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
+    return spec.name, spec.flops_per_sequence() * mb, model, batches
+
+
 def _gpt_fwd_bwd(shape: str, device):
     """(model name, FLOPs per call, a callable running forward + backward of the GPT ``L,H,heads,V,seq,mb``)."""
     import torch
 
-    from megatron_ext.models import build_gpt_model, gpt_loss_func, synthetic_gpt_batch
-    from megatron_ext.planner.model_spec import ModelSpec
+    from megatron_ext.models import gpt_loss_func
 
-    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
-    model = build_gpt_model(L, H, heads, V, seq).to(device)
-    batch = {k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=0).items()}
+    name, flops, model, (batch,) = _gpt(shape, device, 1)
 
     def fwd_bwd():
         out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
@@ -149,9 +163,8 @@ def _gpt_fwd_bwd(shape: str, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
     fwd_bwd()
-    return spec.name, spec.flops_per_sequence() * mb, fwd_bwd
+    return name, flops, fwd_bwd
 
 
 def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
@@ -184,24 +197,16 @@ def dp1_training_step(shape: str, device, solo_group, micro_batches: int = STEP_
     """(model name, forward + backward FLOPs per micro-batch, parameters, step, flush): the ODO's own training step
     of the GPT ``L,H,heads,V,seq,mb`` at DP 1 (``solo_group``: this rank alone) -- the compute the planner calibrates
     on; ``flush`` waits for the weight gathers the last step launched."""
-    import torch
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
     from bench_cluster import odo_step
-    from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
-    from megatron_ext.planner.model_spec import ModelSpec
 
-    L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
-    torch.manual_seed(1234)
-    model = build_gpt_model(L, H, heads, V, seq).to(device)
-    batches = [{k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=i).items()}
-               for i in range(micro_batches)]
+    name, flops, model, batches = _gpt(shape, device, micro_batches)
     ddp = mx.OverlappedDDP(model, mx.OverlapConfig(bucket_size=1_000_000, ranks_per_node=1), dp_group=solo_group)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4), ddp)
-    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
     numel = sum(p.numel() for p in model.parameters())
-    return spec.name, spec.flops_per_sequence() * mb, numel, odo_step(ddp, opt, batches), ddp.param_sync.wait_all
+    return name, flops, numel, odo_step(ddp, opt, batches), ddp.param_sync.wait_all
 
 
 def measure_training_step(shape: str, device, iters: int, windows: int, solo_group, optimizer_s_per_element: float,
