@@ -138,14 +138,14 @@ def _gpt(shape: str, device, micro_batches: int):
     import torch
 
     from megatron_ext.models import build_gpt_model, synthetic_gpt_batch
-    from megatron_ext.planner.model_spec import ModelSpec
+    from megatron_ext.planner.model_spec import ModelSpec, gpt_name
 
     L, H, heads, V, seq, mb = (int(x) for x in shape.split(","))
     torch.manual_seed(1234)
     model = build_gpt_model(L, H, heads, V, seq).to(device)
     batches = [{k: v.to(device) for k, v in synthetic_gpt_batch(mb, seq, V, seed=i).items()}
                for i in range(micro_batches)]
-    spec = ModelSpec(f"gpt-{L}x{H}", L, H, heads, V, seq)
+    spec = ModelSpec(gpt_name(L, H), L, H, heads, V, seq)
     return spec.name, spec.flops_per_sequence() * mb, model, batches
 
 

@@ -116,12 +116,12 @@ def pick(ranked: list, count: int) -> list:
 def _workloads(spec: str, a):
     """(shape, workload) per GPT shape for the cluster ``spec`` (``NxR:rate``)."""
     from megatron_ext.planner import TrainingSetup, Workload
-    from megatron_ext.planner.model_spec import ModelSpec
+    from megatron_ext.planner.model_spec import ModelSpec, gpt_name
 
     nodes, rpn = (int(x) for x in spec.split(":")[0].lower().split("x"))
     for shape in a.shapes.split(";"):
         sa = _shape_args(shape)
-        model = ModelSpec(f"gpt-{sa.layers}x{sa.hidden}", sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
+        model = ModelSpec(gpt_name(sa.layers, sa.hidden), sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
         yield shape, Workload(model, nodes * rpn, rpn, sa.micro_batch, a.micro_batches,
                               setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True))
 

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from .cost import Workload
 from .memory import TrainingSetup
-from .model_spec import MODEL_PRESETS, ModelSpec, model_preset
+from .model_spec import MODEL_PRESETS, ModelSpec, gpt_name, model_preset
 from .profile import PRESETS, HardwareProfile, load_profile
 from .search import DEFAULT_BUCKET_SIZES, Ranking, solve
 
@@ -71,7 +71,7 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
     if missing:
         raise ValueError("give --model NAME or the Megatron model flags; missing: "
                          + ", ".join("--" + m.replace("_", "-") for m in missing))
-    name = f"gpt-{a.num_layers}x{a.hidden_size}"
+    name = gpt_name(a.num_layers, a.hidden_size)
     return ModelSpec(name=name, **{k: v for k, v in fields.items() if v is not None})
 
 

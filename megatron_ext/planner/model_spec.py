@@ -16,6 +16,12 @@ import dataclasses
 from typing import Dict, List, Optional
 
 
+def gpt_name(num_layers: int, hidden_size: int) -> str:
+    """The name of a GPT shape: the key under which a measured profile keeps its compute rate
+    (``compute_by_model``), so the tools that measure it and the planner that reads it must spell it alike."""
+    return f"gpt-{num_layers}x{hidden_size}"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A GPT shape in Megatron's terms (``--num-layers``, ``--hidden-size``, ...)."""

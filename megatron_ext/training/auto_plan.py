@@ -165,14 +165,14 @@ def tokenizer_vocab_size(args: argparse.Namespace) -> int:
 
 def model_spec_from_args(args: argparse.Namespace) -> "ModelSpec":
     """The planner's ModelSpec of the GPT ``model.build_model`` builds from these (validated) flags."""
-    from megatron_ext.planner.model_spec import ModelSpec
+    from megatron_ext.planner.model_spec import ModelSpec, gpt_name
 
     from .model import padded_vocab_size
 
     vocab = padded_vocab_size(tokenizer_vocab_size(args), args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     return ModelSpec(
-        name=f"gpt-{args.num_layers}x{args.hidden_size}", num_layers=args.num_layers, hidden_size=args.hidden_size,
+        name=gpt_name(args.num_layers, args.hidden_size), num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, vocab_size=vocab, seq_length=args.seq_length,
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups if args.group_query_attention else None, swiglu=args.swiglu,
