@@ -318,13 +318,8 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
-    n, m = lay.partition_numel, lay.stage_numel
-    for s in range(lay.stages):  # every stage chunk is contiguous in x: quantized straight into its slot
-        for j in range(lay.world):
-            p = (j % nodes) * ranks_per_node + j // nodes
-            start = min(p * n + s * m, lay.numel)
-            stop = min(p * n + s * m + lay.stage_valid_numel(s), lay.numel)
-            _quantize_into(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
+    for s, j, start, stop in _ref._swizzle_chunks(lay):  # every stage chunk is contiguous in x: straight into its slot
+        _quantize_into(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
     return codes, scales
 
 

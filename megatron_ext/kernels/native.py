@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_reduce.c"
-MAX_K = 64  # chunks one call reduces (MX_MAX_K in the source)
+MAX_K = 64  # chunks one call reduces: the build passes it to the source as MX_MAX_K (its stack arrays' size)
 FLAGS = {  # variant -> compiler flags; "portable" (the scalar loop alone) exists for the tests
     "native": ["-O3", "-march=native"],
     "portable": ["-O3", "-mno-avx512f"],
@@ -55,7 +55,7 @@ def build(variant: str = "native") -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
-    flags = FLAGS[variant] + _COMMON
+    flags = FLAGS[variant] + _COMMON + [f"-DMX_MAX_K={MAX_K}"]
     src = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, compiler.encode(), " ".join(flags).encode(), platform.machine().encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]

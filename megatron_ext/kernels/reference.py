@@ -22,6 +22,7 @@ from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_c
                      check_minmax_codes, codes_dtype, num_groups, qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
+_SWIZZLE_GATHER_MAX = 2 * _BLOCK  # swizzle_quantize: padded sizes up to this are quantized as one block
 _TINY = 2.0 ** -126  # smallest normal fp32
 _MINMAX_EPS = 1e-7  # ByteGrad: scale = 255 / (max - min + 1e-7)
 
@@ -174,15 +175,28 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
-    n, m = lay.partition_numel, lay.stage_numel
+    padded = lay.stages * lay.world * lay.chunk_numel
+    if padded <= _SWIZZLE_GATHER_MAX:
+        # A bucket-sized input (the ODO's per-bucket call): its W*S chunks copied into one zero-padded block and
+        # quantized in one pass, 2-3x faster than chunk by chunk, where each chunk's partial last group (padded on
+        # its own) costs more ops than the chunk's data. Every group is quantized alone: the same bits either way.
+        _quantize_padded(swizzle_gather(x, lay).view(-1), padded, bits, group_size, codes.view(-1),
+                         scales.view(-1))
+        return codes, scales
     # Every stage chunk is contiguous in x: quantize it straight into its slot (the reorder costs no extra pass).
+    for s, j, start, stop in _swizzle_chunks(lay):
+        _quantize_padded(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
+    return codes, scales
+
+
+def _swizzle_chunks(lay: SwizzleLayout):
+    """``(stage, slot, start, stop)`` of every stage chunk: slot ``j`` holds partition ``(j % N) * D + j // N``."""
+    n, m = lay.partition_numel, lay.stage_numel
     for s in range(lay.stages):
         for j in range(lay.world):
-            p = (j % nodes) * ranks_per_node + j // nodes
+            p = (j % lay.nodes) * lay.ranks_per_node + j // lay.nodes
             start = min(p * n + s * m, lay.numel)
-            stop = min(p * n + s * m + lay.stage_valid_numel(s), lay.numel)
-            _quantize_padded(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
-    return codes, scales
+            yield s, j, start, min(p * n + s * m + lay.stage_valid_numel(s), lay.numel)
 
 
 def check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> tuple[int, int]:

@@ -30,7 +30,9 @@
 #define MX_AVX512 0
 #endif
 
-#define MX_MAX_K 64
+#ifndef MX_MAX_K
+#error "MX_MAX_K (chunks one call reduces) comes from the build: megatron_ext/kernels/native.py passes -DMX_MAX_K"
+#endif
 #define QMAX 7
 
 int mx_isa(void) { return MX_AVX512 ? 512 : 0; }

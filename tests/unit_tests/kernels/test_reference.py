@@ -357,9 +357,15 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("numel", [256, 250, 7])
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_swizzle_quantize_equals_quantizing_the_gathered_layout(numel, stages):
-    """Fused reorder + quantize == quantize(reordered, zero-padded copy), chunk by chunk."""
+@pytest.mark.parametrize("one_block", [True, False])
+def test_swizzle_quantize_equals_quantizing_the_gathered_layout(numel, stages, one_block, monkeypatch):
+    """Fused reorder + quantize == quantize(reordered, zero-padded copy): both paths, the bucket-sized one (the
+    gathered block quantized in one pass) and the chunk-by-chunk one (each chunk read in place, its last group padded
+    on its own), which larger inputs take."""
+    from megatron_ext.kernels import reference
     from megatron_ext.kernels.reference import swizzle_gather
+    if not one_block:
+        monkeypatch.setattr(reference, "_SWIZZLE_GATHER_MAX", 0)
     x = torch.randn(numel)
     for bits in (8, 4):
         lay = swizzle_layout(numel, bits, 8, 2, 4, stages)
