@@ -133,8 +133,10 @@ def _wire_per_node_per_step(topo, before: int, steps: int) -> float:
 
 
 def _timed_steps(topo, step, flush, a) -> Dict:
-    """Back-to-back step time (max over ranks) and the wire bytes per node per step of the timed steps; for an
-    :class:`OdoStep`, also its mean phase times (max over ranks)."""
+    """Back-to-back step time (max over ranks), CPU seconds per step (every thread of every rank: on a host with
+    fewer cores than busy threads this, not the wall time, is what a backend's own work costs, and it is far less
+    noisy) and the wire bytes per node per step of the timed steps; for an :class:`OdoStep`, also its mean phase
+    times (max over ranks)."""
     import torch.distributed as dist
 
     for _ in range(a.warmup):
@@ -144,8 +146,10 @@ def _timed_steps(topo, step, flush, a) -> Dict:
     before = _wire_tx_bytes()
     if hasattr(step, "reset_phases"):
         step.reset_phases()
+    cpu0 = time.process_time()
     times = _max_over_ranks(_timed_continuous(step, flush, a.iters, 0))
-    out = {"times_s": times, "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
+    cpu = _sum_over_ranks((time.process_time() - cpu0) / a.iters)
+    out = {"times_s": times, "cpu_s": [cpu], "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
     if hasattr(step, "mean_phases"):
         phases = step.mean_phases()
         out["phases_s"] = {k: [v] for k, v in zip(phases, _max_over_ranks(list(phases.values())))}
@@ -181,6 +185,15 @@ def _max_over_ranks(times: List[float]) -> List[float]:
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _sum_over_ranks(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
 
 
 def _ledger_over_ranks(ledger, topo) -> Dict:
@@ -467,17 +480,19 @@ def default_extensions_dir() -> str:
 
 
 def _add(store: Dict, key: str, r: Dict) -> Dict:
-    """Keep ``r`` under ``key``, or add its times (and phase times) to the earlier repeats' (their median is what
-    is reported)."""
-    if key in store:
-        store[key]["times_s"] += r["times_s"]
-        for k, v in (r.get("phases_s") or {}).items():
-            store[key].setdefault("phases_s", {}).setdefault(k, []).extend(v)
-    else:
-        store[key] = {**r, "times_s": list(r["times_s"])}
-        if "phases_s" in r:
-            store[key]["phases_s"] = {k: list(v) for k, v in r["phases_s"].items()}
-    return store[key]
+    """Keep ``r`` under ``key``, or add its times (CPU and phase times too) to the earlier repeats' (their median is
+    what is reported)."""
+    if key not in store:
+        store[key] = {**r, "times_s": []}
+        store[key].pop("cpu_s", None)
+        store[key].pop("phases_s", None)
+    row = store[key]
+    row["times_s"] += r["times_s"]
+    if r.get("cpu_s"):
+        row.setdefault("cpu_s", []).extend(r["cpu_s"])
+    for k, v in (r.get("phases_s") or {}).items():
+        row.setdefault("phases_s", {}).setdefault(k, []).extend(v)
+    return row
 
 
 def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
@@ -615,7 +630,8 @@ def sweep_sizes(a) -> List[int]:
 
 def _sweep_point(r: Dict) -> Dict:
     ledger = r.get("ledger") or {}
-    return {"times_s": r["times_s"], "wire_per_node": r.get("wire_per_node"), "buckets": r.get("buckets"),
+    return {"times_s": r["times_s"], "cpu_s": r.get("cpu_s"), "wire_per_node": r.get("wire_per_node"),
+            "buckets": r.get("buckets"),
             "ledger_inter_per_node": (ledger.get("per_node") or {}).get("inter"),
             "phases_s": r.get("phases_s"), "wire_split": r.get("wire_split")}
 
@@ -677,7 +693,9 @@ def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: Lis
             plimit = ((phase_limit(floor, best.get("wire_split"), bps, best.get("buckets")) if bps else limit)
                       if floor else None)
             best_ms = statistics.median(best["times_s"])
-            summ[label] = {"common_ms": 1e3 * statistics.median(row["times_s"]), "best_bucket": best_key,
+            summ[label] = {"common_ms": 1e3 * statistics.median(row["times_s"]),
+                           "common_cpu_s": statistics.median(row["cpu_s"]) if row.get("cpu_s") else None,
+                           "best_bucket": best_key,
                            "best_ms": 1e3 * best_ms, "best_buckets": best.get("buckets"),
                            "limit_ms": 1e3 * limit if limit else None,
                            "ratio_to_limit": best_ms / limit if limit else None,
@@ -687,6 +705,11 @@ def summarize(results: Dict[str, Dict], sweeps: Dict[str, Dict], peer_names: Lis
         plain = summ.get("plain")
         for v in summ.values():
             v["speedup_vs_best_plain"] = plain["best_ms"] / v["best_ms"] if plain else None
+            # Per-bucket overhead (issue 14: within 1.10x of plain at the common bucket size, no link): the wall
+            # time, and the CPU seconds, which on an oversubscribed host show the overhead without the noise.
+            v["common_vs_plain"] = v["common_ms"] / plain["common_ms"] if plain else None
+            v["cpu_vs_plain"] = (v["common_cpu_s"] / plain["common_cpu_s"]
+                                 if plain and v["common_cpu_s"] and plain["common_cpu_s"] else None)
         out[rate] = summ
     return out
 
@@ -706,9 +729,10 @@ def render_summary(summary: Dict[str, Dict]) -> str:
     lines = ["best against best: each row at its best bucket size of the sweep; limit = max(no-link step, "
              "cross-node bytes per node / link rate); phase limit = the floor when the gathers hide only behind "
              "forward and the reductions only behind backward, each a pipe of the row's buckets; "
-             "speedup = best plain / best row"]
+             "speedup = best plain / best row; common/plain and cpu/plain: step time and CPU seconds per step "
+             "(all ranks, all threads) at the common bucket size over plain's"]
     hdr = f"{'row':<24}{'rate':>10}{'common ms':>11}{'best ms':>9}{'bucket':>10}{'#b':>4}{'limit ms':>10}" \
-          f"{'x limit':>9}{'phase ms':>10}{'x phase':>9}{'speedup':>9}"
+          f"{'x limit':>9}{'phase ms':>10}{'x phase':>9}{'speedup':>9}{'common/plain':>13}{'cpu/plain':>10}"
     lines += [hdr, "-" * len(hdr)]
 
     def ms(x: Optional[float]) -> str:
@@ -722,7 +746,8 @@ def render_summary(summary: Dict[str, Dict]) -> str:
             nb = v.get("best_buckets") or "-"
             lines.append(f"{label:<24}{rate:>10}{v['common_ms']:>11.1f}{v['best_ms']:>9.1f}{v['best_bucket']:>10}"
                          f"{nb:>4}{ms(v['limit_ms'])}{ratio(v['ratio_to_limit'])}{ms(v.get('phase_limit_ms'))}"
-                         f"{ratio(v.get('ratio_to_phase_limit'))}{ratio(v['speedup_vs_best_plain'])}")
+                         f"{ratio(v.get('ratio_to_phase_limit'))}{ratio(v['speedup_vs_best_plain'])}"
+                         f"{ratio(v.get('common_vs_plain')):>13}{ratio(v.get('cpu_vs_plain')):>10}")
     return "\n".join(lines)
 
 

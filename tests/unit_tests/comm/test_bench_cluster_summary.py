@@ -86,3 +86,26 @@ def test_rescore_recomputes_a_stored_summary(tmp_path):
     summ = json.loads(path.read_text())["summary"]
     assert summ["200mbit"]["plain"]["limit_ms"] == pytest.approx(40 * mb * 8 / 2e8 * 1e3)
     assert summ["200mbit"]["plain"]["phase_limit_ms"] is None   # a run without phase times
+
+
+def test_common_size_overhead_against_plain_in_wall_and_cpu_time():
+    """The per-bucket overhead check: each row's common-size step and CPU seconds per step over plain's; repeats are
+    merged by _add (the medians are reported), and a row without CPU times gets no CPU ratio."""
+    with loaded_tool("bench_cluster") as bc:
+        results: dict = {}
+        for plain_ms, plain_cpu, q_ms, q_cpu in ((500, 0.90, 540, 0.95), (520, 1.00, 560, 1.08),
+                                                 (900, 1.10, 520, 1.20)):
+            bc._add(results, "plain", {**_row(plain_ms, 400, 0), "cpu_s": [plain_cpu]})
+            bc._add(results, "quant", {**_row(q_ms, 400, 0), "cpu_s": [q_cpu],
+                                       "phases_s": {"forward": [0.1]}})
+        bc._add(results, "peer", _row(700, 400, 0))
+        assert results["plain"]["times_s"] == [0.5, 0.52, 0.9] and results["quant"]["cpu_s"] == [0.95, 1.08, 1.2]
+        assert results["quant"]["phases_s"] == {"forward": [0.1, 0.1, 0.1]} and "cpu_s" not in results["peer"]
+        s = bc.summarize({"unlimited": results}, {}, ["peer"])
+        text = bc.render_summary(s)
+    q = s["unlimited"]["quant"]
+    assert q["common_cpu_s"] == pytest.approx(1.08)
+    assert q["common_vs_plain"] == pytest.approx(540 / 520) and q["cpu_vs_plain"] == pytest.approx(1.08 / 1.00)
+    assert s["unlimited"]["plain"]["cpu_vs_plain"] == pytest.approx(1.0)
+    assert s["unlimited"]["peer"]["cpu_vs_plain"] is None
+    assert "cpu/plain" in text
