@@ -258,7 +258,7 @@ def render(rows: List[dict], cfg: dict) -> str:
             f"{qgz4:>16.3f} {'M/Z':>10}",
             f"  {'qgZ INT8 all-to-all':<24} {qgz8:>9.3f} {f'(N-1)/N*{q8:g} = {(N - 1) / N * q8:.3f}':>28} "
             f"{qgz8:>16.3f} {'':>10}",
-            f"  {'ByteGrad (leaders)':<24} {bg:>9.3f} {f'2(N-1)/N*{q8:g} = {2 * (N - 1) / N * q8:.3f}':>28} "
+            f"  {'ByteGrad (leaders)':<24} {bg:>9.3f} {f'(N-1)/N*{q8:g} = {(N - 1) / N * q8:.3f}':>28} "
             f"{bg:>16.3f} {'':>10}",
             "  (measured = closed form + fp32 scales and padding)",
             "Accounting: the ledger counts a reduce-scatter / all-gather as a pairwise exchange -- each of a node's D "

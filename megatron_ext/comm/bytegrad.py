@@ -12,22 +12,30 @@ The DP group holds ``N`` nodes of ``D`` ranks; local rank 0 of each node is its 
    in fp32 and multiplied by ``1/P`` -- the only averaging step -- and compressed again;
 4. *inter-node all-gather* (leaders) of the recompressed blocks, decompressed into the full averaged bucket (the
    leader decodes its own block from the recompressed version too, like every other node);
-5. *intra-node broadcast* (``intra_group``) of the averaged bucket from the leader; each rank keeps its shard.
+5. *intra-node broadcast* (``intra_group``) of the averaged bucket from the leader.
 
-This is Bagua's all-reduce flow (``ByteGradAlgorithm(hierarchical=True, average=True)``, two quantization rounds),
-ending in the shard the ZeRO-2 optimizer asks for. Each all-to-all / all-gather chunk is one byte row
-``[q (L bytes) | pad to 4 | mins | maxs]`` of ``row = round_up(L, 4) + 8*ceil(L/c)`` bytes. Bytes sent per bucket
-(ledger, direct-send model): a non-leader sends ``B*e`` intra-node (reduce); a leader sends ``(N-1)*row`` inter-node
-in the all-to-all, ``(N-1)*row`` inter-node in the all-gather and ``(D-1)*B*e`` intra-node in the broadcast. Summed
-over the group the cross-node volume is ``2*N*(N-1)*row ~= 2*(N-1)*B`` bytes (UINT8), i.e. ``(N-1)*M`` for M bytes of
-bf16 gradients.
+Steps 1-5 are Bagua's all-reduce flow (``ByteGradAlgorithm(hierarchical=True, average=True)``, two quantization
+rounds): :meth:`ByteGradGradReduce.all_reduce` runs it, for the replica all-reduce of a sharding plan. A ZeRO
+reduce-scatter needs less. Node ``a``'s block of shards (ranks ``a*D .. a*D+D-1``) is exactly what leader ``a``
+holds after step 3, so :meth:`~ByteGradGradReduce.reduce_scatter` stops there: it skips the recompression and the
+all-gather (the second half of an all-reduce: half of the cross-node bytes) and ends in an *intra-node scatter*
+(4') of the averaged block, each local rank receiving its own ``n``-element shard in the bucket dtype instead of the
+whole bucket. One quantization round, three hops instead of four.
+
+Each all-to-all / all-gather chunk is one byte row ``[q (L bytes) | pad to 4 | mins | maxs]`` of
+``row = round_up(L, 4) + 8*ceil(L/c)`` bytes. Bytes sent per bucket (ledger, direct-send model): a non-leader sends
+``B*e`` intra-node (reduce); a leader sends ``(N-1)*row`` inter-node in the all-to-all, and then, in the
+reduce-scatter, ``(D-1)*n*e`` intra-node in the scatter; in the all-reduce, ``(N-1)*row`` inter-node in the
+all-gather and ``(D-1)*B*e`` intra-node in the broadcast. Summed over the group the cross-node volume is
+``N*(N-1)*row ~= (N-1)*B`` bytes (UINT8) for the reduce-scatter, i.e. ``(N-1)*M/2`` for M bytes of bf16
+gradients, and twice that for the all-reduce.
 
 One node (``N == 1``): there is no inter-node hop; ByteGrad runs in its flat (non-hierarchical) form, every rank
 a leader of a one-rank "node" (logged once per job). One rank per node (``D == 1``): the intra-node steps vanish.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,21 +56,22 @@ def bytegrad_row_bytes(chunk_numel: int, minmax_chunk: int) -> int:
 
 
 def bytegrad_bytes(n: int, nodes: int, ranks_per_node: int, elem_size: int, minmax_chunk: int, leader: bool,
-                   ) -> tuple[int, int]:
-    """Closed form: (intra, inter) bytes one rank sends for one bucket of ``nodes*ranks_per_node*n`` elements.
+                   all_reduce: bool = False) -> tuple[int, int]:
+    """Closed form: (intra, inter) bytes one rank sends for one bucket of ``nodes*ranks_per_node*n`` elements,
+    reduce-scattered (default) or all-reduced (``all_reduce``: Bagua's whole flow).
 
     A one-node topology runs the flat form (every rank a leader; the exchange is intra-node).
     """
     P = nodes * ranks_per_node
     B = P * n
+    rounds = 2 if all_reduce else 1     # the all-to-all, and for the all-reduce the all-gather
     if nodes == 1:
-        row = bytegrad_row_bytes(n, minmax_chunk)
-        return 2 * (P - 1) * row, 0
+        return rounds * (P - 1) * bytegrad_row_bytes(n, minmax_chunk), 0
     D, N = ranks_per_node, nodes
     if not leader:
         return B * elem_size, 0
     row = bytegrad_row_bytes(B // N, minmax_chunk)
-    return (D - 1) * B * elem_size, 2 * (N - 1) * row
+    return (D - 1) * (B if all_reduce else n) * elem_size, rounds * (N - 1) * row
 
 
 def _compress(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -95,10 +104,11 @@ def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.fl
 
 @register_grad_reduce("bytegrad")
 class ByteGradGradReduce(GradReduce):
-    """Hierarchical min-max UINT8 reduce-scatter; see the module note.
+    """Hierarchical min-max UINT8 reduce-scatter (and all-reduce); see the module note.
 
-    The work has five phases (reduce to the leader, leaders' all-to-all, average + leaders' all-gather, broadcast,
-    copy-out); the first is launched at once, each ``advance()`` completes one and launches the next.
+    The work is a :class:`StagedWork`: the first hop is launched at once, each ``advance()`` completes one hop and
+    launches the next (reduce-scatter: reduce to the leader, leaders' all-to-all, scatter; all-reduce: reduce,
+    all-to-all, all-gather, broadcast).
     """
 
     def __init__(self, topology: Topology, ledger: CommLedger, options: BackendOptions) -> None:
@@ -118,8 +128,7 @@ class ByteGradGradReduce(GradReduce):
             return CompletedWork()
         if n == 0:
             return CompletedWork()
-        r = topo.rank
-        return self._flow(bucket, lambda result: out_shard.copy_(result[r * n:(r + 1) * n]))
+        return self._flow(bucket, out_shard)
 
     @property
     def all_reduce_alignment(self) -> int:
@@ -129,10 +138,10 @@ class ByteGradGradReduce(GradReduce):
         """Bagua's own flow is an all-reduce: every rank keeps the whole averaged bucket."""
         if self.topology.size == 1 or tensor.numel() == 0:
             return CompletedWork()
-        return self._flow(tensor, tensor.copy_)
+        return self._flow(tensor, None)
 
-    def _flow(self, bucket: torch.Tensor, finish_with) -> Work:
-        """The five phases of the module note; ``finish_with(result)`` stores the averaged bucket's part wanted."""
+    def _flow(self, bucket: torch.Tensor, out_shard: Optional[torch.Tensor]) -> Work:
+        """The hops of the module note: a reduce-scatter into ``out_shard``, or (``None``) an all-reduce in place."""
         topo = self.topology
         P = topo.size
         if topo.num_nodes == 1:   # flat form (announced at construction)
@@ -173,15 +182,38 @@ class ByteGradGradReduce(GradReduce):
             st["recv"] = recv
             return [dist.all_to_all_single(recv.view(-1), rows.view(-1), group=leader_group, async_op=True)]
 
-        def average_gather_phase() -> List:
-            if not leader:
-                return []
+        def average() -> torch.Tensor:
+            """Leader: this node's block of the bucket, summed over all P ranks and averaged (fp32)."""
             recv = st.pop("recv")
             acc = torch.zeros(L, dtype=torch.float32, device=bucket.device)
             for a in range(nodes):
                 acc.add_(_decompress(recv[a], L, c))
-            acc.mul_(1.0 / P)   # the one and only averaging (sum over all P ranks / P)
-            row = _compress(acc, c)
+            return acc.mul_(1.0 / P)   # the one and only averaging (sum over all P ranks / P)
+
+        # -- reduce-scatter: the node's averaged block is its ranks' shards; scatter them inside the node --------
+        def scatter_phase() -> List:
+            n = out_shard.numel()
+            if leader:
+                block = average().to(bucket.dtype)
+                if D == 1:
+                    st["result"] = block
+                    return []
+                shards = list(block.view(D, n).unbind(0))
+                # scatter_list in intra-group rank order (group ranks follow the global ranks' order)
+                order = sorted(range(D), key=lambda b: topo.global_rank(topo.node * D + b))
+                ledger.record("bytegrad_intra_scatter", intra=(D - 1) * n * elem)
+                st["result"] = mine = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
+                return [dist.scatter(mine, [shards[b] for b in order], src=leader_global, group=intra_group,
+                                     async_op=True)]
+            st["result"] = mine = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
+            ledger.record("bytegrad_intra_scatter", intra=0)
+            return [dist.scatter(mine, None, src=leader_global, group=intra_group, async_op=True)]
+
+        # -- all-reduce: Bagua's second half, every node gets every block ---------------------------------------
+        def gather_phase() -> List:
+            if not leader:
+                return []
+            row = _compress(average(), c)
             gathered = torch.empty(nodes, row.numel(), dtype=torch.uint8, device=row.device)
             ledger.record("bytegrad_inter_all_gather", intra=leader_peers_intra * row.numel(),
                           inter=leader_peers_inter * row.numel())
@@ -203,10 +235,12 @@ class ByteGradGradReduce(GradReduce):
             return [dist.broadcast(result, src=leader_global, group=intra_group, async_op=True)]
 
         def finish() -> List:
-            finish_with(st.pop("result"))
+            (out_shard if out_shard is not None else bucket).copy_(st.pop("result"))
             return []
 
-        return StagedWork([reduce_phase, all_to_all_phase, average_gather_phase, broadcast_phase, finish])
+        if out_shard is not None:
+            return StagedWork([reduce_phase, all_to_all_phase, scatter_phase, finish])
+        return StagedWork([reduce_phase, all_to_all_phase, gather_phase, broadcast_phase, finish])
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):

@@ -41,6 +41,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 OPS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all", "reduce", "broadcast")
 LINKS = ("intra", "inter")
+_COSTED_AS = {"scatter": "broadcast"}   # ops without a profiled cost of their own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,8 @@ class HardwareProfile:
 
     def link(self, link: str, op: str) -> LinkCost:
         costs = self.links[link]
-        return costs.get(op) or costs["all_gather"]
+        # A scatter is costed as the broadcast it resembles (one root, log-depth), with its smaller byte count.
+        return costs.get(op) or costs.get(_COSTED_AS.get(op, "")) or costs["all_gather"]
 
     def compute_for(self, model_name: str) -> float:
         return self.compute_by_model.get(model_name, self.compute_flops)

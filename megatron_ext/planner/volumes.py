@@ -112,23 +112,36 @@ def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOp
                               reduce_elems=B // g.per_node, **tag))    # dequant-reduce of the nodes' sums
         return calls
     if backend == "bytegrad":
-        leader = local_rank == 0
-        intra, inter = bytegrad_bytes(n, g.nodes, g.per_node, e, o.bytegrad_chunk_size, leader)
-        B = n * g.size
-        if g.nodes == 1:
-            return [Call("bytegrad_flat", "all_to_all", intra=intra, inter=0, group=g, kernel_elems=3 * B, **tag)]
-        half = inter // 2
-        lead_elems = 2 * B // g.nodes + B if leader else 0
-        return [Call("bytegrad_intra_reduce", "reduce", intra=0 if leader else intra, inter=0, group=g, hop=0,
-                     **tag),
-                Call("bytegrad_inter_all_to_all", "all_to_all", intra=0, inter=half, group=g, hop=1,
-                     kernel_elems=lead_elems, **tag),
-                Call("bytegrad_inter_all_gather", "all_gather", intra=0, inter=inter - half, group=g, hop=2,
-                     kernel_elems=B if leader else 0, **tag),
-                Call("bytegrad_intra_broadcast", "broadcast", intra=intra if leader else 0, inter=0, group=g, hop=3,
-                     **tag)]
+        return _bytegrad(n, g, e, o, local_rank, all_reduce=False, **tag)
     a, b = g.peers
     return [Call("reduce_scatter", "reduce_scatter", intra=a * n * e, inter=b * n * e, group=g, **tag)]
+
+
+def _bytegrad(n: int, g: Group, e: int, o: WireOptions, local_rank: int, all_reduce: bool, **tag) -> List[Call]:
+    """ByteGrad's hops (``comm/bytegrad.py``): the reduce-scatter ends in a node-local scatter of the leader's
+    averaged block; the all-reduce (Bagua's whole flow) re-compresses it, all-gathers and broadcasts the bucket."""
+    leader = local_rank == 0
+    intra, inter = bytegrad_bytes(n, g.nodes, g.per_node, e, o.bytegrad_chunk_size, leader, all_reduce)
+    B = n * g.size
+    L = B // g.nodes
+    if g.nodes == 1:
+        kernels = 3 * B if all_reduce else 2 * B      # compress, decompress (all-reduce: and the gathered rows)
+        return [Call("bytegrad_flat", "all_to_all", intra=intra, inter=0, group=g, kernel_elems=kernels, **tag)]
+    reduce = Call("bytegrad_intra_reduce", "reduce", intra=0 if leader else intra, inter=0, group=g, hop=0, **tag)
+    if not all_reduce:   # the leader compresses the node's sum (B) and decompresses the N versions of its block
+        return [reduce,
+                Call("bytegrad_inter_all_to_all", "all_to_all", intra=0, inter=inter, group=g, hop=1,
+                     kernel_elems=2 * B if leader else 0, **tag),
+                Call("bytegrad_intra_scatter", "scatter", intra=intra if leader else 0, inter=0, group=g, hop=2,
+                     **tag)]
+    half = inter // 2
+    return [reduce,
+            Call("bytegrad_inter_all_to_all", "all_to_all", intra=0, inter=half, group=g, hop=1,
+                 kernel_elems=2 * B + L if leader else 0, **tag),   # and re-compresses the averaged block
+            Call("bytegrad_inter_all_gather", "all_gather", intra=0, inter=inter - half, group=g, hop=2,
+                 kernel_elems=B if leader else 0, **tag),
+            Call("bytegrad_intra_broadcast", "broadcast", intra=intra if leader else 0, inter=0, group=g, hop=3,
+                 **tag)]
 
 
 def _all_reduce(backend: str, bits: int, numel: int, g: Group, e: int, o: WireOptions, local_rank: int,
@@ -141,7 +154,7 @@ def _all_reduce(backend: str, bits: int, numel: int, g: Group, e: int, o: WireOp
         per_peer = math.ceil(2 * numel * e / g.size)
         return [Call("all_reduce", "all_reduce", intra=a * per_peer, inter=b * per_peer, group=g, **tag)]
     if backend == "bytegrad":   # Bagua's own flow is an all-reduce
-        return _reduce_scatter("bytegrad", bits, numel // g.size, g, e, o, local_rank, **tag)
+        return _bytegrad(numel // g.size, g, e, o, local_rank, all_reduce=True, **tag)
     piece = numel // g.size     # qgZ: quantized reduce-scatter, then a quantized all-gather of the pieces
     calls = _reduce_scatter("qgz", bits, piece, g, e, o, local_rank, **tag)
     row = qwz_row_bytes(piece, o.quant_group_size, bits)

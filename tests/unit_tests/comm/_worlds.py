@@ -69,6 +69,11 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         assert torch.equal(src, bucket), f"{label} modified its input bucket"
         out["grad"][label] = shard
         out["ledger"][label] = ledger.summary()
+    # ByteGrad's all-reduce (a sharding plan's replica reduction): Bagua's whole flow, every rank the whole bucket.
+    ledger = CommLedger()
+    ar = bucket.clone()
+    build_grad_reduce("bytegrad", topo, ledger, BackendOptions(**options)).all_reduce(ar).wait()
+    out["bytegrad_all_reduce"] = {"result": ar, "ledger": ledger.summary()}
     # Averaging exactly once: a constant every quantizer represents (nearly) exactly must come back unchanged.
     out["const"] = {}
     for label, name, extra in (grad_cases or GRAD_CASES):
@@ -253,8 +258,11 @@ def qgz_bound(xs: List[torch.Tensor], nodes: int, rpn: int, n: int, bits: int, s
     return total / P
 
 
-def bytegrad_bound(xs: List[torch.Tensor], nodes: int, rpn: int, chunk: int) -> torch.Tensor:
-    """Per-element bound on |ByteGrad - exact average| (two min-max UINT8 rounds, fp64)."""
+def bytegrad_bound(xs: List[torch.Tensor], nodes: int, rpn: int, chunk: int, all_reduce: bool = False
+                   ) -> torch.Tensor:
+    """Per-element bound on |ByteGrad - exact average| (fp64): the reduce-scatter's one min-max UINT8 round (each
+    node's sum quantized, half a step of ``range / 255`` per element), and for the all-reduce a second round (the
+    averaged block, which already carries the first round's error, quantized again)."""
     P = nodes * rpn
     if nodes == 1:   # flat form: every rank its own "node"
         nodes, rpn = P, 1
@@ -269,6 +277,8 @@ def bytegrad_bound(xs: List[torch.Tensor], nodes: int, rpn: int, chunk: int) -> 
         node_sum = sum(xs[q] for q in range(a * rpn, (a + 1) * rpn))
         e1 += (group_reduce(node_sum, ids, "range") + eps) / 510
     e1 /= P
+    if not all_reduce:
+        return e1
     avg = sum(xs) / P
     e2 = (group_reduce(avg, ids, "range") + 2 * group_reduce(e1, ids, "absmax") + eps) / 510
     return e1 + e2

@@ -79,6 +79,22 @@ def test_grad_reduce_within_analytic_bound_of_plain(name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+def test_bytegrad_all_reduce_identical_everywhere_and_within_two_round_bound(name):
+    """The replica all-reduce runs Bagua's whole flow: every rank holds the same bucket, within two rounds' bound
+    (the reduce-scatter, one round, is checked against the tighter one-round bound above)."""
+    res, xs = world(name)
+    P, rpn, n, opts, dtype = CONFIGS[name]
+    got = [r["bytegrad_all_reduce"]["result"] for r in res]
+    assert all(torch.equal(g.view(torch.uint8), got[0].view(torch.uint8)) for g in got[1:])
+    exact = sum(xs) / P
+    bound = W.bytegrad_bound(xs, P // rpn, rpn, opts.get("bytegrad_chunk_size", 0), all_reduce=True)
+    slack = 2 ** -8 * (exact.abs() + bound) if dtype == "bfloat16" else 1e-5 * max(x.abs().max() for x in xs)
+    assert ((got[0].double() - exact).abs() - bound - slack).max() <= 0
+    one_round = W.bytegrad_bound(xs, P // rpn, rpn, opts.get("bytegrad_chunk_size", 0))
+    assert (bound > one_round).all()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_qwz_weights_bit_identical_and_within_bound(name):
     res, xs = world(name)
     P, rpn, n, opts, dtype = CONFIGS[name]
@@ -122,6 +138,9 @@ def test_ledger_equals_closed_form(name):
             assert tot[f"qgz{bits}"] == qgz_bytes(n, N, rpn, bits, S, g)
         assert tot["bytegrad"] == bytegrad_bytes(n, N, rpn, e, opts.get("bytegrad_chunk_size", 0),
                                                  leader=(r % rpn == 0))
+        ar = out["bytegrad_all_reduce"]["ledger"]
+        assert (ar["total"]["intra"], ar["total"]["inter"]) == bytegrad_bytes(
+            n, N, rpn, e, opts.get("bytegrad_chunk_size", 0), leader=(r % rpn == 0), all_reduce=True)
         groups = -(-n // g)
         gb = -(-n // groups)                               # balanced groups: padding < groups elements
         row = -(-groups * gb // 4) * 4 + 4 * groups        # INT8 codes of whole groups, padded to 4 bytes, + scales
@@ -133,8 +152,8 @@ def test_cross_node_volumes_match_seed_closed_forms():
     """2 simulated nodes, M = bytes of the bf16 gradient (= bf16 weights) of the whole bucket, summed over ranks.
 
     qgZ INT4 sends exactly M/4 across nodes plus its fp32 scales and padding (INT8: M/2 plus ...); qwZ sends half
-    of the plain all-gather's cross-node bytes plus scales and padding; ByteGrad sends (N-1)*M plus (min, max)
-    pairs. The plain backend's pairwise reduce-scatter sends (P - D)*M = D*(N-1)*M (seed 000 counts a ring: M).
+    of the plain all-gather's cross-node bytes plus scales and padding; ByteGrad's reduce-scatter sends (N-1)*M/2
+    (its UINT8 all-to-all) plus (min, max) pairs, its all-reduce twice that (Bagua's all-gather too). The plain backend's pairwise reduce-scatter sends (P - D)*M = D*(N-1)*M (seed 000 counts a ring: M).
     """
     res, _ = world("dp4_rpn2")
     P, rpn, n, opts, _ = CONFIGS["dp4_rpn2"]
@@ -160,7 +179,9 @@ def test_cross_node_volumes_match_seed_closed_forms():
     L = P * n // N
     row = bytegrad_row_bytes(L, 0)
     pad = -(-L // 4) * 4 - L
-    assert inter("bytegrad") == 2 * N * (N - 1) * row == (N - 1) * M + 2 * N * (N - 1) * (8 + pad)
+    assert inter("bytegrad") == N * (N - 1) * row == (N - 1) * M // 2 + N * (N - 1) * (8 + pad)
+    ar_inter = sum(r["bytegrad_all_reduce"]["ledger"]["total"]["inter"] for r in res)
+    assert ar_inter == 2 * N * (N - 1) * row == (N - 1) * M + 2 * N * (N - 1) * (8 + pad)
 
 
 def test_bad_ranks_per_node_is_a_clear_error():
@@ -219,9 +240,12 @@ def test_advance_in_fifo_order_is_bit_identical_and_launches_the_next_hop(name):
                     inter = 0 if N == 1 else S * (k + 1) if rpn == 1 else S * k
                     assert calls.get("qgz_intra_all_to_all", 0) == intra, (r, label, k, calls)
                     assert calls.get("qgz_inter_all_to_all", 0) == inter, (r, label, k, calls)
-                elif label == "bytegrad" and (N == 1 or r % rpn == 0):    # the leaders' hops
-                    assert calls.get("bytegrad_inter_all_to_all", 0) == k, (r, k, calls)
-                    assert calls.get("bytegrad_inter_all_gather", 0) == max(0, k - 1), (r, k, calls)
+                elif label == "bytegrad":   # bucket j < k advanced k - j times: all-to-all at 1, scatter at 2
+                    leader = N == 1 or r % rpn == 0
+                    assert calls.get("bytegrad_inter_all_to_all", 0) == (k if leader else 0), (r, k, calls)
+                    scatters = max(0, k - 1) if N > 1 and rpn > 1 else 0
+                    assert calls.get("bytegrad_intra_scatter", 0) == scatters, (r, k, calls)
+                    assert "bytegrad_inter_all_gather" not in calls and "bytegrad_intra_broadcast" not in calls
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
