@@ -365,7 +365,7 @@ def test_swizzle_quantize_equals_quantizing_the_gathered_layout(numel, stages, o
     from megatron_ext.kernels import reference
     from megatron_ext.kernels.reference import swizzle_gather
     if not one_block:
-        monkeypatch.setattr(reference, "_SWIZZLE_GATHER_MAX", 0)
+        monkeypatch.setattr(reference, "_ONE_BLOCK_MAX", 0)
     x = torch.randn(numel)
     for bits in (8, 4):
         lay = swizzle_layout(numel, bits, 8, 2, 4, stages)
@@ -391,6 +391,26 @@ def test_cache_block_size_does_not_change_results(monkeypatch):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     got = swizzle_quantize(x, 4, 32, 2, 2, 2)
     assert torch.equal(got[0], swz[0]) and torch.equal(got[1], swz[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel,g", [(1, 4), (1000, 64), (4099, 128), (100_000, 2042)])
+def test_one_block_path_equals_the_blockwise_path(dtype, bits, numel, g, monkeypatch):
+    """Inputs with a partial last group up to _ONE_BLOCK_MAX padded elements are (de)quantized as one zero-padded
+    block; larger ones as cache blocks of whole groups plus the padded rest. Both give the same bits."""
+    from megatron_ext.kernels import reference
+    x = (torch.randn(numel) * 3).to(dtype)
+    one = quantize_symmetric(x, bits=bits, group_size=g)
+    one_back = dequantize_symmetric(*one, bits=bits, group_size=g, numel=numel, dtype=dtype)
+    monkeypatch.setattr(reference, "_ONE_BLOCK_MAX", 0)
+    monkeypatch.setattr(reference, "_BLOCK", 4 * g)   # several cache blocks, then the rest
+    blockwise = quantize_symmetric(x, bits=bits, group_size=g)
+    assert torch.equal(one[0], blockwise[0]) and torch.equal(one[1], blockwise[1])
+    back = dequantize_symmetric(*blockwise, bits=bits, group_size=g, numel=numel, dtype=dtype)
+    assert back.shape == one_back.shape == (numel,)
+    assert torch.equal(back.view(torch.uint8) if dtype == torch.bfloat16 else back,
+                       one_back.view(torch.uint8) if dtype == torch.bfloat16 else one_back)
 
 
 def test_subnormal_scales_stay_in_range():
