@@ -7,8 +7,8 @@ Built on first use with the system C compiler (``CC``, else ``cc``; the one Indu
 source, the flags and the CPU's feature flags, so a shared home directory on mixed nodes keeps one build per CPU kind.
 Called through ``ctypes``, which releases the GIL: the progress engine's thread runs it beside backward.
 
-Used only where its vector path is compiled in (AVX-512 F and BW) and ``MX_KERNELS_NATIVE`` is not ``0``; elsewhere, or
-if the build fails (logged once), the compiled path runs Inductor's loop, which gives the same bits.
+Used only where a vector path is compiled in (AVX-512 F and BW, or AVX2) and ``MX_KERNELS_NATIVE`` is not ``0``;
+elsewhere, or if the build fails (logged once), the compiled path runs Inductor's loop, which gives the same bits.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_reduce.c"
 MAX_K = 64  # chunks one call reduces: the build passes it to the source as MX_MAX_K (its stack arrays' size)
-FLAGS = {  # variant -> compiler flags; "portable" (the scalar loop alone) exists for the tests
+FLAGS = {  # variant -> compiler flags; "avx2" and "portable" (the scalar loop alone) exist for the tests
     "native": ["-O3", "-march=native"],
-    "portable": ["-O3", "-mno-avx512f"],
+    "avx2": ["-O3", "-mavx2", "-mno-avx512f"],
+    "portable": ["-O3", "-mno-avx512f", "-mno-avx2"],
 }
 _COMMON = ["-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared"]
 
@@ -103,7 +104,7 @@ def _vector_build() -> bool:
     if sys.byteorder != "little" or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     lib = library("native")
-    return lib is not None and lib.mx_isa() == 512
+    return lib is not None and lib.mx_isa() in (256, 512)
 
 
 def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size: int, *, threads: int | None = None,

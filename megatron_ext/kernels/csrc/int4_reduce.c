@@ -4,7 +4,8 @@
  * sign-extending load, shifts, an int-to-float conversion, a multiply, an add). Here a chunk's group has one scale,
  * so its 16 possible values fl(code * scale) go into one vector register, and decoding a nibble is one permute
  * (vpermps reads only an index's low 4 bits, so the low nibble needs no mask and the high one a shift): per 16
- * outputs and chunk a zero-extending load, a shift, a permute and an add.
+ * outputs and chunk a zero-extending load, a shift, a permute and an add. AVX2 (no 16-lane permute) holds the
+ * table in two registers and blends the two lookups on the nibble's bit 3 (see lookup): same bits, half the width.
  *
  * Bits: what the reference computes, operation for operation in fp32 (see megatron_ext/kernels/reference.py): the
  * table holds fl(code * scale); sums run ((d_0 + d_1) + d_2) + ...; absmax is the largest |sum| (compared as
@@ -14,8 +15,8 @@
  * elements (2j, 2j+1) in bits (4-7, 0-3), and so does output byte j, so nothing interleaves.
  *
  * Speed: the requantization of group g runs in the loop that sums group g+1 (run_groups), so the divider works
- * beside the permutes. The scalar loop serves a group's last (bytes mod 16) bytes, and all bytes in a build without
- * AVX-512 (the tests build one; megatron_ext uses Inductor's loop on such machines): the same math.
+ * beside the permutes. The scalar loop serves a group's last (bytes mod MX_VEC_BYTES) bytes, and all bytes in a
+ * build without AVX2 (the tests build one; megatron_ext uses Inductor's loop on such machines): the same math.
  */
 #include <float.h>
 #include <math.h>
@@ -26,8 +27,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define MX_AVX512 1
+#define MX_AVX2 0
+#define MX_VEC_BYTES 16   /* code bytes (32 elements) per vector step */
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define MX_AVX512 0
+#define MX_AVX2 1
+#define MX_VEC_BYTES 8    /* code bytes (16 elements) per vector step */
 #else
 #define MX_AVX512 0
+#define MX_AVX2 0
+#define MX_VEC_BYTES 0
 #endif
 
 #ifndef MX_MAX_K
@@ -35,7 +45,7 @@
 #endif
 #define QMAX 7
 
-int mx_isa(void) { return MX_AVX512 ? 512 : 0; }
+int mx_isa(void) { return MX_AVX512 ? 512 : (MX_AVX2 ? 256 : 0); }
 
 static inline uint32_t abs_bits(float v) {
     uint32_t b;
@@ -131,6 +141,80 @@ static inline __attribute__((always_inline)) uint32_t sums_vec_k(const int k, co
     return _mm512_reduce_max_epu32(vmax);
 }
 
+#endif
+
+#if MX_AVX2
+/* AVX2: the 16 values of a chunk's table are two 8-float registers (codes 0..7 and -8..-1); a nibble picks one
+ * value from each with vpermps (low 3 bits) and its bit 3 chooses between them (vblendvps reads the sign bit, so
+ * the nibble is shifted there). Per 8 outputs and chunk: a load, two permutes, a shift, a blend and an add. */
+static inline __attribute__((always_inline)) __m256 lookup(__m256 lo, __m256 hi, __m256i idx, int sign_shift) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, sign_shift)));
+}
+
+/* 8 bytes of a pending group's codes (16 elements) */
+static inline __attribute__((always_inline)) void codes_step(const pending_t *p, __m256 vs, int64_t j) {
+    const __m256i lo = _mm256_set1_epi32(-QMAX), hi = _mm256_set1_epi32(QMAX), nib = _mm256_set1_epi32(15);
+    const __m256i byte0 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    /* rint (nearest-even, whatever MXCSR says), then a truncating conversion of the integral value: NaN and
+     * overflow give INT32_MIN, as to_code */
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i qe = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_load_ps(p->even + j), vs), rnd));
+    __m256i qo = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_div_ps(_mm256_load_ps(p->odd + j), vs), rnd));
+    if (p->clamp) {
+        qe = _mm256_min_epi32(_mm256_max_epi32(qe, lo), hi);
+        qo = _mm256_min_epi32(_mm256_max_epi32(qo, lo), hi);
+    }
+    /* byte 0 of every lane, gathered per 128-bit half, then the halves' 4 bytes side by side */
+    __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(_mm256_slli_epi32(qe, 4), _mm256_and_si256(qo, nib)), byte0);
+    __m128i out = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storel_epi64((__m128i *)(p->dst + j), out);
+}
+
+/* As the AVX-512 sums_vec_k (same loop structure and bits), 8 code bytes per step. */
+static inline __attribute__((always_inline)) uint32_t sums_vec_k(const int k, const uint8_t *const *src_in,
+                                                                 const float *scale, int64_t vec_bytes, float *even,
+                                                                 float *odd, const pending_t *prev) {
+    const __m256 codes_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), codes_hi = _mm256_setr_ps(-8, -7, -6, -5, -4,
+                                                                                             -3, -2, -1);
+    __m256 tlo[MX_MAX_K], thi[MX_MAX_K];
+    const uint8_t *src[MX_MAX_K];
+    for (int i = 0; i < k; i++) {
+        const __m256 sc = _mm256_set1_ps(scale[i]);
+        tlo[i] = _mm256_mul_ps(codes_lo, sc); /* fl(code * scale), as the scalar table */
+        thi[i] = _mm256_mul_ps(codes_hi, sc);
+        src[i] = src_in[i];
+    }
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i vmax = _mm256_setzero_si256();
+    const pending_t p = prev ? *prev : (pending_t){0};
+    const __m256 vs = _mm256_set1_ps(p.safe);
+    for (int64_t j = 0; j < vec_bytes; j += 8) {
+        /* u: 8 bytes zero-extended; the high nibble's index is u >> 4 (bit 3 = bit 7 of u), the low one's u itself
+         * (vpermps reads bits 0-2; bit 3 goes to the sign by a shift of 28) */
+        __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src[0] + j)));
+        __m256 e = lookup(tlo[0], thi[0], _mm256_srli_epi32(u, 4), 28);
+        __m256 o = lookup(tlo[0], thi[0], u, 28);
+        for (int i = 1; i < k; i++) {
+            u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src[i] + j)));
+            e = _mm256_add_ps(e, lookup(tlo[i], thi[i], _mm256_srli_epi32(u, 4), 28));
+            o = _mm256_add_ps(o, lookup(tlo[i], thi[i], u, 28));
+        }
+        _mm256_store_ps(even + j, e);
+        _mm256_store_ps(odd + j, o);
+        vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(e), mask));
+        vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(o), mask));
+        if (prev) codes_step(&p, vs, j);
+    }
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(vmax), _mm256_extracti128_si256(vmax, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+#endif
+
+#if MX_AVX512 || MX_AVX2
 /* sums_vec_k with k a compile-time constant for the usual ranks per node (unrolled), else a loop over k */
 static uint32_t sums_vec(int k, const uint8_t *const *src, const float *scale, int64_t vec_bytes, float *even,
                          float *odd, const pending_t *prev) {
@@ -142,6 +226,16 @@ static uint32_t sums_vec(int k, const uint8_t *const *src, const float *scale, i
 #undef MX_CASE
     default: return sums_vec_k(k, src, scale, vec_bytes, even, odd, prev);
     }
+}
+
+/* the codes of a group's first vec_bytes bytes, alone (the last group of a worker) */
+static void codes_vec(const pending_t *p, int64_t vec_bytes) {
+#if MX_AVX512
+    const __m512 vs = _mm512_set1_ps(p->safe);
+#else
+    const __m256 vs = _mm256_set1_ps(p->safe);
+#endif
+    for (int64_t j = 0; j < vec_bytes; j += MX_VEC_BYTES) codes_step(p, vs, j);
 }
 #endif
 
@@ -169,7 +263,7 @@ static void run_groups(job_t *job) {
         return;
     }
     float table[MX_MAX_K][16];
-    const int64_t vec_bytes = MX_AVX512 ? bpg / 16 * 16 : 0;
+    const int64_t vec_bytes = MX_VEC_BYTES ? bpg / MX_VEC_BYTES * MX_VEC_BYTES : 0;
     pending_t pending;
     int has_pending = 0;
     for (int64_t g = job->g0; g < job->g1; g++) {
@@ -181,7 +275,7 @@ static void run_groups(job_t *job) {
             src[i] = job->chunks + i * job->chunk_stride + g * bpg;
         }
         uint32_t maxbits = 0;
-#if MX_AVX512
+#if MX_AVX512 || MX_AVX2
         maxbits = sums_vec(k, src, scale_in, vec_bytes, even, odd, has_pending ? &pending : NULL);
 #endif
         if (has_pending) codes_tail(&pending, vec_bytes, bpg);
@@ -204,9 +298,8 @@ static void run_groups(job_t *job) {
         has_pending = 1;
     }
     if (has_pending) {
-#if MX_AVX512
-        const __m512 vs = _mm512_set1_ps(pending.safe);
-        for (int64_t j = 0; j < vec_bytes; j += 16) codes_step(&pending, vs, j);
+#if MX_AVX512 || MX_AVX2
+        codes_vec(&pending, vec_bytes);
 #endif
         codes_tail(&pending, vec_bytes, bpg);
     }

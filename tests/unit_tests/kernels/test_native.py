@@ -1,6 +1,7 @@
 """The hand-written INT4 dequantize-reduce-requantize (:mod:`megatron_ext.kernels.native`) equals the eager reference
-bit for bit: the vector build (this CPU) and the portable build (the scalar loop alone, which also serves every
-group's last bytes), any k (unrolled up to 8, a loop above), any even group size, split over threads at any group.
+bit for bit: the vector build (this CPU: AVX-512 or AVX2), the AVX2 build where the CPU has it, and the portable build
+(the scalar loop alone, which also serves every group's last bytes), any k (unrolled up to 8, a loop above), any even
+group size, split over threads at any group.
 """
 import logging
 import platform
@@ -15,7 +16,8 @@ from megatron_ext.kernels import reference as ref
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the native kernel's builds are for x86-64")
-VARIANTS = ["native", "portable"]
+# native: this CPU's best vector path; avx2: the AVX2 path, also where native is AVX-512; portable: the scalar loop
+VARIANTS = ["native", "portable"] + (["avx2"] if " avx2" in native._cpu_flags() else [])
 
 
 def _chunks(k, groups, group, seed):
@@ -46,7 +48,7 @@ def test_equals_reference(variant, k, group, groups, threads, seed):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("repeat", [1, 4, 5])  # groups of 4 bytes (scalar loop), 16 (vector), 20 (both)
+@pytest.mark.parametrize("repeat", [1, 2, 4, 5])  # groups of 4 bytes (scalar), 8 (AVX2), 16 (AVX-512), 20 (both)
 def test_ties_round_to_even(variant, repeat):
     """Scales 1 and 1/2 make the fp32 sums exact ties: c0 = [7, 0, 0, 1, -2, 2, 6, -6], c1 = [0, 1, -1, 1, -1, 1, 1,
     -1] sum to [7, 0.5, -0.5, 1.5, -2.5, 2.5, 6.5, -6.5], whose codes at scale 7 / 7 are [7, 0, 0, 2, -2, 2, 6, -6]."""
@@ -90,7 +92,7 @@ def test_compiled_path_uses_it(monkeypatch):
     """The compiled CPU path runs the native kernel for INT4 when its vector build is here, and Inductor's loop
     for INT8, with MX_KERNELS_NATIVE=0, or where it is not: the same bits either way."""
     if not native.available():
-        pytest.skip("no AVX-512 here: the compiled path runs Inductor's loop")
+        pytest.skip("no AVX-512 or AVX2 here: the compiled path runs Inductor's loop")
     calls = []
     real = native.int4_reduce_quantize
     monkeypatch.setattr(native, "int4_reduce_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
