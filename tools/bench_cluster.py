@@ -147,12 +147,12 @@ def _timed_steps(topo, step, flush, a) -> Dict:
     if hasattr(step, "reset_phases"):
         step.reset_phases()
     cpu0 = time.process_time()
-    times = _max_over_ranks(_timed_continuous(step, flush, a.iters, 0))
-    cpu = _sum_over_ranks((time.process_time() - cpu0) / a.iters)
+    times = _over_ranks(_timed_continuous(step, flush, a.iters, 0))
+    cpu = _over_ranks([(time.process_time() - cpu0) / a.iters], op="SUM")[0]
     out = {"times_s": times, "cpu_s": [cpu], "wire_per_node": _wire_per_node_per_step(topo, before, a.iters)}
     if hasattr(step, "mean_phases"):
         phases = step.mean_phases()
-        out["phases_s"] = {k: [v] for k, v in zip(phases, _max_over_ranks(list(phases.values())))}
+        out["phases_s"] = {k: [v] for k, v in zip(phases, _over_ranks(list(phases.values())))}
     return out
 
 
@@ -178,22 +178,14 @@ def _wire_split(topo, step: OdoStep, flush) -> Dict[str, float]:
     return {"reduce": t[0].item() / topo.num_nodes, "gather": t[1].item() / topo.num_nodes}
 
 
-def _max_over_ranks(times: List[float]) -> List[float]:
+def _over_ranks(times: List[float], op: str = "MAX") -> List[float]:
+    """Each value reduced over the ranks (``op``: a ``dist.ReduceOp`` name; MAX for times, SUM for CPU seconds)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
-
-
-def _sum_over_ranks(x: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def _ledger_over_ranks(ledger, topo) -> Dict:
@@ -233,7 +225,7 @@ def _raw_combo(topo, label, gr, pg, extra, a) -> Dict:
             w.wait()
 
     ledger.enabled = False
-    times = _max_over_ranks(_timed(step, a.iters, a.warmup))
+    times = _over_ranks(_timed(step, a.iters, a.warmup))
     ledger.enabled = True
     ledger.reset()
     step()
