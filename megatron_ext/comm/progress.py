@@ -65,7 +65,8 @@ records the calls to check the order on a CPU-only machine.
 work that finishes during the interpreter's finalisation frees its tensors on gloo's thread, which can no longer
 take the GIL, and the process aborts ("terminate called without an active exception": a third of the runs of a
 2-node job that did not call ``destroy_process_group``) --, then every work is dropped; nothing new is issued, and
-a peer that is gone costs at most ``STOP_WAIT_S``.
+a peer that is gone costs at most ``STOP_WAIT_S``. The weight gathers, issued on the training thread, get the same
+deadline: their owners (``ParamSync``, ``ShardedParamSync``) register with :func:`drain_at_exit`.
 
 *Switch.* ``OverlapConfig.progress_engine`` (``--odo-progress-engine`` / ``--no-odo-progress-engine``, default from
 ``MEGATRON_EXT_PROGRESS_ENGINE``, on unless ``0``) -- off gives the synchronous path (``advance()`` on the training
@@ -78,6 +79,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -375,10 +377,7 @@ class ProgressEngine:
     def _stop(self) -> None:
         # Let the handles in flight finish (bounded: a peer may be gone): a gloo work still running at interpreter
         # finalisation frees its tensors on gloo's thread, which cannot take the GIL any more -> std::terminate.
-        deadline = time.monotonic() + STOP_WAIT_S
-        for w in self._inflight:
-            while not w._inner.multi_phase and not w._inner.ready and time.monotonic() < deadline:
-                time.sleep(POLL_S)
+        let_finish([w._inner for w in self._inflight if not w._inner.multi_phase], time.monotonic() + STOP_WAIT_S)
         if self._error is None:
             self._error = ProgressEngineError("the progress engine was closed (interpreter exit)")
         self._fail_all(None)
@@ -421,8 +420,7 @@ def engine_for(key: tuple, device: torch.device) -> ProgressEngine:
     with _ENGINES_LOCK:
         eng = _ENGINES.get(key)
         if eng is None:
-            if not _ENGINES:
-                atexit.register(close_all)
+            _register_exit()
             streams: StreamOps = CudaStreamOps(device) if device.type == "cuda" else NullStreamOps()
             eng = _ENGINES[key] = ProgressEngine(streams=streams)
         return eng
@@ -435,3 +433,36 @@ def close_all() -> None:
         _ENGINES.clear()
     for eng in engines:
         eng.close()
+
+
+# -- interpreter exit -----------------------------------------------------------------------------------------------
+_DRAINED: "weakref.WeakSet" = weakref.WeakSet()   # owners of works issued outside the engines (the weight gathers)
+_EXIT_REGISTERED = False
+
+
+def _register_exit() -> None:
+    global _EXIT_REGISTERED
+    if not _EXIT_REGISTERED:
+        _EXIT_REGISTERED = True
+        atexit.register(_at_exit)
+
+
+def drain_at_exit(owner) -> None:
+    """At interpreter exit, let ``owner.in_flight()`` (single-hop works issued on the training thread) finish
+    within ``STOP_WAIT_S``, as the engines' own (see *Exit* in the module note)."""
+    _register_exit()
+    _DRAINED.add(owner)
+
+
+def let_finish(works: Sequence[Work], deadline: float) -> None:
+    """Wait (polling, not blocking in a collective: a peer may be gone) until each work is ready or ``deadline``."""
+    for w in works:
+        while not w.ready and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def _at_exit() -> None:
+    close_all()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for owner in list(_DRAINED):
+        let_finish(owner.in_flight(), deadline)

@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..comm.backend import ParamGather, Work
+from ..comm.progress import drain_at_exit
 from .bucketing import Bucket
 from .param_sync import ParamUseAudit, guard_parameter_reads, owner_buckets
 from .sharded_params import ShardedParameterStore
@@ -58,6 +59,7 @@ class ShardedParamSync:
         self._owners = owner_buckets(module, self.bucket_of_param)
         self._modules = {id(m): m for m in module.modules()}
         self._works: Dict[int, Tuple[Work, torch.Tensor]] = {}
+        drain_at_exit(self)   # gathers in flight at interpreter exit (see comm/progress.py, *Exit*)
         # The record (see the module note).
         self.learning = True
         self.calls: List[Tuple[int, frozenset]] = []     # (module id, buckets used) per recorded call
@@ -329,3 +331,6 @@ class ShardedParamSync:
     @property
     def pending(self) -> int:
         return len(self._works)
+
+    def in_flight(self) -> List[Work]:
+        return [w for w, _ in self._works.values()]

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ..comm.backend import ParamGather, Work
+from ..comm.progress import drain_at_exit
 from .bucketing import Bucket
 from .param_buffer import ParameterBuffer
 
@@ -110,6 +111,7 @@ class ParamSync:
         self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
         self._audit: Optional[ParamUseAudit] = None
         self._handles: List = []
+        drain_at_exit(self)   # the last step's gathers may still be in flight when the interpreter exits
         if overlap:
             self._guard_parameter_reads()
             self.enable_hooks()
@@ -200,3 +202,6 @@ class ParamSync:
     @property
     def pending(self) -> int:
         return len(self._work)
+
+    def in_flight(self) -> List[Work]:
+        return list(self._work.values())

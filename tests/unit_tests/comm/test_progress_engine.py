@@ -195,10 +195,56 @@ assert ddp.engine is not None and ddp.param_sync.pending > 0
 """
 
 
+def test_exit_lets_training_thread_gathers_finish_within_the_deadline(monkeypatch):
+    """The exit hook waits for the in-flight works of every registered owner (the weight gathers run on the
+    training thread, not on an engine) until each is ready, and gives up on one that never is at the deadline."""
+    import weakref
+
+    from megatron_ext.comm import progress
+
+    class Slow(Work):   # ready after `polls` looks
+        def __init__(self, polls: int) -> None:
+            self.left = polls
+
+        @property
+        def ready(self) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+        def wait(self) -> None:
+            raise AssertionError("the exit hook polls; it never blocks in wait()")
+
+        @property
+        def done(self) -> bool:
+            return False
+
+    class Owner:
+        def __init__(self, works) -> None:
+            self.works = works
+
+        def in_flight(self):
+            return self.works
+
+    monkeypatch.setattr(progress, "POLL_S", 0.0)
+    monkeypatch.setattr(progress, "STOP_WAIT_S", 0.2)
+    monkeypatch.setattr(progress, "close_all", lambda: None)   # this test process's engines stay up
+    monkeypatch.setattr(progress, "_DRAINED", weakref.WeakSet())  # and its other owners are not looked at
+    finishing = Owner([Slow(3), Slow(5)])
+    progress.drain_at_exit(finishing)
+    progress._at_exit()
+    assert [w.left for w in finishing.works] == [-1, -1]      # each looked at until it was ready
+    stuck = Owner([Slow(10 ** 9)])        # one deadline for all owners: a peer that is gone costs STOP_WAIT_S
+    progress.drain_at_exit(stuck)
+    progress._at_exit()
+    assert stuck.works[0].left > 0                           # the deadline ended the wait
+    del finishing, stuck
+
+
 def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
     """2 nodes of 1 rank, the last step's gathers in flight at exit: with the gathers on the engine and no exit hook,
     about a third of these runs aborted in gloo's thread (a gloo work finishing during finalisation). The gathers now
-    run on the training thread and the engines are closed at exit; the process must still exit cleanly."""
+    run on the training thread, the engines are closed at exit and the gathers get the engines' deadline to finish
+    (``drain_at_exit``); the process must exit cleanly."""
     import os
     import subprocess
     import sys
