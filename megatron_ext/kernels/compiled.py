@@ -2,8 +2,11 @@
 
 Why: eager torch makes one pass over memory per operation (cast, divide, round, pack...), so the fused qgZ steps
 ran at 10-30% of copy bandwidth; Inductor fuses each op into one or two loops over the input, from a well-kept
-compiler instead of hand-written C++. One op is the exception: INT4 ``dequantize_reduce_quantize`` runs in
-:mod:`.native` where its vector build exists (Inductor's loop for it stays bound by its instruction mix).
+compiler instead of hand-written C++. Where :mod:`.native`'s vector build exists (AVX-512 or AVX2), two things run
+there instead, at every size: INT4 ``dequantize_reduce_quantize`` (Inductor's loop for it stays bound by its
+instruction mix) and the fp32 codecs, quantize / dequantize / the k-chunk reduce / min-max dequantize (on AVX2,
+Inductor's integer loads take ATen's slow partial-load path: ``csrc/codec.c`` says how). Other dtypes, and machines
+without that build, run the loops below.
 
 Bits: every core below is written so that the generated code must compute what :mod:`.reference` computes, operation
 for operation, in fp32: IEEE divisions by a tensor (never a multiplication by a reciprocal, except ByteGrad's
@@ -78,6 +81,13 @@ def _wanted(numel: int) -> bool:
     mode = compile_mode()
     # the INT4 cores write (even, odd) pairs through integer lanes laid out little-endian
     return sys.byteorder == "little" and (mode == "1" or (mode == "auto" and numel >= MIN_NUMEL))
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether :mod:`.native`'s fp32 codecs serve these fp32 CPU tensors (at every size, as its INT4 reduction:
+    one build per machine, no graph per shape): its vector build is here and eager is not forced."""
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and compile_mode() != "0"
+            and native.available())
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,7 +267,11 @@ def _minmax_dequantize_core(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tens
 # ----------------------------------------------------------------------------------------------------------------
 def _quantize_into(flat: torch.Tensor, numel: int, bits: int, group_size: int, codes: torch.Tensor,
                    scales: torch.Tensor) -> None:
-    """``reference._quantize_padded``: whole groups compiled, the zero-padded rest through the eager core."""
+    """``reference._quantize_padded``: natively for fp32; else whole groups compiled, the zero-padded rest through the
+    eager core."""
+    if _native(flat):
+        native.quantize_into(flat[:numel], bits, group_size, codes, scales)
+        return
     g = group_size
     full = numel // g
     bpg = g * bits // 8
@@ -278,7 +292,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
-    if not _wanted(numel):
+    if not (_wanted(numel) or _native(x)):
         return _ref.quantize_symmetric(x, bits=bits, group_size=group_size)
     groups = num_groups(numel, group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
@@ -290,6 +304,8 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     groups = _ref.check_dequantize_args(codes, scales, bits, group_size, numel)
+    if dtype == torch.float32 and _native(scales):
+        return native.dequantize_reduce(codes.view(1, -1), scales.view(1, -1)[:, :groups], bits, group_size, numel)
     if not _wanted(numel):
         return _ref.dequantize_symmetric(codes, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
     g, bpg = group_size, group_size * bits // 8
@@ -313,7 +329,7 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
                      pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
-    if not _wanted(x.numel()):
+    if not (_wanted(x.numel()) or _native(x)):
         return _ref.swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages)
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
@@ -361,6 +377,8 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
     numel = total if numel is None else numel
     if numel > total:
         raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
+    if dtype == torch.float32 and _native(scales):
+        return native.dequantize_reduce(chunks, scales, bits, group_size, numel)
     if not _wanted(numel):
         return _ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
     out = torch.empty(numel, dtype=dtype, device=chunks.device)
@@ -428,10 +446,13 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     _ref.check_minmax_dequantize_args(q, mins, chunk_size, numel)
+    nchunks = cdiv(numel, chunk_size)
+    if dtype == torch.float32 and _native(mins):
+        scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
+        return native.dequantize_minmax(q.view(-1), scale, lb, chunk_size, numel)
     piece = _piece(chunk_size)
     if not _wanted(numel) or piece is None:
         return _ref.dequantize_minmax_uint8(q, mins, maxs, chunk_size, numel, dtype)
-    nchunks = cdiv(numel, chunk_size)
     scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
     rows, per_chunk = numel // piece, chunk_size // piece
     rs, rl = _row_params(scale, lb, cdiv(numel, piece), per_chunk)

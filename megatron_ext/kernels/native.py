@@ -1,14 +1,19 @@
-"""Hand-written C for the one CPU op Inductor cannot make fast enough: INT4 dequantize-reduce-requantize (qgZ's
-intra-node step). Its generated loop is bound by its instruction mix; the C (``csrc/int4_reduce.c``, which says how)
-decodes a nibble with one vector permute over the group's 16 possible values. Same bits as the reference.
+"""Hand-written C for the CPU ops Inductor cannot make fast enough, with the reference's bits:
+
+* INT4 dequantize-reduce-requantize (qgZ's intra-node step, ``csrc/int4_reduce.c``): Inductor's loop is bound by
+  its instruction mix; the C decodes a nibble with one vector permute over the group's 16 possible values.
+* The fp32 codecs (``csrc/codec.c``: symmetric quantize / dequantize, the k-chunk dequantize-reduce, min-max
+  dequantize): on AVX2 Inductor's integer loads go through ATen's slow partial-load path (the file says how); plain
+  loops vectorised by the C compiler run at memory speed, and a call costs microseconds instead of a graph's ~0.25 ms.
 
 Built on first use with the system C compiler (``CC``, else ``cc``; the one Inductor needs anyway) for this CPU
-(``-march=native``), cached in ``MX_KERNELS_CACHE`` (default ``~/.cache/megatron_ext/native``) under a hash of the
-source, the flags and the CPU's feature flags, so a shared home directory on mixed nodes keeps one build per CPU kind.
-Called through ``ctypes``, which releases the GIL: the progress engine's thread runs it beside backward.
+(``-march=native``), both sources into one library, cached in ``MX_KERNELS_CACHE`` (default
+``~/.cache/megatron_ext/native``) under a hash of the sources, the flags and the CPU's feature flags, so a shared home
+directory on mixed nodes keeps one build per CPU kind. Called through ``ctypes``, which releases the GIL: the
+progress engine's thread runs them beside backward.
 
 Used only where a vector path is compiled in (AVX-512 F and BW, or AVX2) and ``MX_KERNELS_NATIVE`` is not ``0``;
-elsewhere, or if the build fails (logged once), the compiled path runs Inductor's loop, which gives the same bits.
+elsewhere, or if the build fails (logged once), the compiled path runs Inductor's loops, which give the same bits.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "int4_reduce.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("int4_reduce.c", "codec.c"))
 MAX_K = 64  # chunks one call reduces: the build passes it to the source as MX_MAX_K (its stack arrays' size)
 FLAGS = {  # variant -> compiler flags; "avx2" and "portable" (the scalar loop alone) exist for the tests
     "native": ["-O3", "-march=native"],
@@ -57,17 +62,16 @@ def build(variant: str = "native") -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
     flags = FLAGS[variant] + _COMMON + [f"-DMX_MAX_K={MAX_K}"]
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, compiler.encode(), " ".join(flags).encode(), platform.machine().encode(),
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES), compiler.encode(), " ".join(flags).encode(), platform.machine().encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
-    lib = _cache_dir() / f"int4_reduce_{variant}_{key}.so"
+    lib = _cache_dir() / f"mx_kernels_{variant}_{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        res = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"{compiler} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
         os.replace(tmp, lib)
@@ -83,14 +87,19 @@ def library(variant: str = "native") -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build(variant)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("megatron_ext.kernels: the native INT4 reduction is not available (%s); using the compiled "
-                    "path", exc)
+        log.warning("megatron_ext.kernels: the native kernels are not available (%s); using the compiled path", exc)
         return None
-    fn = lib.mx_int4_reduce_quantize
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ctypes.c_int, i64, i64, ptr, ptr, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    lib.mx_isa.restype = ctypes.c_int
+    i64, ptr, int_ = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures = {  # name -> (argument types, return type)
+        "mx_int4_reduce_quantize": ([ptr, i64, ptr, i64, int_, i64, i64, ptr, ptr, int_], int_),
+        "mx_quantize": ([ptr, i64, i64, i64, int_, ptr, ptr, int_], None),
+        "mx_dequantize_reduce": ([ptr, i64, ptr, i64, int_, i64, i64, int_, ptr, int_], None),
+        "mx_dequantize_minmax": ([ptr, ptr, ptr, i64, i64, ptr, int_], None),
+        "mx_isa": ([], int_),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 
@@ -107,13 +116,23 @@ def _vector_build() -> bool:
     return lib is not None and lib.mx_isa() in (256, 512)
 
 
+def _lib(variant: str) -> ctypes.CDLL:
+    lib = library(variant)
+    if lib is None:
+        raise RuntimeError(f"the native kernels ({variant}) could not be built: see the log")
+    return lib
+
+
+def _threads(numel: int, threads: int | None) -> int:
+    """A thread per 256k elements at most (below, starting one costs more than it saves), at most torch's count."""
+    return threads if threads is not None else max(1, min(torch.get_num_threads(), numel >> 18))
+
+
 def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size: int, *, threads: int | None = None,
                          variant: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
     """``dequantize_reduce_quantize`` for INT4 on CPU: ``chunks`` [k, bytes] uint8 and ``scales`` [k, groups] fp32,
     both contiguous (the caller checks them); returns (codes [bytes], scales [groups])."""
-    lib = library(variant)
-    if lib is None:
-        raise RuntimeError(f"the native INT4 reduction ({variant}) could not be built: see the log")
+    lib = _lib(variant)
     k, nbytes = chunks.shape
     groups = scales.shape[1]
     if k > MAX_K:
@@ -121,10 +140,42 @@ def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size:
     codes = torch.empty(nbytes, dtype=torch.uint8)
     out_scales = torch.empty(groups, dtype=torch.float32)
     if groups:
-        if threads is None:  # a thread per 256k output elements at most: below, starting one costs more
-            threads = max(1, min(torch.get_num_threads(), groups * group_size >> 18))
         rc = lib.mx_int4_reduce_quantize(chunks.data_ptr(), nbytes, scales.data_ptr(), groups, k, groups,
-                                         group_size // 2, codes.data_ptr(), out_scales.data_ptr(), threads)
+                                         group_size // 2, codes.data_ptr(), out_scales.data_ptr(),
+                                         _threads(groups * group_size, threads))
         if rc:
             raise MemoryError(f"the native INT4 reduction failed (status {rc})")
     return codes, out_scales
+
+
+def quantize_into(x: torch.Tensor, bits: int, group_size: int, codes: torch.Tensor, scales: torch.Tensor, *,
+                  threads: int | None = None, variant: str = "native") -> None:
+    """Symmetric quantization of the contiguous fp32 ``x`` zero-padded to ``scales.numel()`` groups into the
+    contiguous ``codes`` [groups * group_size * bits / 8] and ``scales`` [groups] (the caller sizes and checks them)."""
+    groups = scales.numel()
+    if groups:
+        _lib(variant).mx_quantize(x.data_ptr(), x.numel(), groups, group_size, bits, codes.data_ptr(),
+                                  scales.data_ptr(), _threads(groups * group_size, threads))
+
+
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int, *,
+                      threads: int | None = None, variant: str = "native") -> torch.Tensor:
+    """fp32 sum of the first ``numel`` elements of the k chunks (``chunks`` [k, bytes] and ``scales`` [k, groups],
+    contiguous; k = 1 is the dequantization)."""
+    out = torch.empty(numel, dtype=torch.float32)
+    if numel:
+        _lib(variant).mx_dequantize_reduce(chunks.data_ptr(), chunks.shape[1], scales.data_ptr(), scales.shape[1],
+                                           chunks.shape[0], numel, group_size, bits, out.data_ptr(),
+                                           _threads(numel, threads))
+    return out
+
+
+def dequantize_minmax(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk_size: int, numel: int, *,
+                      threads: int | None = None, variant: str = "native") -> torch.Tensor:
+    """ByteGrad's fp32 ``(q + lb) / scale`` of the first ``numel`` codes, with each chunk's contiguous fp32
+    ``scale`` and ``lb``."""
+    out = torch.empty(numel, dtype=torch.float32)
+    if numel:
+        _lib(variant).mx_dequantize_minmax(q.data_ptr(), scale.data_ptr(), lb.data_ptr(), numel, chunk_size,
+                                           out.data_ptr(), _threads(numel, threads))
+    return out

@@ -37,6 +37,13 @@ class _Compiled:
         return call
 
 
+@pytest.fixture(autouse=True)
+def inductor_loops(monkeypatch):
+    """This file tests Inductor's loops: the native fp32 codecs would serve fp32 here (test_native.py tests those);
+    tests that want the native INT4 reduction set MX_KERNELS_NATIVE themselves."""
+    monkeypatch.setenv("MX_KERNELS_NATIVE", "0")
+
+
 @pytest.fixture(scope="module")
 def comp():
     yield _Compiled()

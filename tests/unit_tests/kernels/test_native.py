@@ -1,7 +1,10 @@
-"""The hand-written INT4 dequantize-reduce-requantize (:mod:`megatron_ext.kernels.native`) equals the eager reference
-bit for bit: the vector build (this CPU: AVX-512 or AVX2), the AVX2 build where the CPU has it, and the portable build
-(the scalar loop alone, which also serves every group's last bytes), any k (unrolled up to 8, a loop above), any even
-group size, split over threads at any group.
+"""The hand-written kernels (:mod:`megatron_ext.kernels.native`) equal the eager reference bit for bit: the vector
+build (this CPU: AVX-512 or AVX2), the AVX2 build where the CPU has it, and the portable build (the scalar loop alone,
+which also serves every group's last bytes).
+
+INT4 dequantize-reduce-requantize: any k (unrolled up to 8, a loop above), any even group size, split over threads at
+any group. The fp32 codecs: any size (partial last groups, whole padding groups, empty inputs), both bit widths, any
+group size (odd ones too), any k, any thread count; and the compiled path's entry points route fp32 to them.
 """
 import logging
 import platform
@@ -13,6 +16,8 @@ from hypothesis import strategies as st
 
 from megatron_ext.kernels import compiled, native
 from megatron_ext.kernels import reference as ref
+
+from . import contract_cases
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the native kernel's builds are for x86-64")
@@ -135,3 +140,132 @@ def test_build_is_cached_and_failure_falls_back(monkeypatch, tmp_path, caplog):
         monkeypatch.undo()
         native.library.cache_clear()
         native._vector_build.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fp32 codecs (csrc/codec.c)
+# ----------------------------------------------------------------------------------------------------------------
+def _data(numel, seed):
+    """fp32 data over many magnitudes, with all-zero groups (absmax 0) where there is room."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g).pow(3) * 8
+    x[7:200] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 6, 7, 64, 2048]), numel=st.integers(0, 5000),
+       pad=st.integers(0, 2), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_codec_quantize_dequantize(variant, bits, group, numel, pad, threads, seed):
+    if bits == 4 and group % 2:
+        group += 1
+    x = _data(numel, seed)
+    groups = -(-numel // group) + pad  # whole padding groups beyond the data: qgZ's short or empty stage chunks
+    want_codes = torch.empty(groups * group * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+    want_scales = torch.empty(groups)
+    ref._quantize_padded(x, numel, bits, group, want_codes, want_scales)
+    codes, scales = torch.full_like(want_codes, 0x5A), torch.full_like(want_scales, float("nan"))  # every byte set
+    native.quantize_into(x, bits, group, codes, scales, threads=threads, variant=variant)
+    _same((codes, scales), (want_codes, want_scales))
+    got = native.dequantize_reduce(codes.view(1, -1), scales.view(1, -1), bits, group, numel, threads=threads,
+                                   variant=variant)
+    _same((got,), (ref.dequantize_symmetric(codes, scales, bits=bits, group_size=group, numel=numel),))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(k=st.integers(1, 9), bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 6, 64, 2048]),
+       groups=st.integers(1, 9), cut=st.integers(0, 70), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_codec_dequantize_reduce(variant, k, bits, group, groups, cut, threads, seed):
+    qs = [ref.quantize_symmetric(_data(groups * group, seed + i), bits=bits, group_size=group) for i in range(k)]
+    chunks, scales = torch.stack([c for c, _ in qs]), torch.stack([s for _, s in qs])
+    numel = max(0, groups * group - cut)
+    _same((native.dequantize_reduce(chunks, scales, bits, group, numel, threads=threads, variant=variant),),
+          (ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group, numel=numel),))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=20, deadline=None, derandomize=True, database=None)
+@given(chunk=st.sampled_from([1, 7, 48, 2048]), numel=st.integers(1, 9000), offset=st.sampled_from([0.0, 0.5, -3.0]),
+       threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_codec_minmax_dequantize(variant, chunk, numel, offset, threads, seed):
+    q, mins, maxs = ref.quantize_minmax_uint8(_data(numel, seed) + offset, chunk)
+    scale, lb = compiled._minmax_params(mins, maxs)
+    _same((native.dequantize_minmax(q, scale, lb, chunk, numel, threads=threads, variant=variant),),
+          (ref.dequantize_minmax_uint8(q, mins, maxs, chunk, numel),))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_codec_ties_and_subnormal_scales(variant):
+    """Half-to-even ties (contract_cases' hand-written codes) and subnormal scales, where the clamp bites."""
+    for bits, xs, group, want_codes, want_scales in (
+            (8, contract_cases.INT8_TIE_X, 16, contract_cases.INT8_TIE_CODES, contract_cases.INT8_TIE_SCALES),
+            (4, contract_cases.INT4_TIE_X, 8, contract_cases.INT4_TIE_BYTES, contract_cases.INT4_TIE_SCALES)):
+        x = torch.tensor(xs)
+        codes = torch.empty(x.numel() * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+        scales = torch.empty(x.numel() // group)
+        native.quantize_into(x, bits, group, codes, scales, variant=variant)
+        assert codes.tolist() == want_codes and scales.tolist() == want_scales
+    x = torch.tensor([1e-40, -3e-41, 2e-42, 0.0, 5e-39, -5e-39, 1e-45, 0.0] * 8 + [0.0] * 64 + [1.0, -2.0] * 32)
+    for bits in (8, 4):
+        want = ref.quantize_symmetric(x, bits=bits, group_size=64)
+        got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+        native.quantize_into(x, bits, 64, *got, variant=variant)
+        _same(got, want)
+
+
+def test_compiled_entry_points_use_the_codecs(monkeypatch):
+    """With the vector build here, the compiled path's fp32 ops run the codecs at every size (and only fp32: other
+    dtypes take Inductor's loops or the reference); MX_KERNELS_NATIVE=0 or eager mode turn them off. Same bits."""
+    if not native.available():
+        pytest.skip("no AVX-512 or AVX2 here: the compiled path runs Inductor's loops")
+    calls = []
+    for name in ("quantize_into", "dequantize_reduce", "dequantize_minmax"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+    x = _data(3 * 2 * 2 * 64 - 5, 0)  # a qgZ bucket over 3 nodes x 2 ranks, 2 stages: short last partition
+
+    def run_all():
+        out = [compiled.quantize_symmetric(x, bits=4, group_size=64),
+               compiled.swizzle_quantize(x, 4, 64, 3, 2, 2)]
+        codes, scales = out[0]
+        out.append(compiled.dequantize_symmetric(codes, scales, bits=4, group_size=64, numel=x.numel()))
+        chunks, sc = torch.stack([codes, codes]), torch.stack([scales, scales * 2])
+        out.append(compiled.dequantize_reduce(chunks, sc, bits=4, group_size=64, numel=x.numel() - 3))
+        q, mins, maxs = compiled.quantize_minmax_uint8(x, 100)
+        out.append(compiled.dequantize_minmax_uint8(q, mins, maxs, 100, x.numel()))
+        return out
+
+    want = [ref.quantize_symmetric(x, bits=4, group_size=64), ref.swizzle_quantize(x, 4, 64, 3, 2, 2)]
+    want.append(ref.dequantize_symmetric(*want[0], bits=4, group_size=64, numel=x.numel()))
+    want.append(ref.dequantize_reduce(torch.stack([want[0][0]] * 2), torch.stack([want[0][1], want[0][1] * 2]),
+                                      bits=4, group_size=64, numel=x.numel() - 3))
+    want.append(ref.dequantize_minmax_uint8(*ref.quantize_minmax_uint8(x, 100), 100, x.numel()))
+    # quantize, the 12 stage chunks of the swizzle, dequantize, the reduce, min-max dequantize
+    every = ["quantize_into"] * 13 + ["dequantize_reduce"] * 2 + ["dequantize_minmax"]
+    for mode, native_on, expect in (("auto", "1", every), ("1", "1", every), ("0", "1", []), ("1", "0", [])):
+        calls.clear()
+        monkeypatch.setenv("MX_KERNELS_NATIVE", native_on)
+        with compiled.use_compile(mode):
+            for got, w in zip(run_all(), want):
+                _same(got if isinstance(got, tuple) else (got,), w if isinstance(w, tuple) else (w,))
+        assert calls == expect, (mode, native_on)
+    monkeypatch.setenv("MX_KERNELS_NATIVE", "1")
+    calls.clear()
+    with compiled.use_compile("auto"):
+        compiled.dequantize_symmetric(*want[0], bits=4, group_size=64, numel=x.numel(), dtype=torch.bfloat16)
+        compiled.quantize_symmetric(x.bfloat16(), bits=8, group_size=64)
+    assert calls == []
+
+
+def test_codec_contract_cases(monkeypatch):
+    """The hand-written ties and the overflowing min-max chunk through the compiled path's entry points."""
+    if not native.available():
+        pytest.skip("no AVX-512 or AVX2 here: the compiled path runs Inductor's loops")
+    monkeypatch.setenv("MX_KERNELS_NATIVE", "1")
+    with compiled.use_compile("auto"):
+        contract_cases.run_symmetric_ties(compiled)
+        contract_cases.run_swizzle_ties(compiled)
+        contract_cases.run_non_contiguous_rejected(compiled)
+        contract_cases.run_minmax_overflow(compiled)
