@@ -851,6 +851,8 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.out or a.rank is not None or a.world is not None or a.store:  # the workers' own: --out would be forwarded
+        ap.error("--out, --rank, --world and --store are the workers' flags; the results go to --json FILE")
     if a.rescore:
         return rescore(a.rescore)
     if os.geteuid() != 0:

@@ -21,6 +21,16 @@ def test_rates_parse():
             bc.rate_bits_per_s("fast")
 
 
+def test_worker_flags_are_refused_before_anything_starts(capsys):
+    """--out is the workers' flag (the orchestrator forwards its own argv to them): given by a user, every worker
+    would write there and the orchestrator would find no results after the whole run; refused up front instead."""
+    with loaded_tool("bench_cluster") as bc:
+        with pytest.raises(SystemExit) as exc:
+            bc.main(["--out", "results.json"])
+        assert exc.value.code == 2
+        assert "--json FILE" in capsys.readouterr().err
+
+
 def test_summary_best_bucket_limit_and_speedup():
     mb = 2 ** 20
     results = {
