@@ -104,7 +104,8 @@ def library(variant: str = "native") -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether :func:`int4_reduce_quantize` runs vector code here (else the compiled path is as fast or faster)."""
+    """Whether the library runs vector code here (else Inductor's loops are as fast or faster): the compiled path then
+    routes the INT4 reduction and the fp32 codecs to it."""
     return os.environ.get("MX_KERNELS_NATIVE", "").strip() != "0" and _vector_build()
 
 
