@@ -84,10 +84,11 @@ def _wanted(numel: int) -> bool:
 
 
 def _native(*tensors: torch.Tensor) -> bool:
-    """Whether :mod:`.native`'s fp32 codecs serve these fp32 CPU tensors (at every size, as its INT4 reduction:
-    one build per machine, no graph per shape): its vector build is here and eager is not forced."""
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and compile_mode() != "0"
-            and native.available())
+    """Whether :mod:`.native`'s fp32 codecs serve these tensors, every one whose memory the C reads or writes (at
+    every size, as its INT4 reduction: one build per machine, no graph per shape): all on the CPU, the floating ones
+    fp32, its vector build here and eager not forced."""
+    return (all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point())
+                for t in tensors) and compile_mode() != "0" and native.available())
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,7 +270,7 @@ def _quantize_into(flat: torch.Tensor, numel: int, bits: int, group_size: int, c
                    scales: torch.Tensor) -> None:
     """``reference._quantize_padded``: natively for fp32; else whole groups compiled, the zero-padded rest through the
     eager core."""
-    if _native(flat):
+    if _native(flat, codes, scales):
         native.quantize_into(flat[:numel], bits, group_size, codes, scales)
         return
     g = group_size
@@ -292,7 +293,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
-    if not (_wanted(numel) or _native(x)):
+    if not (_wanted(numel) or _native(x)):  # (the output it allocates is on x's device)
         return _ref.quantize_symmetric(x, bits=bits, group_size=group_size)
     groups = num_groups(numel, group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
@@ -304,7 +305,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     groups = _ref.check_dequantize_args(codes, scales, bits, group_size, numel)
-    if dtype == torch.float32 and _native(scales):
+    if dtype == torch.float32 and _native(codes, scales):
         return native.dequantize_reduce(codes.view(1, -1), scales.view(1, -1)[:, :groups], bits, group_size, numel)
     if not _wanted(numel):
         return _ref.dequantize_symmetric(codes, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
@@ -377,7 +378,7 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
     numel = total if numel is None else numel
     if numel > total:
         raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
-    if dtype == torch.float32 and _native(scales):
+    if dtype == torch.float32 and _native(chunks, scales):
         return native.dequantize_reduce(chunks, scales, bits, group_size, numel)
     if not _wanted(numel):
         return _ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
@@ -445,9 +446,9 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    _ref.check_minmax_dequantize_args(q, mins, chunk_size, numel)
+    _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
     nchunks = cdiv(numel, chunk_size)
-    if dtype == torch.float32 and _native(mins):
+    if dtype == torch.float32 and _native(q, mins, maxs):
         scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
         return native.dequantize_minmax(q.view(-1), scale, lb, chunk_size, numel)
     piece = _piece(chunk_size)

@@ -1,7 +1,8 @@
 """Hand-written C for the CPU ops Inductor cannot make fast enough, with the reference's bits:
 
 * INT4 dequantize-reduce-requantize (qgZ's intra-node step, ``csrc/int4_reduce.c``): Inductor's loop is bound by
-  its instruction mix; the C decodes a nibble with one vector permute over the group's 16 possible values.
+  its instruction mix; on AVX-512 the C decodes a nibble with one vector permute over the group's 16 possible
+  values, on AVX2 by arithmetic (shifts, a conversion and the table's multiply).
 * The fp32 codecs (``csrc/codec.c``: symmetric quantize / dequantize, the k-chunk dequantize-reduce, min-max
   dequantize): on AVX2 Inductor's integer loads go through ATen's slow partial-load path (the file says how); plain
   loops vectorised by the C compiler run at memory speed, and a call costs microseconds instead of a graph's ~0.25 ms.
@@ -13,7 +14,8 @@ directory on mixed nodes keeps one build per CPU kind. Called through ``ctypes``
 progress engine's thread runs them beside backward.
 
 Used only where a vector path is compiled in (AVX-512 F and BW, or AVX2) and ``MX_KERNELS_NATIVE`` is not ``0``;
-elsewhere, or if the build fails (logged once), the compiled path runs Inductor's loops, which give the same bits.
+elsewhere, or if the build fails (logged once), the compiled path runs Inductor's loops (from ``MIN_NUMEL`` elements
+in its automatic mode, the eager reference below), which give the same bits.
 """
 from __future__ import annotations
 
@@ -161,8 +163,8 @@ def quantize_into(x: torch.Tensor, bits: int, group_size: int, codes: torch.Tens
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int, *,
                       threads: int | None = None, variant: str = "native") -> torch.Tensor:
-    """fp32 sum of the first ``numel`` elements of the k chunks (``chunks`` [k, bytes] and ``scales`` [k, groups],
-    contiguous; k = 1 is the dequantization)."""
+    """fp32 sum of the first ``numel`` elements of the k >= 1 chunks (``chunks`` [k, bytes] and ``scales``
+    [k, groups], contiguous, as ``reference.check_chunks`` checks them; k = 1 is the dequantization)."""
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
         _lib(variant).mx_dequantize_reduce(chunks.data_ptr(), chunks.shape[1], scales.data_ptr(), scales.shape[1],

@@ -1,7 +1,8 @@
 """Torch reference implementations: the specification of every kernel, run eagerly.
 
 On CPU it runs when ``MX_KERNELS=torch`` or ``MX_KERNELS_COMPILE=0``, and for tensors below the compiled path's size
-threshold; :mod:`.compiled` generates fused loops from the same math. Numerics are defined here and reproduced bit
+threshold that :mod:`.native` does not serve (it takes fp32 at every size where its vector build exists);
+:mod:`.compiled` generates fused loops from the same math. Numerics are defined here and reproduced bit
 for bit by the compiled CPU path and the Triton kernels:
   * all arithmetic in fp32; ``fl(a / b)`` is an IEEE division (never a multiplication by a reciprocal);
   * rounding is round-half-to-even (``torch.round``);
@@ -223,6 +224,8 @@ def check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_si
                          f"{tuple(scales.shape)}")
     k, nbytes = chunks.shape
     groups = scales.shape[1]
+    if k < 1:
+        raise ValueError("chunks must hold at least one chunk (k >= 1), got k = 0")
     if groups * group_size * bits // 8 != nbytes:
         raise ValueError(f"{groups} groups of {group_size} {bits}-bit codes are {groups * group_size * bits // 8} "
                          f"bytes per chunk, got {nbytes}")
@@ -358,17 +361,21 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     return q, mins, maxs
 
 
-def check_minmax_dequantize_args(q: torch.Tensor, mins: torch.Tensor, chunk_size: int, numel: int) -> None:
-    """The codes and per-chunk minima cover ``numel`` elements (shared by every dequantize_minmax_uint8 path)."""
+def check_minmax_dequantize_args(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,
+                                 numel: int) -> None:
+    """The codes and per-chunk minima and maxima cover ``numel`` elements (shared by every dequantize_minmax_uint8
+    path)."""
     check_minmax_codes(q)
-    if q.numel() < numel or mins.numel() < cdiv(numel, chunk_size):
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if q.numel() < numel or min(mins.numel(), maxs.numel()) < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(numel, chunk_size)} chunks of {chunk_size}: got "
-                         f"{q.numel()} codes and {mins.numel()} mins")
+                         f"{q.numel()} codes, {mins.numel()} mins and {maxs.numel()} maxs")
 
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    check_minmax_dequantize_args(q, mins, chunk_size, numel)
+    check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
     scale, lb = minmax_params(mins.float(), maxs.float())
     flat = q.view(-1)
     out = torch.empty(numel, dtype=dtype, device=q.device)

@@ -7,7 +7,7 @@ import triton
 from . import reference as _ref
 from . import triton_minmax as _mm
 from . import triton_symmetric as _sym
-from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, check_minmax_codes, codes_dtype,
+from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, codes_dtype,
                      num_groups, qmax, swizzle_layout)
 
 # FMA contraction would change fp32 rounding (x*scale + 2^23 in rint, acc + code*scale): keep it off so the GPU
@@ -146,11 +146,8 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    check_minmax_codes(q)
+    _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
-    if q.numel() < numel or mins.numel() < nchunks:
-        raise ValueError(f"{numel} elements need {nchunks} chunks of {chunk_size}: got {q.numel()} codes and "
-                         f"{mins.numel()} mins")
     out = torch.empty(numel, dtype=dtype, device=q.device)
     if nchunks:
         _mm.minmax_dequantize_kernel[(nchunks * nblk,)](q, out, mins.float().contiguous(), maxs.float().contiguous(),

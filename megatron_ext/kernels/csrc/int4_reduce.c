@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) uint32_t sums_vec_k(const int k, co
             o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28)),
                                                sv[i]));
         }
-    _mm256_store_ps(even + j, e);
+        _mm256_store_ps(even + j, e);
         _mm256_store_ps(odd + j, o);
         vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(e), mask));
         vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_castps_si256(o), mask));

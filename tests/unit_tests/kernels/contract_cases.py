@@ -111,6 +111,22 @@ def run_non_contiguous_rejected(impl) -> None:
         impl.dequantize_minmax_uint8(q.view(torch.int8), mins, maxs, 16, 64)
 
 
+def run_bad_arguments_rejected(impl) -> None:
+    """No chunks, a non-positive min-max chunk size, maxima shorter than the chunks: a clear ValueError on every
+    backend, before any kernel reads memory (the native C would otherwise read past the arrays)."""
+    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    for fn in (lambda c, s: impl.dequantize_reduce_quantize(c, s, 8, 8),
+               lambda c, s: impl.dequantize_reduce(c, s, bits=8, group_size=8)):
+        with pytest.raises(ValueError, match=r"at least one chunk"):
+            fn(codes.view(1, -1)[:0], scales.view(1, -1)[:0])
+    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)  # 4 chunks
+    for chunk in (0, -5):
+        with pytest.raises(ValueError, match=r"chunk_size must be positive"):
+            impl.dequantize_minmax_uint8(q, mins, maxs, chunk, 64)
+    with pytest.raises(ValueError, match=r"4 chunks of 16: got 64 codes, 4 mins and 1 maxs"):
+        impl.dequantize_minmax_uint8(q, mins, maxs[:1].contiguous(), 16, 64)
+
+
 def run_minmax_overflow(impl) -> None:
     """A constant chunk with |x| > FLT_MAX / 2.55e9 (~1.33e29) overflows max*scale: codes 0, dequantized +-inf with
     the sign of x (ByteGrad's formula, documented in quantize_minmax_uint8); |x| = 1e29 still round-trips."""

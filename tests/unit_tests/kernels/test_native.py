@@ -37,6 +37,7 @@ def _chunks(k, groups, group, seed):
 
 
 def _same(got, want):
+    assert len(got) == len(want)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -215,32 +216,34 @@ def test_codec_ties_and_subnormal_scales(variant):
         _same(got, want)
 
 
-def test_compiled_entry_points_use_the_codecs(monkeypatch):
+@pytest.mark.parametrize("bits,group,numel", [(4, 64, 763), (8, 6, 763), (8, 2048, 600_001), (4, 2048, 600_001)])
+def test_compiled_entry_points_use_the_codecs(monkeypatch, bits, group, numel):
     """With the vector build here, the compiled path's fp32 ops run the codecs at every size (and only fp32: other
-    dtypes take Inductor's loops or the reference); MX_KERNELS_NATIVE=0 or eager mode turn them off. Same bits."""
+    dtypes take Inductor's loops or the reference); MX_KERNELS_NATIVE=0 or eager mode turn them off. Same bits.
+    600k elements: two threads by default, a partial last group."""
     if not native.available():
         pytest.skip("no AVX-512 or AVX2 here: the compiled path runs Inductor's loops")
     calls = []
     for name in ("quantize_into", "dequantize_reduce", "dequantize_minmax"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
-    x = _data(3 * 2 * 2 * 64 - 5, 0)  # a qgZ bucket over 3 nodes x 2 ranks, 2 stages: short last partition
+    x = _data(numel, numel)  # a qgZ bucket over 3 nodes x 2 ranks, 2 stages: short last partition
 
     def run_all():
-        out = [compiled.quantize_symmetric(x, bits=4, group_size=64),
-               compiled.swizzle_quantize(x, 4, 64, 3, 2, 2)]
+        out = [compiled.quantize_symmetric(x, bits=bits, group_size=group),
+               compiled.swizzle_quantize(x, bits, group, 3, 2, 2)]
         codes, scales = out[0]
-        out.append(compiled.dequantize_symmetric(codes, scales, bits=4, group_size=64, numel=x.numel()))
+        out.append(compiled.dequantize_symmetric(codes, scales, bits=bits, group_size=group, numel=x.numel()))
         chunks, sc = torch.stack([codes, codes]), torch.stack([scales, scales * 2])
-        out.append(compiled.dequantize_reduce(chunks, sc, bits=4, group_size=64, numel=x.numel() - 3))
+        out.append(compiled.dequantize_reduce(chunks, sc, bits=bits, group_size=group, numel=x.numel() - 3))
         q, mins, maxs = compiled.quantize_minmax_uint8(x, 100)
         out.append(compiled.dequantize_minmax_uint8(q, mins, maxs, 100, x.numel()))
         return out
 
-    want = [ref.quantize_symmetric(x, bits=4, group_size=64), ref.swizzle_quantize(x, 4, 64, 3, 2, 2)]
-    want.append(ref.dequantize_symmetric(*want[0], bits=4, group_size=64, numel=x.numel()))
+    want = [ref.quantize_symmetric(x, bits=bits, group_size=group), ref.swizzle_quantize(x, bits, group, 3, 2, 2)]
+    want.append(ref.dequantize_symmetric(*want[0], bits=bits, group_size=group, numel=x.numel()))
     want.append(ref.dequantize_reduce(torch.stack([want[0][0]] * 2), torch.stack([want[0][1], want[0][1] * 2]),
-                                      bits=4, group_size=64, numel=x.numel() - 3))
+                                      bits=bits, group_size=group, numel=x.numel() - 3))
     want.append(ref.dequantize_minmax_uint8(*ref.quantize_minmax_uint8(x, 100), 100, x.numel()))
     # quantize, the 12 stage chunks of the swizzle, dequantize, the reduce, min-max dequantize
     every = ["quantize_into"] * 13 + ["dequantize_reduce"] * 2 + ["dequantize_minmax"]
@@ -254,9 +257,19 @@ def test_compiled_entry_points_use_the_codecs(monkeypatch):
     monkeypatch.setenv("MX_KERNELS_NATIVE", "1")
     calls.clear()
     with compiled.use_compile("auto"):
-        compiled.dequantize_symmetric(*want[0], bits=4, group_size=64, numel=x.numel(), dtype=torch.bfloat16)
-        compiled.quantize_symmetric(x.bfloat16(), bits=8, group_size=64)
+        compiled.dequantize_symmetric(*want[0], bits=bits, group_size=group, numel=x.numel(), dtype=torch.bfloat16)
+        compiled.quantize_symmetric(x[:1000].bfloat16(), bits=8, group_size=64)
     assert calls == []
+
+
+def test_codecs_take_only_cpu_memory():
+    """Every tensor whose memory the C reads is checked, not only the one that picked the backend: codes on another
+    device beside CPU scales (or an fp16 one among them) never reach it."""
+    cpu8, f32 = torch.zeros(64, dtype=torch.int8), torch.zeros(8)
+    assert compiled._native(cpu8, f32) == native.available()
+    assert not compiled._native(torch.zeros(64, dtype=torch.int8, device="meta"), f32)
+    assert not compiled._native(cpu8, f32.to(device="meta"))
+    assert not compiled._native(cpu8, f32.half())
 
 
 def test_codec_contract_cases(monkeypatch):
@@ -268,4 +281,5 @@ def test_codec_contract_cases(monkeypatch):
         contract_cases.run_symmetric_ties(compiled)
         contract_cases.run_swizzle_ties(compiled)
         contract_cases.run_non_contiguous_rejected(compiled)
+        contract_cases.run_bad_arguments_rejected(compiled)
         contract_cases.run_minmax_overflow(compiled)

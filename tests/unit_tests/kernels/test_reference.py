@@ -320,8 +320,10 @@ def test_non_contiguous_input_is_an_error():
 
 
 def test_strided_codes_scales_chunks_are_clear_errors():
-    """The same ValueError as the Triton path (triton_cases), before any view of the strided tensor is taken."""
+    """The same ValueError as the Triton path (triton_cases), before any view of the strided tensor is taken; and
+    the same for arguments that would make a kernel read past its arrays."""
     contract_cases.run_non_contiguous_rejected(reference)
+    contract_cases.run_bad_arguments_rejected(reference)
 
 
 def test_round_half_to_even_ties():

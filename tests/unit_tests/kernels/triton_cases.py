@@ -170,6 +170,7 @@ def test_non_contiguous_rejected(tri):
     with pytest.raises(ValueError, match="contiguous"):
         tri.quantize_minmax_uint8(x, 8)
     contract_cases.run_non_contiguous_rejected(tri)  # the same errors as the torch path (test_reference)
+    contract_cases.run_bad_arguments_rejected(tri)
 
 
 def test_round_half_to_even_ties(tri):
