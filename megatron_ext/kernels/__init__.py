@@ -3,8 +3,8 @@
 Every op has a torch reference (:mod:`.reference`, the specification, run eager), the same math compiled into fused
 CPU loops by ``torch.compile`` (:mod:`.compiled`, the default CPU path) and a Triton kernel (:mod:`.triton_symmetric`,
 :mod:`.triton_minmax`, the CUDA path); on AVX-512 and AVX2 CPUs the compiled path hands the INT4 intra-node qgZ
-reduction and the fp32 codecs to hand-written C (:mod:`.native`); all give the same bits, and :mod:`.backend` chooses one per call. Layouts and
-padded sizes are documented in :mod:`.layout` ([Note: qgZ swizzle layout]).
+reduction and the fp32 codecs to hand-written C (:mod:`.native`); all give the same bits, and :mod:`.backend`
+chooses one per call. Layouts and padded sizes are documented in :mod:`.layout` ([Note: qgZ swizzle layout]).
 
 Codes: INT8 codes are ``torch.int8``; INT4 codes are ``torch.uint8`` bytes with two signed nibbles, the even element
 in bits 4-7. Scales are fp32, one per ``group_size`` elements: ``scale = absmax / (2^(b-1) - 1)``, 0 for an all-zero

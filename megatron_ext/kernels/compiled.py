@@ -293,7 +293,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
-    if not (_wanted(numel) or _native(x)):  # (the output it allocates is on x's device)
+    if not (_wanted(numel) or _native(x)):  # x alone: the codes and scales below are allocated on its device
         return _ref.quantize_symmetric(x, bits=bits, group_size=group_size)
     groups = num_groups(numel, group_size)
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
@@ -448,13 +448,12 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
     nchunks = cdiv(numel, chunk_size)
+    scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
     if dtype == torch.float32 and _native(q, mins, maxs):
-        scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
         return native.dequantize_minmax(q.view(-1), scale, lb, chunk_size, numel)
     piece = _piece(chunk_size)
     if not _wanted(numel) or piece is None:
         return _ref.dequantize_minmax_uint8(q, mins, maxs, chunk_size, numel, dtype)
-    scale, lb = _minmax_params(mins.view(-1)[:nchunks].float(), maxs.view(-1)[:nchunks].float())
     rows, per_chunk = numel // piece, chunk_size // piece
     rs, rl = _row_params(scale, lb, cdiv(numel, piece), per_chunk)
     flat = q.view(-1)

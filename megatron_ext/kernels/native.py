@@ -64,8 +64,9 @@ def build(variant: str = "native") -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
     flags = FLAGS[variant] + _COMMON + [f"-DMX_MAX_K={MAX_K}"]
-    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES), compiler.encode(), " ".join(flags).encode(), platform.machine().encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:20]
+    parts = [*(src.read_bytes() for src in SOURCES), compiler.encode(), " ".join(flags).encode(),
+             platform.machine().encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
     lib = _cache_dir() / f"mx_kernels_{variant}_{key}.so"
     if lib.exists():
         return lib
