@@ -86,13 +86,14 @@ class OverlappedDDP(torch.nn.Module):
         if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
             self.comm.set_qgz_stages(self.qgz_stages)
         self.param_buffer = ParameterBuffer(self.buckets, device)
+        self.buffer_pool_size = config.resolved_buffer_pool_size(device)
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.
         self.main_grad_partition = torch.zeros(self.partition_numel, dtype=torch.float32, device=device)
         self.broadcast_params()
         self.grad_sync = GradSync(self.buckets, self.param_buffer, self.main_grad_partition, self.grad_backend,
                                   plan=self.plan, replica_backend=self.comm.replica_reduce,
-                                  pool_size=config.buffer_pool_size,
+                                  pool_size=self.buffer_pool_size,
                                   grad_reduce_in_fp32=config.grad_reduce_in_fp32,
                                   overlap=config.overlap_grad_reduce, mp_reductions=mp, ledger=self.ledger,
                                   post_reduce_scale=self.topology.size if per_token_loss(module) else 1.0,
@@ -208,7 +209,7 @@ class OverlappedDDP(torch.nn.Module):
     def buffer_stats(self) -> dict:
         """Live and peak bucket buffers of the gradient pool (buffer alternation)."""
         return {"live": self.grad_sync.live_buffers(), "peak": self.grad_sync.peak_live_buffers(),
-                "pool_size": self.overlap_config.buffer_pool_size * max(1, len(self.grad_sync.pools)),
+                "pool_size": self.buffer_pool_size * max(1, len(self.grad_sync.pools)),
                 "overflows": sum(p.overflows for p in self.grad_sync.pools.values())}
 
     def param_name(self, p: torch.nn.Parameter) -> str:

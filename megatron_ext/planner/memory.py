@@ -31,6 +31,9 @@ class TrainingSetup:
     params_dtype: str = "bf16"
     grad_reduce_in_fp32: bool = True
     optimizer: str = "adam"
+    # The wrapper's GPU default (OverlapConfig.resolved_buffer_pool_size). On CPU, plain keeps a third buffer
+    # because gloo runs two reduce-scatters at once; the cost model issues collectives one after the other, the
+    # behaviour that third buffer restores, so 2 stays the right depth for the time model there too.
     buffer_pool_size: int = 2
     gather_pool_size: int = 4
     shard_alignment: int = 64

@@ -71,9 +71,10 @@ def _pool_run(pool_size, factory, overlap=True):
             {n: p.detach().clone() for n, p in model.module.named_parameters()})
 
 
-@pytest.mark.parametrize("pool_size,overlap", [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize("pool_size,overlap", [(1, True), (2, True), (2, False), (None, True)])
 def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
     per_rank = spawn(_pool_run, 2, pool_size, make_mlp, overlap)
+    pool_size = pool_size or 3   # auto: plain on CPU keeps three (OverlapConfig.resolved_buffer_pool_size)
     ref, _ = reference_training(2, 3, 3, 1e-2, 0.1, 0.05, factory=make_mlp)
     for stats, nbuckets, order, params in per_rank:
         assert nbuckets >= 6  # far more buckets than buffers
@@ -82,12 +83,26 @@ def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
         # it is launched, so buffers never pile up either (one is enough for an in-order backward).
         assert (stats["peak"] == pool_size if overlap else stats["peak"] <= pool_size), stats
         assert stats["overflows"] == 0, stats
-        assert stats["live"] == 0
+        assert stats["live"] == 0 and stats["pool_size"] == pool_size
         # Adam's update m / (sqrt(v) + eps) is O(lr) whatever the gradient's size; for an element whose
         # gradient nearly cancels across samples, fp32 reassociation (reduce-scatter vs one big batch) changes
         # it by up to ~1e-3 of its size. Bound: 1e-3 * lr per step, i.e. 3e-5 after 3 steps at lr=1e-2.
         for n, r in ref.items():
             torch.testing.assert_close(params[n], r, rtol=1e-5, atol=3e-5)
+
+
+def test_buffer_pool_size_auto():
+    cpu, gpu = torch.device("cpu"), torch.device("meta")   # meta: any device that is not the CPU
+    # gloo runs two reduce-scatters at once: a third buffer for the single-collective reduction on CPU only.
+    assert mx.OverlapConfig().resolved_buffer_pool_size(cpu) == 3
+    assert mx.OverlapConfig(param_gather="qwz").resolved_buffer_pool_size(cpu) == 3
+    for gr in ("qgz", "bytegrad"):
+        assert mx.OverlapConfig(grad_reduce=gr).resolved_buffer_pool_size(cpu) == 2
+    assert mx.OverlapConfig().resolved_buffer_pool_size(gpu) == 2
+    assert mx.OverlapConfig(buffer_pool_size=5).resolved_buffer_pool_size(cpu) == 5
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises(ValueError, match="buffer_pool_size"):
+            mx.OverlapConfig(buffer_pool_size=bad)
 
 
 def test_out_of_order_backward_costs_buffers_not_correctness(spawn):

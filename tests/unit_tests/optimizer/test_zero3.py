@@ -188,7 +188,8 @@ def _memory(hpz, dtype):
     for step in range(2):
         odo_tied_step(model, opt, step, dist.get_rank(), 1)
     return {"memory": model.memory_report(), "numel": [b.numel for b in model.buckets],
-            "owned": sum(pc.end - pc.start for pc in opt.pieces), "param": model.plan.param}
+            "owned": sum(pc.end - pc.start for pc in opt.pieces), "param": model.plan.param,
+            "pool": model.buffer_pool_size}
 
 
 @pytest.mark.parametrize("hpz,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
@@ -200,7 +201,7 @@ def test_zero3_memory_matches_formula(spawn, hpz, dtype):
         formula = model_state_bytes(
             padded_numel=padded, owned_numel=info["owned"], param_bytes=e, grad_bytes=4, param_shards=info["param"],
             optim_shards=info["param"], full_grad_buffer=False, master_bytes=0 if dtype == torch.float32 else 4,
-            state_bytes=8, pool_bytes=2 * 4 * max(info["numel"]), hpz=hpz)
+            state_bytes=8, pool_bytes=info["pool"] * 4 * max(info["numel"]), hpz=hpz)
         mem = info["memory"]
         assert {k: mem[k] for k in formula} == formula
         # Full weights are not resident between steps: only what the next forward prefetched.
