@@ -292,7 +292,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     mem = ddp.memory_report()
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
             "bucket_numel": bucket or a.bucket_numel, "buckets": len(ddp.buckets), "progress_engine": engine,
-            "params": sum(p.numel() for p in model.parameters()),
+            "buffer_pool_size": ddp.buffer_pool_size, "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
             "memory": mem}
 
