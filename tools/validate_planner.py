@@ -123,7 +123,7 @@ def _workloads(spec: str, a):
         sa = _shape_args(shape)
         model = ModelSpec(gpt_name(sa.layers, sa.hidden), sa.layers, sa.hidden, sa.heads, sa.vocab, sa.seq)
         yield shape, Workload(model, nodes * rpn, rpn, sa.micro_batch, a.micro_batches,
-                              setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True))
+                              setup=TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True, device="cpu"))
 
 
 def _profile_path(spec: str, a) -> str:

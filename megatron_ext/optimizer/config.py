@@ -13,10 +13,9 @@ from .sharding import ShardingPlan
 ACCUMULATE_POLICIES = ("auto", "shard", "local")
 QGZ_DEFAULT_STAGES = 2
 QGZ_AUTO_MIN_BUCKETS = 4
-# Gradient bucket buffers (buffer alternation) when the config leaves it to the wrapper: see
-# OverlapConfig.resolved_buffer_pool_size.
+# Gradient bucket buffers (buffer alternation) when the config leaves it open: see default_buffer_pool_size.
 BUFFER_POOL_SIZE = 2
-BUFFER_POOL_SIZE_CPU = 3      # the plain reduction on CPU (gloo)
+BUFFER_POOL_SIZE_CPU = 3      # one-collective reductions on CPU (gloo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +73,31 @@ class OverlapConfig:
         return BackendOptions(quant_group_size=self.quant_group_size, qgz_bits=self.qgz_bits,
                               qgz_pipeline_stages=stages)
 
-    def resolved_buffer_pool_size(self, device: torch.device) -> int:
-        """The gradient bucket buffers of a wrapper whose buckets live on ``device`` (``buffer_pool_size`` unless
-        it is None). Two where the reductions of one group run one after the other (NCCL's stream): the older of
-        two in-flight reductions finishes, and frees its buffer, while the link still carries the newer one, so the
-        next bucket fills behind it. Three for the ``plain`` reduction on CPU: gloo's process group runs two
-        collectives at once (two worker threads), two in-flight reduce-scatters share the link and finish together,
-        and with two buffers the link then idles while backward fills the next bucket (traced at 200 Mbit/s with
-        20 buckets: 1.45 s of backward for 1.19 s of link time; a third buffer: 2.24 -> 2.12 s per step, qwZ
-        1.80 -> 1.68 s). The multi-hop reductions (qgZ, ByteGrad) keep two: the progress engine already staggers
-        their hops, and a third work in flight cost qwZ + qgZ INT4 15% at 200 Mbit/s (0.65 -> 0.75 s)."""
+    def resolved_buffer_pool_size(self, device: torch.device, single_collective: bool) -> int:
+        """The gradient bucket buffers of a wrapper whose buckets live on ``device`` and whose reduction of a bucket
+        is ``single_collective`` (see :func:`default_buffer_pool_size`); ``buffer_pool_size`` when it is set."""
         if self.buffer_pool_size is not None:
             return self.buffer_pool_size
-        cpu_single_hop = device.type == "cpu" and self.grad_reduce == "plain"
-        return BUFFER_POOL_SIZE_CPU if cpu_single_hop else BUFFER_POOL_SIZE
+        return default_buffer_pool_size(device.type, single_collective)
 
     def resolved_qgz_stages(self, buckets: int, engine: bool) -> int:
         """The qgZ stage count for a wrapper with ``buckets`` buckets (see ``qgz_pipeline_stages``)."""
         if self.qgz_pipeline_stages is not None:
             return self.qgz_pipeline_stages
         return 1 if engine and buckets >= QGZ_AUTO_MIN_BUCKETS else QGZ_DEFAULT_STAGES
+
+
+def default_buffer_pool_size(device_type: str, single_collective: bool) -> int:
+    """Gradient bucket buffers when the config leaves it open. Two where the collectives of one group run one after
+    the other (NCCL's stream): the older of two in-flight reductions finishes, and frees its buffer, while the link
+    still carries the newer one, so the next bucket fills behind it. Three on CPU when a bucket's reduction is one
+    collective (``plain`` in a single stage; the device stands for gloo, the CPU backend): gloo's process group
+    runs two collectives at once (two worker threads), two in-flight reduce-scatters share the link and finish
+    together, and with two buffers the link then idles while backward fills the next bucket (traced at 200 Mbit/s
+    with 20 buckets: 1.45 s of backward for 1.19 s of link time; a third buffer: plain 2.24 -> 2.12 s per step,
+    qwZ 1.80 -> 1.68 s). Multi-hop and staged reductions keep two: the progress engine already staggers their
+    hops, and a third work in flight cost qwZ + qgZ INT4 15% at 200 Mbit/s (0.65 -> 0.75 s)."""
+    return BUFFER_POOL_SIZE_CPU if device_type == "cpu" and single_collective else BUFFER_POOL_SIZE
 
 
 def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:

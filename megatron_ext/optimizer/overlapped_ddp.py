@@ -30,7 +30,7 @@ from .param_buffer import ParameterBuffer
 from .param_schedule import ShardedParamSync
 from .param_sync import ParamSync
 from .sharded_params import ShardedParameterStore
-from .plan_comm import build_plan_comm
+from .plan_comm import build_plan_comm, single_collective_reduction
 
 
 class OverlappedDDP(torch.nn.Module):
@@ -86,7 +86,8 @@ class OverlappedDDP(torch.nn.Module):
         if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
             self.comm.set_qgz_stages(self.qgz_stages)
         self.param_buffer = ParameterBuffer(self.buckets, device)
-        self.buffer_pool_size = config.resolved_buffer_pool_size(device)
+        self.buffer_pool_size = config.resolved_buffer_pool_size(
+            device, single_collective_reduction(self.plan, config.grad_reduce))
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.
         self.main_grad_partition = torch.zeros(self.partition_numel, dtype=torch.float32, device=device)

@@ -73,6 +73,12 @@ def stage_backend_names(plan: ResolvedPlan, grad_reduce: str) -> Tuple[str, Opti
     return name(optim), (name(replicas) if replicas is not None else None)
 
 
+def single_collective_reduction(plan: ResolvedPlan, grad_reduce: str) -> bool:
+    """Whether a bucket's gradient reduction under this plan is one collective: ``plain`` in a single stage."""
+    optim, replica = stage_backend_names(plan, grad_reduce)
+    return optim == "plain" and replica is None
+
+
 def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,
                     options, engine: Optional[ProgressEngine] = None) -> PlanComm:
     """Create this rank's plan groups (members only, same order on every rank) and the stage backends.

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 def plan_from_args(a: argparse.Namespace) -> Ranking:
     prof: HardwareProfile = load_profile(a.hardware, a.profile)
     spec = model_from_args(a)
-    setup = TrainingSetup(params_dtype=a.params_dtype)
+    setup = TrainingSetup(params_dtype=a.params_dtype, device=prof.device)
     wl = workload_from(spec, gpus=a.gpus, gpus_per_node=a.gpus_per_node or prof.gpus_per_node,
                        micro_batch=a.micro_batch_size, global_batch=a.global_batch_size,
                        tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,

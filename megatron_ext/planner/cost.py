@@ -296,8 +296,8 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
     # Pooled gradient buffers (buffer alternation): bucket k's first gradient takes a buffer, so backward waits
-    # there for the reduction ``buffer_pool_size`` launches back (grad_sync.py; none with local accumulation).
-    buffers = max(1, wl.setup.buffer_pool_size) if not plan.accumulates_locally(M > 1) else None
+    # there for the reduction ``replayed_pool_buffers()`` launches back (grad_sync.py; none with local accumulation).
+    buffers = max(1, wl.setup.replayed_pool_buffers()) if not plan.accumulates_locally(M > 1) else None
     reducing = {key[2] for key in chains if key[0] == "rs"}
 
     rp = _Replay(profile)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..optimizer.bucketing import assign_buckets
+from ..optimizer.config import BUFFER_POOL_SIZE, default_buffer_pool_size
 from ..optimizer.memory import model_state_bytes
+from ..optimizer.plan_comm import single_collective_reduction, stage_backend_names
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
-from ..optimizer.plan_comm import stage_backend_names
 from .volumes import BucketShape, plan_groups
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -31,10 +32,11 @@ class TrainingSetup:
     params_dtype: str = "bf16"
     grad_reduce_in_fp32: bool = True
     optimizer: str = "adam"
-    # The wrapper's GPU default (OverlapConfig.resolved_buffer_pool_size). On CPU, plain keeps a third buffer
-    # because gloo runs two reduce-scatters at once; the cost model issues collectives one after the other, the
-    # behaviour that third buffer restores, so 2 stays the right depth for the time model there too.
-    buffer_pool_size: int = 2
+    # None: the wrapper's own depth on ``device`` (optimizer/config.py default_buffer_pool_size: 3 for a
+    # single-collective reduction on CPU, else 2). The cost model's time replay issues collectives one after the
+    # other, which is what the CPU's third buffer restores on gloo, so it replays 2 unless this is set.
+    buffer_pool_size: Optional[int] = None
+    device: str = "cuda"                 # "cpu": the ODO on gloo
     gather_pool_size: int = 4
     shard_alignment: int = 64
     quant_group_size: int = 2048
@@ -47,6 +49,16 @@ class TrainingSetup:
     @property
     def grad_bytes(self) -> int:
         return 4 if self.grad_reduce_in_fp32 else self.param_bytes
+
+    def pool_buffers(self, plan: ResolvedPlan, grad_reduce: str) -> int:
+        """The gradient bucket buffers the wrapper keeps under this plan and backend."""
+        if self.buffer_pool_size is not None:
+            return self.buffer_pool_size
+        return default_buffer_pool_size(self.device, single_collective_reduction(plan, grad_reduce))
+
+    def replayed_pool_buffers(self) -> int:
+        """The buffers the time model replays (one collective at a time, see ``buffer_pool_size``)."""
+        return self.buffer_pool_size if self.buffer_pool_size is not None else BUFFER_POOL_SIZE
 
     @property
     def state_bytes(self) -> int:
@@ -112,7 +124,7 @@ def model_state_memory(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[Bu
         param_bytes=setup.param_bytes, grad_bytes=setup.grad_bytes, param_shards=plan.param,
         optim_shards=plan.optim, full_grad_buffer=local, master_bytes=0 if lossless_fp32 else 4,
         state_bytes=setup.state_bytes,
-        pool_bytes=0 if not pooled else setup.buffer_pool_size * setup.grad_bytes * largest, hpz=plan.hpz)
+        pool_bytes=0 if not pooled else setup.pool_buffers(plan, cand.grad_reduce) * setup.grad_bytes * largest, hpz=plan.hpz)
 
 
 def transient_memory(plan: ResolvedPlan, buckets: Sequence[BucketShape], setup: TrainingSetup) -> int:

@@ -184,11 +184,14 @@ def model_spec_from_args(args: argparse.Namespace) -> "ModelSpec":
 
 def workload_from_args(args: argparse.Namespace) -> "Workload":
     """DP size, DP ranks per node (as the ODO resolves them), TP, PP, batch and dtypes of this run."""
+    import torch
+
     from megatron_ext.planner.cost import Workload
     from megatron_ext.planner.memory import TrainingSetup
 
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    setup = TrainingSetup(params_dtype=dtype, optimizer=args.optimizer, quant_group_size=args.quant_group_size)
+    setup = TrainingSetup(params_dtype=dtype, optimizer=args.optimizer, quant_group_size=args.quant_group_size,
+                          device="cuda" if torch.cuda.is_available() else "cpu")   # where pretrain_gpt trains
     dp = args.data_parallel_size
     rpn = args.dp_ranks_per_node or dp      # the ODO without --ranks-per-node / LOCAL_WORLD_SIZE: one node
     return Workload(model_spec_from_args(args), dp, rpn, args.micro_batch_size, args.num_micro_batches,

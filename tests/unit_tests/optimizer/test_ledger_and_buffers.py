@@ -92,17 +92,25 @@ def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
 
 
 def test_buffer_pool_size_auto():
-    cpu, gpu = torch.device("cpu"), torch.device("meta")   # meta: any device that is not the CPU
-    # gloo runs two reduce-scatters at once: a third buffer for the single-collective reduction on CPU only.
-    assert mx.OverlapConfig().resolved_buffer_pool_size(cpu) == 3
-    assert mx.OverlapConfig(param_gather="qwz").resolved_buffer_pool_size(cpu) == 3
-    for gr in ("qgz", "bytegrad"):
-        assert mx.OverlapConfig(grad_reduce=gr).resolved_buffer_pool_size(cpu) == 2
-    assert mx.OverlapConfig().resolved_buffer_pool_size(gpu) == 2
-    assert mx.OverlapConfig(buffer_pool_size=5).resolved_buffer_pool_size(cpu) == 5
+    from megatron_ext.optimizer.config import default_buffer_pool_size
+    from megatron_ext.optimizer.plan_comm import single_collective_reduction
+    from megatron_ext.optimizer.sharding import ShardingPlan
+    # gloo runs two reduce-scatters at once: a third buffer on CPU where a bucket's reduction is one collective.
+    assert (default_buffer_pool_size("cpu", True), default_buffer_pool_size("cpu", False)) == (3, 2)
+    assert (default_buffer_pool_size("cuda", True), default_buffer_pool_size("cuda", False)) == (2, 2)
+    cfg, cpu = mx.OverlapConfig(), torch.device("cpu")
+    assert cfg.resolved_buffer_pool_size(cpu, True) == 3 and cfg.resolved_buffer_pool_size(torch.device("meta"), True) == 2
+    assert mx.OverlapConfig(buffer_pool_size=5).resolved_buffer_pool_size(cpu, True) == 5
     for bad in (0, -1, 2.5, "3"):
         with pytest.raises(ValueError, match="buffer_pool_size"):
             mx.OverlapConfig(buffer_pool_size=bad)
+    # DP 8 on nodes of 4: plain in one stage (ZeRO-2, ZeRO-3) is one collective; a replica stage (MiCS) or a
+    # multi-hop backend is not.
+    def single(plan, gr):
+        return single_collective_reduction(plan.resolve(8, 4, 0), gr)
+    assert single(ShardingPlan(), "plain") and single(ShardingPlan.zero3(), "plain")
+    assert not single(ShardingPlan.mics(4), "plain")
+    assert not single(ShardingPlan(), "qgz") and not single(ShardingPlan(), "bytegrad")
 
 
 def test_out_of_order_backward_costs_buffers_not_correctness(spawn):
