@@ -118,13 +118,13 @@ def model_state_memory(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[Bu
     local = plan.accumulates_locally(micro_batches > 1) or deferred
     lossless_fp32 = setup.param_bytes == 4 and cand.param_gather == "plain"
     largest = max(b.numel for b in buckets)
-    pooled = not plan.accumulates_locally(micro_batches > 1)
+    pool = setup.pool_buffers(plan, cand.grad_reduce) if not plan.accumulates_locally(micro_batches > 1) else 0
     return model_state_bytes(
         padded_numel=padded, owned_numel=owned_numel(buckets, data_numels, plan.shard_rank),
         param_bytes=setup.param_bytes, grad_bytes=setup.grad_bytes, param_shards=plan.param,
         optim_shards=plan.optim, full_grad_buffer=local, master_bytes=0 if lossless_fp32 else 4,
         state_bytes=setup.state_bytes,
-        pool_bytes=0 if not pooled else setup.pool_buffers(plan, cand.grad_reduce) * setup.grad_bytes * largest, hpz=plan.hpz)
+        pool_bytes=pool * setup.grad_bytes * largest, hpz=plan.hpz)
 
 
 def transient_memory(plan: ResolvedPlan, buckets: Sequence[BucketShape], setup: TrainingSetup) -> int:

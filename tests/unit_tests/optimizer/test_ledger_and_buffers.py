@@ -99,7 +99,8 @@ def test_buffer_pool_size_auto():
     assert (default_buffer_pool_size("cpu", True), default_buffer_pool_size("cpu", False)) == (3, 2)
     assert (default_buffer_pool_size("cuda", True), default_buffer_pool_size("cuda", False)) == (2, 2)
     cfg, cpu = mx.OverlapConfig(), torch.device("cpu")
-    assert cfg.resolved_buffer_pool_size(cpu, True) == 3 and cfg.resolved_buffer_pool_size(torch.device("meta"), True) == 2
+    assert cfg.resolved_buffer_pool_size(cpu, True) == 3
+    assert cfg.resolved_buffer_pool_size(torch.device("meta"), True) == 2   # meta: any device but the CPU
     assert mx.OverlapConfig(buffer_pool_size=5).resolved_buffer_pool_size(cpu, True) == 5
     for bad in (0, -1, 2.5, "3"):
         with pytest.raises(ValueError, match="buffer_pool_size"):
