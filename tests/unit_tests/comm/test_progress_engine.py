@@ -126,8 +126,33 @@ def test_done_only_after_wait_and_advance_is_a_noop():
     assert w.done and w.finished
 
 
-def test_failure_surfaces_at_wait_and_later_works_fail_too():
-    eng = ProgressEngine()
+def test_inline_engine_issues_the_thread_engines_sequence_on_the_calling_thread():
+    """CUDA's inline engine runs the same rule: the same collective sequence, all of it on the submitting thread,
+    each command done when submit()/wait() returns (nothing left for a thread to do)."""
+    reference: list = []
+    _program(ProgressEngine(), reference)
+    for early in (False, True):
+        ref_early: list = []
+        _program_with_early_single(ProgressEngine(), ref_early, early)
+        log: list = []
+        _program_with_early_single(ProgressEngine(inline=True), log, early)
+        assert [e[:2] for e in log] == [e[:2] for e in ref_early]
+    log = []
+    eng = ProgressEngine(inline=True)
+    _program(eng, log)
+    assert [e[:2] for e in log] == [e[:2] for e in reference]
+    assert {t for _, _, t in log} == {threading.current_thread().name}
+    assert eng.commands == 8 + 8   # 8 launches, 8 first waits (one of them the pool's): every one already run
+    nested: list = []
+    outer = eng.submit(lambda: eng.submit(lambda: _FakeWork("inner", 2, nested)))   # a chained stage submits again
+    assert type(outer).__name__ == "EngineWork" and nested == [("inner", 0, threading.current_thread().name)]
+    outer.wait()
+    assert [e[:2] for e in nested] == [("inner", 0), ("inner", 1)]
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_failure_surfaces_at_wait_and_later_works_fail_too(inline):
+    eng = ProgressEngine(inline=inline)
     log: list = []
     ok = eng.submit(lambda: _FakeWork("ok", 1, log))
     bad = eng.submit(lambda: _FakeWork("bad", 3, log, fail_at=1))
@@ -281,9 +306,10 @@ class _RecordingStreams(StreamOps):
         self.log.append(("compute stream waits", token))
 
 
-def test_stream_order_launch_after_ready_event_consumer_waits_on_done_event():
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_stream_order_launch_after_ready_event_consumer_waits_on_done_event(inline):
     log: list = []
-    eng = ProgressEngine(streams=_RecordingStreams(log))
+    eng = ProgressEngine(streams=_RecordingStreams(log), inline=inline)
     t = torch.zeros(4)
     w = eng.submit(lambda: _FakeWork("a", 2, log), (t, t))
     w.wait()
@@ -310,8 +336,18 @@ def test_auto_qgz_stages_one_stage_with_many_buckets_and_the_engine():
 
 
 def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, steps: int = STEPS,
-           rpn: int = RPN) -> torch.Tensor:
+           rpn: int = RPN, inline: bool = False) -> torch.Tensor:
+    """``inline``: the engine CUDA uses (the rule run on the submitting thread), here on gloo, where it blocks."""
     import torch.distributed as dist
+
+    from megatron_ext.comm import progress
+
+    if inline:
+        original, progress.runs_inline = progress.runs_inline, lambda device: True
+        try:
+            return _train(gr, pg, plan, stages, engine, delays, steps, rpn)
+        finally:
+            progress.runs_inline = original
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
@@ -365,7 +401,8 @@ def _all_variants(cases=CASES, steps: int = STEPS, rpn: int = RPN):
         # auto stages differ with and without the engine: compare the delayed engine with the undelayed one
         out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, False, False, steps, rpn),
                     "engine": _train(gr, pg, plan, stages, True, False, steps, rpn),
-                    "delayed": _train(gr, pg, plan, stages, True, True, steps, rpn)}
+                    "delayed": _train(gr, pg, plan, stages, True, True, steps, rpn),
+                    "inline": _train(gr, pg, plan, stages, True, False, steps, rpn, inline=True)}
     return out
 
 
@@ -389,5 +426,5 @@ def _check_same_weights(res) -> None:
     for key in res[0]:
         ref = res[0][key]["sync"]
         for rank, out in enumerate(res):
-            for variant in ("sync", "engine", "delayed"):
+            for variant in ("sync", "engine", "delayed", "inline"):
                 assert torch.equal(out[key][variant], ref), (key, rank, variant)
