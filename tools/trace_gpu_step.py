@@ -1,0 +1,594 @@
+#!/usr/bin/env python
+"""Where does the compute stream wait on communication? A torch.profiler trace of ODO steps on one GPU with a
+multi-rank topology (issue 14's GPU check).
+
+One process plays rank 0 of a ``--world-size`` world of ``--ranks-per-node`` ranks per node on torch's fake process
+group (``torch.testing._internal.distributed.fake_pg``), so every code path of a multi-node job runs -- the progress
+engine's communication stream, the backends' Triton kernels, the buffer pool, the forward pre-hooks -- on one GPU.
+The fake group moves no data; each collective is replaced by an *emulated link* that behaves as NCCL does towards
+the caller's streams:
+
+  * it runs on its own stream per process group, after waiting for the caller's current stream;
+  * it occupies that stream for ``bytes on the wire / link rate`` (``torch.cuda._sleep``, calibrated), at
+    ``--link-gbit`` for a group that spans nodes and ``--intra-gbit`` inside a node (0: no delay);
+  * it writes what every rank holding the same data would receive (reduce-scatter: P x this rank's chunk, ...), so
+    the numerics stay finite and the step runs as in a real job;
+  * its ``wait()`` makes the caller's current stream wait for it, and its future is complete at once (NCCL marks
+    it complete at enqueue), so nothing blocks the host.
+
+Per phase of the step (forward, backward, finish = ``finish_grad_sync``, step), per step:
+
+  * every wait of the compute stream on another stream (measured on the GPU by a pair of timing events around it,
+    :class:`WaitProbe`), with what issued it (the buffer pool handing over a buffer, a consumer's ``wait()`` on an
+    engine work, a ``wait()`` on a collective) and how long it held the compute stream up;
+  * the blocking CUDA calls (stream / event / device synchronize, synchronous copies) issued during it, any thread;
+  * from the torch.profiler trace: the phase's host time, and in the backward window the GPU busy time of the
+    compute stream, of the communication streams, and their overlap;
+  * the host time the progress engine's thread spent per step.
+
+    python tools/trace_gpu_step.py --json docs/benchmarks/gpu_trace_issue14.json     # on a CUDA machine
+    python tools/trace_gpu_step.py --device cpu --width 64 --hidden 128 --depth 2    # plumbing check, no GPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gzip
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from bench_optimizer import Net  # noqa: E402
+from megatron_ext.comm.combos import select_combos  # noqa: E402
+
+PHASES = ("forward", "backward", "finish", "step")
+
+
+# -- the emulated link --------------------------------------------------------------------------------------------
+class LinkWork:
+    """A collective's handle as NCCL's behaves towards streams: ``wait()`` orders the caller's current stream after
+    it; the future is complete at enqueue."""
+
+    def __init__(self, event) -> None:
+        self._event = event
+
+    def wait(self, timeout=None) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class EmulatedLink:
+    """Replaces torch.distributed's collectives by delays on a per-group stream plus a data-preserving fill."""
+
+    def __init__(self, ranks_per_node: int, link_gbit: float, intra_gbit: float, cycles_per_s: float) -> None:
+        self.ranks_per_node = ranks_per_node
+        self.link_gbit = link_gbit
+        self.intra_gbit = intra_gbit
+        self.cycles_per_s = cycles_per_s
+        self._groups: Dict[int, Tuple[int, int, float, object]] = {}   # id -> (size, rank, Gbit/s, stream)
+        self.wire_bytes = 0
+        self.calls = 0
+
+    def install(self) -> None:
+        methods = {"reduce_scatter_tensor": self._reduce_scatter, "reduce_scatter_single": self._reduce_scatter,
+                   "all_gather_into_tensor": self._all_gather, "all_gather_single": self._all_gather,
+                   "all_to_all_single": self._all_to_all, "all_reduce": self._all_reduce,
+                   "broadcast": self._broadcast, "reduce": self._reduce, "scatter": self._scatter}
+        for name, method in methods.items():
+            if hasattr(dist, name):
+                setattr(dist, name, method)
+
+    # each collective: (tensors it reads and writes, bytes this rank puts on the wire, the fill)
+    def _reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        size, me, _, _ = self._group(group)
+        return self._run(group, async_op, [output, input], input.numel() * input.element_size() * (size - 1) // size,
+                         lambda: output.copy_(input.view(size, -1)[me]).mul_(_sum_factor(op, size)))
+
+    def _all_gather(self, output, input, group=None, async_op=False):
+        size, _, _, _ = self._group(group)
+        return self._run(group, async_op, [output, input], output.numel() * output.element_size() * (size - 1) // size,
+                         lambda: output.view(size, -1).copy_(input.reshape(1, -1).expand(size, -1)))
+
+    def _all_to_all(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                    async_op=False):
+        size, _, _, _ = self._group(group)
+        return self._run(group, async_op, [output, input], input.numel() * input.element_size() * (size - 1) // size,
+                         lambda: output.copy_(input.view_as(output)))
+
+    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        size, _, _, _ = self._group(group)
+        return self._run(group, async_op, [tensor], 2 * tensor.numel() * tensor.element_size() * (size - 1) // size,
+                         lambda: tensor.mul_(_sum_factor(op, size)))
+
+    def _reduce(self, tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+        size, _, _, _ = self._group(group)
+        return self._run(group, async_op, [tensor], tensor.numel() * tensor.element_size(),
+                         lambda: tensor.mul_(_sum_factor(op, size)))
+
+    def _broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
+        return self._run(group, async_op, [tensor], tensor.numel() * tensor.element_size(), lambda: None)
+
+    def _scatter(self, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+        size, me, _, _ = self._group(group)
+        fill = (lambda: tensor.copy_(scatter_list[me])) if scatter_list else (lambda: None)
+        return self._run(group, async_op, [tensor] + list(scatter_list or []),
+                         tensor.numel() * tensor.element_size() * (size - 1), fill)
+
+    def _run(self, group, async_op: bool, tensors: Sequence[torch.Tensor], wire_bytes: int, fill):
+        self.calls += 1
+        self.wire_bytes += wire_bytes
+        if not tensors[0].is_cuda:      # CPU plumbing check: no streams, data filled at once
+            fill()
+            work = LinkWork(None)
+            return work if async_op else None
+        _, _, gbit, stream = self._group(group)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if gbit > 0:
+                torch.cuda._sleep(max(1, int(wire_bytes * 8 / (gbit * 1e9) * self.cycles_per_s)))
+            fill()
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in tensors:
+            t.record_stream(stream)
+        work = LinkWork(event)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _group(self, group) -> Tuple[int, int, float, object]:
+        """(size, this rank's index, link rate, stream) of a group, looked up once: the emulation must not add host
+        time of its own per collective (``dist.get_rank(group)`` alone costs tens of microseconds)."""
+        group = group if group is not None else dist.group.WORLD
+        info = self._groups.get(id(group))
+        if info is None:
+            nodes = {r // self.ranks_per_node for r in dist.get_process_group_ranks(group)}
+            info = (dist.get_world_size(group), dist.get_rank(group),
+                    self.link_gbit if len(nodes) > 1 else self.intra_gbit,
+                    torch.cuda.Stream() if torch.cuda.is_available() else None)
+            self._groups[id(group)] = info
+        return info
+
+
+def _sum_factor(op, size: int) -> int:
+    """What a sum over ``size`` ranks holding the same data multiplies by (an int: integer flags stay integers)."""
+    return size if op == dist.ReduceOp.SUM else 1
+
+
+def sleep_cycles_per_second() -> float:
+    """``torch.cuda._sleep`` spins a number of GPU clock cycles: how many make a second on this GPU, now."""
+    torch.cuda._sleep(100_000_000)      # let the clock ramp up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 200_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+# -- instrumentation ----------------------------------------------------------------------------------------------
+class WaitProbe:
+    """Measures every wait of the compute stream on another stream, on the GPU: a timing event recorded on the
+    compute stream just before the wait and one just after; the time between them is how long the compute stream
+    sat at the wait (a wait whose event had already completed costs about nothing). Each wait is labelled with the
+    step phase the training thread is in and with the ODO call that issued it (the buffer pool
+    handing over a buffer, a consumer's ``wait()`` on an engine work, a ``wait()`` on a collective: the outermost)."""
+
+    def __init__(self, compute: "torch.cuda.Stream") -> None:
+        self.compute = compute
+        self.phase = "setup"
+        self.records: List[Tuple[str, str, object, object]] = []
+        self.engine_s = 0.0      # host time the progress engine thread spent executing commands
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        from megatron_ext.comm import progress
+        from megatron_ext.optimizer import buffer_pool
+
+        original = torch.cuda.Stream.wait_event
+        probe = self
+
+        def wait_event(stream, event):
+            if stream != probe.compute:
+                return original(stream, event)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            original(stream, event)
+            after.record(stream)
+            with probe._lock:
+                probe.records.append((probe.phase, probe._source(), before, after))
+
+        torch.cuda.Stream.wait_event = wait_event
+        buffer_pool.BufferPool.acquire = self.labelled(buffer_pool.BufferPool.acquire, "pool_acquire")
+        progress.EngineWork.wait = self.labelled(progress.EngineWork.wait, "engine_wait")
+        LinkWork.wait = self.labelled(LinkWork.wait, "collective_wait")
+        for name in ("_execute", "_complete_ready"):
+            setattr(progress.ProgressEngine, name, self.timed(getattr(progress.ProgressEngine, name)))
+
+    def labelled(self, fn, label: str):
+        @functools.wraps(fn)
+        def call(*a, **k):
+            stack = self._local.__dict__.setdefault("stack", [])
+            stack.append(label)
+            try:
+                with torch.profiler.record_function("mx." + label):
+                    return fn(*a, **k)
+            finally:
+                stack.pop()
+        return call
+
+    def timed(self, fn):
+        @functools.wraps(fn)
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.engine_s += time.perf_counter() - t0
+        return call
+
+    def _source(self) -> str:
+        stack = self._local.__dict__.get("stack")
+        return stack[0] if stack else "other"    # the outermost: why the compute stream waits
+
+    def reset(self) -> None:
+        self.records, self.engine_s = [], 0.0
+
+    def stalls(self) -> List[Tuple[str, str, float]]:
+        """(phase, source, stall ms) of each wait recorded since the last reset (after a device synchronize)."""
+        return [(ph, src, before.elapsed_time(after)) for ph, src, before, after in self.records]
+
+
+STALL_MS = 0.01   # a wait whose two timing events are further apart than this held the compute stream up
+
+
+def summarize_waits(stalls: Sequence[Tuple[str, str, float]], steps: int) -> dict:
+    """Per phase and per step: the compute stream's waits on other streams, how many held it up, for how long."""
+    out = {}
+    for phase in PHASES:
+        mine = [(src, ms) for ph, src, ms in stalls if ph == phase]
+        by_source: Dict[str, int] = {}
+        for src, _ in mine:
+            by_source[src] = by_source.get(src, 0) + 1
+        out[phase] = {"waits_per_step": len(mine) / steps,
+                      "stalled_per_step": sum(ms > STALL_MS for _, ms in mine) / steps,
+                      "stall_ms_per_step": round(sum(ms for _, ms in mine) / steps, 4),
+                      "max_stall_ms": round(max((ms for _, ms in mine), default=0.0), 4),
+                      "by_source": by_source}
+    return out
+
+
+# -- trace analysis -----------------------------------------------------------------------------------------------
+def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(intervals: List[Tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersect(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def summarize_trace(events: List[dict], compute_stream: int) -> dict:
+    """From a Chrome trace of torch.profiler (``traceEvents``), per step (milliseconds): the host time of each
+    phase (its ``mx.<phase>`` annotation), the blocking CUDA calls issued during it (any thread), and in the
+    backward window -- the first to the last compute-stream op launched during ``mx.backward`` -- the busy time of
+    the compute stream, of every other stream, and their overlap."""
+    x = [e for e in events if e.get("ph") == "X"]
+    spans = {p: sorted((e["ts"], e["ts"] + e["dur"]) for e in x
+                       if e.get("cat") == "user_annotation" and e["name"] == "mx." + p) for p in PHASES}
+    steps = max(1, len(spans["backward"]))
+
+    def phase_of(ts: float) -> Optional[str]:
+        for p, lst in spans.items():
+            if any(s <= ts <= e for s, e in lst):
+                return p
+        return None
+
+    runtime = {e["args"]["correlation"]: e for e in x
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    host_syncs: Dict[str, Dict[str, int]] = {p: {} for p in PHASES}
+    for e in runtime.values():
+        phase = phase_of(e["ts"])
+        if e["name"] in HOST_SYNCS and phase is not None:
+            host_syncs[phase][e["name"]] = host_syncs[phase].get(e["name"], 0) + 1
+    ops = [e for e in x if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy = {"backward_gpu_ms": 0.0, "compute_busy_ms": 0.0, "comm_busy_ms": 0.0, "overlap_ms": 0.0}
+    for s, e in spans["backward"]:
+        launched = [o for o in ops if o["args"].get("stream") == compute_stream
+                    and s <= runtime.get(o["args"].get("correlation"), {"ts": -1.0})["ts"] <= e]
+        if not launched:
+            continue
+        lo, hi = min(o["ts"] for o in launched), max(o["ts"] + o["dur"] for o in launched)
+        inside = [(o["args"].get("stream"), max(o["ts"], lo), min(o["ts"] + o["dur"], hi)) for o in ops
+                  if o["ts"] < hi and o["ts"] + o["dur"] > lo]
+        comp = _union([(a, b) for st, a, b in inside if st == compute_stream])
+        comm = _union([(a, b) for st, a, b in inside if st != compute_stream])
+        busy["backward_gpu_ms"] += (hi - lo) / 1e3
+        busy["compute_busy_ms"] += _length(comp) / 1e3
+        busy["comm_busy_ms"] += _length(comm) / 1e3
+        busy["overlap_ms"] += _length(_intersect(comp, comm)) / 1e3
+    return {"host_ms_per_step": {p: round(sum(b - a for a, b in spans[p]) / 1e3 / steps, 3) for p in PHASES},
+            "host_syncs_per_step": {p: {k: v / steps for k, v in d.items()} for p, d in host_syncs.items()},
+            "backward_per_step": {k: round(v / steps, 3) for k, v in busy.items()}}
+
+
+# -- one configuration ---------------------------------------------------------------------------------------------
+def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe], device: torch.device,
+               engine: str = "inline") -> dict:
+    """One ODO configuration; ``engine``: how the progress engine runs on CUDA (``inline``, the default there, or on
+    its own ``thread``, as on CPU -- for comparison)."""
+    import megatron_ext as mx
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron_ext.comm import progress
+
+    original = progress.runs_inline
+    progress.runs_inline = lambda dev: dev.type == "cuda" and engine == "inline"
+    try:
+        return _run_config(args, combo, pool_size, probe, device, engine)
+    finally:
+        progress.runs_inline = original
+
+
+def _run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe], device: torch.device,
+                engine: str) -> dict:
+    import megatron_ext as mx
+    from megatron.core.optimizer import OptimizerConfig
+
+    torch.manual_seed(1234)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    net = Net(args.width, args.hidden, args.depth).to(device, dtype)
+    model = mx.OverlappedDDP(net, mx.OverlapConfig(
+        bucket_size=args.bucket_numel, grad_reduce=combo.grad_reduce, param_gather=combo.param_gather,
+        qgz_bits=combo.qgz_bits, ranks_per_node=args.ranks_per_node, buffer_pool_size=pool_size,
+        qgz_pipeline_stages=None))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=args.clip_grad, bf16=dtype == torch.bfloat16,
+        fp16=False), model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+    y = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+
+    def step() -> None:
+        if probe is not None:
+            probe.phase = "forward"
+        with torch.profiler.record_function("mx.forward"):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        if probe is not None:
+            probe.phase = "backward"
+        with torch.profiler.record_function("mx.backward"):
+            loss.backward()
+        if probe is not None:
+            probe.phase = "finish"
+        with torch.profiler.record_function("mx.finish"):
+            model.finish_grad_sync()
+        if probe is not None:
+            probe.phase = "step"
+        with torch.profiler.record_function("mx.step"):
+            ok, _, _ = opt.step()
+            opt.zero_grad()
+        skipped[0] += not ok
+
+    skipped = [0]
+    timed = _time_steps(step, args, device)
+    if probe is not None:
+        probe.reset()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+        _synchronize(device)
+    events = _trace_events(prof, args.keep_trace if device.type == "cuda" else "",
+                           f"{combo.label.replace(' ', '_').replace('+', '_')}_pool{model.buffer_pool_size}_{engine}")
+    row = {"combo": combo.label, "grad_reduce": combo.grad_reduce, "param_gather": combo.param_gather,
+           "buffer_pool_size": model.buffer_pool_size, "buckets": len(model.buckets),
+           "engine": ("inline" if model.engine.inline else "thread") if model.engine is not None else "off",
+           "skipped_steps": skipped[0], **timed}
+    if device.type == "cuda":
+        row["compute_stream"] = _compute_stream(events)
+        row.update(summarize_trace(events, row["compute_stream"]))
+        row["compute_stream_waits"] = summarize_waits(probe.stalls(), args.steps)
+        row["engine_host_ms_per_step"] = round(probe.engine_s * 1e3 / args.steps, 3)
+    return row
+
+
+def run_no_comm(args, device: torch.device) -> dict:
+    """The same model and batch with a local AdamW and no ODO: the step without any communication machinery."""
+    torch.manual_seed(1234)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    net = Net(args.width, args.hidden, args.depth).to(device, dtype)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+    y = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+
+    def step() -> None:
+        torch.nn.functional.mse_loss(net(x).float(), y.float()).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip_grad, foreach=True)
+        opt.step()
+        opt.zero_grad()
+
+    return {"combo": "no-comm (local AdamW)", **_time_steps(step, args, device)}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_steps(step, args, device: torch.device) -> dict:
+    """Warm up, then the median wall time of ``--steps`` steps, each ended by a device synchronize."""
+    for _ in range(args.warmup):
+        step()
+    _synchronize(device)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"step_ms": round(statistics.median(times), 3)}
+
+
+def _trace_events(prof, keep_dir: str, name: str) -> List[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        if keep_dir:
+            with open(path, "rb") as src, gzip.open(os.path.join(keep_dir, f"trace_{name}.json.gz"), "wb") as dst:
+                dst.write(src.read())
+    return events
+
+
+def _compute_stream(events: List[dict]) -> Optional[int]:
+    """The stream that runs most of the kernels launched during the forward passes."""
+    x = [e for e in events if e.get("ph") == "X"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in x if e.get("cat") == "user_annotation" and e["name"] == "mx.forward"]
+    launch = {e["args"]["correlation"]: e["ts"] for e in x
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    time_on: Dict[int, float] = {}
+    for e in x:
+        if e.get("cat") == "kernel":
+            ts = launch.get(e["args"].get("correlation"))
+            if ts is not None and any(a <= ts <= b for a, b in spans):
+                time_on[e["args"]["stream"]] = time_on.get(e["args"]["stream"], 0.0) + e["dur"]
+    return max(time_on, key=time_on.get) if time_on else None
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['combo']:14s} {r.get('engine', ''):6s} pool {r.get('buffer_pool_size')} buckets {r.get('buckets', 0):3d}"
+    if "error" in r:
+        return f"{head} | error: {r['error']}"
+    line = f"{head} | step {r['step_ms']:7.1f} ms"
+    if "compute_stream_waits" not in r:
+        return line
+    bw, host = r["backward_per_step"], r["host_ms_per_step"]
+    waits = " ".join(f"{ph} {w['waits_per_step']:g}/{w['stalled_per_step']:g}/{w['stall_ms_per_step']:.2f}ms"
+                     f"{w['by_source']}" for ph, w in r["compute_stream_waits"].items())
+    return (f"{line} | host fwd/bwd/finish/step {host['forward']:.1f}/{host['backward']:.1f}/{host['finish']:.1f}/"
+            f"{host['step']:.1f} ms, engine {r['engine_host_ms_per_step']:.1f} ms"
+            f" | backward GPU {bw['backward_gpu_ms']:.2f} ms: compute {bw['compute_busy_ms']:.2f}, comm "
+            f"{bw['comm_busy_ms']:.2f}, overlap {bw['overlap_ms']:.2f}"
+            f" | compute-stream waits (per step: count/stalled/stall): {waits}"
+            f" | host syncs in backward: {r['host_syncs_per_step']['backward']}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--world-size", type=int, default=16)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--combos", default="plain,qwZ+qgZ INT4,ByteGrad", help="comma-separated (megatron_ext.comm.combos)")
+    p.add_argument("--engines", default="inline", help="comma-separated: inline (the CUDA default), thread")
+    p.add_argument("--pool-sizes", default="auto", help="comma-separated gradient buffer pool sizes; auto: the default")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--rows", type=int, default=8192, help="tokens per step (rows of the input)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--bucket-numel", type=int, default=10_000_000)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--link-gbit", type=float, default=400.0, help="emulated inter-node link, Gbit/s (0: no delay)")
+    p.add_argument("--intra-gbit", type=float, default=3000.0,
+                   help="emulated intra-node link, Gbit/s (0: no delay; default about one NVLink 4 direction)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--keep-trace", default="", help="folder for the gzipped Chrome traces (CUDA only)")
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args(argv)
+    combos = select_combos([c.strip() for c in args.combos.split(",") if c.strip()])
+    pools = [None if s.strip() == "auto" else int(s) for s in args.pool_sizes.split(",")]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if any(e not in ("inline", "thread") for e in engines):
+        p.error(f"--engines: choose from inline, thread; got {args.engines!r}")
+    if args.world_size % args.ranks_per_node:
+        p.error(f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu for the plumbing check)")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    cycles = sleep_cycles_per_second() if device.type == "cuda" else 0.0
+    link = EmulatedLink(args.ranks_per_node, args.link_gbit, args.intra_gbit, cycles)
+    link.install()
+    probe = None
+    if device.type == "cuda":
+        probe = WaitProbe(torch.cuda.default_stream(device))
+        probe.install()
+
+    rows = [run_no_comm(args, device)]
+    print(f"{rows[0]['combo']:22s} step {rows[0]['step_ms']:7.1f} ms", flush=True)
+    for combo, pool, engine in itertools.product(combos, pools, engines):
+        try:
+            rows.append(run_config(args, combo, pool, probe, device, engine))
+        except Exception as e:  # noqa: BLE001 -- report it and go on with the next configuration
+            traceback.print_exc()
+            rows.append({"combo": combo.label, "buffer_pool_size": pool, "engine": engine, "error": repr(e)})
+        print(format_row(rows[-1]), flush=True)
+    meta = {"link_calls": link.calls, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "sleep_cycles_per_s": cycles, "argv": sys.argv[1:], **{k: v for k, v in vars(args).items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
