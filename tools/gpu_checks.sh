@@ -8,6 +8,8 @@
 #      all-gather): 40 iterations saved at 20, then a resume from 20 that must log the same losses as the
 #      uninterrupted run
 #      (dropout on: the CUDA RNG states must come back too).
+#   4. tools/trace_gpu_step.py: a 16-rank fake process group on the one GPU, progress engine inline and on a thread;
+#      where the compute stream waits on communication (never in backward but for the buffer pool's handovers).
 #
 #   bash tools/gpu_checks.sh [OUT_DIR]          # writes logs and JSON into OUT_DIR (default: gpu_checks/)
 set -uo pipefail
@@ -29,6 +31,7 @@ XDIST=(); python -c "import xdist" 2>/dev/null && XDIST=(-n 8)  # compiling the 
 step kernels_cuda env MX_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     "${XDIST[@]}" tests/unit_tests/kernels/triton_cases.py
 step bench_kernels python tools/bench_kernels.py --devices cuda --out "$OUT/bench_kernels_cuda.json"
+step trace_gpu_step python tools/trace_gpu_step.py --engines inline,thread --steps 5 --check --json "$OUT/gpu_trace.json"
 
 CKPT=$(mktemp -d)
 GPT=(-m torch.distributed.run --nproc-per-node 1 --standalone -m megatron_ext.training.pretrain_gpt

@@ -506,6 +506,25 @@ def _compute_stream(events: List[dict]) -> Optional[int]:
     return max(time_on, key=time_on.get) if time_on else None
 
 
+def violations(rows: List[dict]) -> List[str]:
+    """What ``--check`` refuses: a configuration that failed, a compute-stream wait in backward issued by anything
+    but the buffer pool handing a buffer over, or a blocking CUDA call during backward."""
+    out = []
+    for r in rows:
+        name = f"{r['combo']} ({r.get('engine')}, pool {r.get('buffer_pool_size')})"
+        if "error" in r:
+            out.append(f"{name}: {r['error']}")
+            continue
+        if "compute_stream_waits" not in r:
+            continue
+        others = {k: v for k, v in r["compute_stream_waits"]["backward"]["by_source"].items() if k != "pool_acquire"}
+        if others:
+            out.append(f"{name}: the compute stream waits on communication in backward: {others}")
+        if r["host_syncs_per_step"]["backward"]:
+            out.append(f"{name}: blocking CUDA calls in backward: {r['host_syncs_per_step']['backward']}")
+    return out
+
+
 def format_row(r: dict) -> str:
     head = f"{r['combo']:14s} {r.get('engine', ''):6s} pool {r.get('buffer_pool_size')} buckets {r.get('buckets', 0):3d}"
     if "error" in r:
@@ -546,6 +565,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--keep-trace", default="", help="folder for the gzipped Chrome traces (CUDA only)")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if a configuration failed, or the compute stream waited in backward on anything but "
+                        "the buffer pool, or a CUDA call blocked the host in backward")
     args = p.parse_args(argv)
     combos = select_combos([c.strip() for c in args.combos.split(",") if c.strip()])
     pools = [None if s.strip() == "auto" else int(s) for s in args.pool_sizes.split(",")]
@@ -582,12 +604,19 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(format_row(rows[-1]), flush=True)
     meta = {"link_calls": link.calls, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "sleep_cycles_per_s": cycles, "argv": sys.argv[1:], **{k: v for k, v in vars(args).items()}}
+            "sleep_cycles_per_s": cycles, "argv": sys.argv[1:], **vars(args),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
+    if args.check:
+        bad = violations(rows)
+        for line in bad:
+            print("!!", line)
+        if bad:
+            sys.exit(1)
+        print("check: no compute-stream wait on communication in backward but the buffer pool's handovers")
 
 
 if __name__ == "__main__":

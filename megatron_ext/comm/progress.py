@@ -55,10 +55,12 @@ nothing more. The peers' engines then fail at the collective timeout of the grou
 stream wait, and the kernels between hops are enqueued. So the engine runs the same FIFO rule *inline*, on the
 thread that submits the command (the autograd thread in backward, the training thread at a wait), under a lock, with
 its communication stream current: every launch, advance and completion is enqueued on that stream at once and the
-collective sequence is the thread engine's. A thread would only add a handoff per command and contend for the GIL
-with the gradient hooks: traced on an H200 (``tools/trace_gpu_step.py``, 33 buckets of a 270M-parameter model on a
-16-rank fake group), the engine thread spent 21 ms (plain) to 86 ms (ByteGrad) of host time per step, and the
-step was host-bound at 1.6x (plain) to 4.6x (qgZ, ByteGrad) of the same model's step without communication.
+collective sequence is the thread engine's. A thread there only adds a handoff per command and contends for the
+GIL with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``: 33 buckets of a 270M-parameter model,
+a 16-rank fake group, no link delay), a step took 57 / 54 ms inline against 74 / 72 ms with the thread for qwZ + qgZ
+INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms). With a 400 Gbit/s emulated link, or 8
+buckets, the two were within 5% of each other. (Inline assumes NCCL's behaviour: with ``TORCH_NCCL_BLOCKING_WAIT=1``
+a ``wait()`` would block the submitting thread at each hop.)
 At submission the training thread records an event on its current stream; the communication stream waits for it
 before the launch, so the bucket is complete before it is read. NCCL ``wait()`` inside the engine makes the
 communication stream (not the compute stream) wait; when a work completes the engine records a done event, and the

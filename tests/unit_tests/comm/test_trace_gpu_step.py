@@ -65,6 +65,19 @@ def test_wait_summary_counts_stalls_per_phase_and_source(tool):
     assert w["step"]["waits_per_step"] == 0.0
 
 
+def test_check_refuses_waits_in_backward_other_than_the_pool(tool):
+    def row(by_source, syncs=None):
+        waits = {ph: {"by_source": {}} for ph in tool.PHASES}
+        waits["backward"] = {"by_source": by_source}
+        return {"combo": "qgZ", "engine": "inline", "buffer_pool_size": 2, "compute_stream_waits": waits,
+                "host_syncs_per_step": {"backward": syncs or {}}}
+
+    assert tool.violations([row({"pool_acquire": 31}), {"combo": "no-comm", "step_ms": 1.0}]) == []
+    assert "engine_wait" in tool.violations([row({"pool_acquire": 3, "engine_wait": 1})])[0]
+    assert "cudaStreamSynchronize" in tool.violations([row({}, {"cudaStreamSynchronize": 1.0})])[0]
+    assert "boom" in tool.violations([{"combo": "x", "error": "boom"}])[0]
+
+
 def _run_python(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TOOLS)]), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
