@@ -337,11 +337,7 @@ class ProgressEngine:
                 self._stop()
                 return
             try:
-                if self._error is None:
-                    self._execute(kind, work)
-                    self._complete_ready()
-                if self._error is not None:
-                    self._fail_all(work)
+                self._command(kind, work)
             finally:
                 self.commands += 1
                 with self._idle:
@@ -354,14 +350,18 @@ class ProgressEngine:
         with self._inline_lock:
             self._inline_depth += 1
             try:
-                if self._error is None:
-                    self._execute(kind, work)
-                    self._complete_ready()
-                if self._error is not None:
-                    self._fail_all(work)
+                self._command(kind, work)
             finally:
                 self._inline_depth -= 1
                 self.commands += 1
+
+    def _command(self, kind: int, work: EngineWork) -> None:
+        """One FIFO command, then the single-phase works it let finish; after a failure every work fails."""
+        if self._error is None:
+            self._execute(kind, work)
+            self._complete_ready()
+        if self._error is not None:
+            self._fail_all(work)
 
     def _execute(self, kind: int, work: EngineWork) -> None:
         hook = _DELAY_HOOK
