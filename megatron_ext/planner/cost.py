@@ -6,9 +6,10 @@ the quantization kernels, the launch cost and -- CPU ranks -- each hop's own pro
 they share the processor) and two communication channels,
 ``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
 use (both for a group spanning nodes) and starts when it is issued and its channels are free. Every hop is issued
-by the progress engine (``comm/progress.py``, on by default) under its rule, replayed by :class:`_Replay`: a
-launch issues the new work's first hop and advances each older multi-hop work (qgZ, ByteGrad, a reduce-scatter
-chained to the replicas' all-reduce) by one hop once its current hop has ended; a wait issues every remaining hop
+by the progress engine (``comm/progress.py``, on by default; a thread on CPU, inline on CUDA, one rule) under its
+rule, replayed by :class:`_Replay`: a launch issues the new work's first hop and advances each older multi-hop work
+(qgZ, ByteGrad, a reduce-scatter chained to the replicas' all-reduce) by one hop once its current hop has ended (on
+CUDA the communication stream waits for it, not a thread: the same timeline); a wait issues every remaining hop
 of every work launched up to the one waited for. Weight gathers are issued by the training thread itself (not on
 the engine) and waited for bucket by bucket. Without the engine (``--no-odo-progress-engine``) the reductions'
 hops are issued on the training thread too, which the model does not charge (it is optimistic there).
