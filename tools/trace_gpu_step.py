@@ -5,26 +5,19 @@ multi-rank topology (issue 14's GPU check).
 One process plays rank 0 of a ``--world-size`` world of ``--ranks-per-node`` ranks per node on torch's fake process
 group (``torch.testing._internal.distributed.fake_pg``), so every code path of a multi-node job runs -- the progress
 engine's communication stream, the backends' Triton kernels, the buffer pool, the forward pre-hooks -- on one GPU.
-The fake group moves no data; each collective is replaced by an *emulated link* that behaves as NCCL does towards
-the caller's streams:
-
-  * it runs on its own stream per process group, after waiting for the caller's current stream;
-  * it occupies that stream for ``bytes on the wire / link rate`` (``torch.cuda._sleep``, calibrated), at
-    ``--link-gbit`` for a group that spans nodes and ``--intra-gbit`` inside a node (0: no delay);
-  * it writes what every rank holding the same data would receive (reduce-scatter: P x this rank's chunk, ...), so
-    the numerics stay finite and the step runs as in a real job;
-  * its ``wait()`` makes the caller's current stream wait for it, and its future is complete at once (NCCL marks
-    it complete at enqueue), so nothing blocks the host.
+The fake group moves no data; each collective is replaced by an *emulated link* (``tools/fake_cluster.py``) that
+treats the caller's streams as NCCL does and takes ``bytes / rate`` on a stream of its own.
 
 Per phase of the step (forward, backward, finish = ``finish_grad_sync``, step), per step:
 
   * every wait of the compute stream on another stream (measured on the GPU by a pair of timing events around it,
     :class:`WaitProbe`), with what issued it (the buffer pool handing over a buffer, a consumer's ``wait()`` on an
     engine work, a ``wait()`` on a collective) and how long it held the compute stream up;
-  * the blocking CUDA calls (stream / event / device synchronize, synchronous copies) issued during it, any thread;
-  * from the torch.profiler trace: the phase's host time, and in the backward window the GPU busy time of the
-    compute stream, of the communication streams, and their overlap;
-  * the host time the progress engine's thread spent per step.
+  * the host time spent in the progress engine's commands (on its thread or inline);
+  * from a torch.profiler trace of as many more steps: the phase's host time, the blocking CUDA calls (stream /
+    event / device synchronize, synchronous copies) and every CUDA call of 0.5 ms or more issued during it (any
+    thread), and in the backward window the GPU busy time of the compute stream, of the communication streams, and
+    their overlap.
 
     python tools/trace_gpu_step.py --json docs/benchmarks/gpu_trace_issue14.json     # on a CUDA machine
     python tools/trace_gpu_step.py --device cpu --width 64 --hidden 128 --depth 2    # plumbing check, no GPU
@@ -54,142 +47,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_optimizer import Net  # noqa: E402
+from fake_cluster import EmulatedLink, LinkWork, sleep_cycles_per_second  # noqa: E402
 from megatron_ext.comm.combos import select_combos  # noqa: E402
 
 PHASES = ("forward", "backward", "finish", "step")
-
-
-# -- the emulated link --------------------------------------------------------------------------------------------
-class LinkWork:
-    """A collective's handle as NCCL's behaves towards streams: ``wait()`` orders the caller's current stream after
-    it; the future is complete at enqueue."""
-
-    def __init__(self, event) -> None:
-        self._event = event
-
-    def wait(self, timeout=None) -> bool:
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
-
-class EmulatedLink:
-    """Replaces torch.distributed's collectives by delays on a per-group stream plus a data-preserving fill."""
-
-    def __init__(self, ranks_per_node: int, link_gbit: float, intra_gbit: float, cycles_per_s: float) -> None:
-        self.ranks_per_node = ranks_per_node
-        self.link_gbit = link_gbit
-        self.intra_gbit = intra_gbit
-        self.cycles_per_s = cycles_per_s
-        self._groups: Dict[int, Tuple[int, int, float, object]] = {}   # id -> (size, rank, Gbit/s, stream)
-        self.wire_bytes = 0
-        self.calls = 0
-
-    def install(self) -> None:
-        methods = {"reduce_scatter_tensor": self._reduce_scatter, "reduce_scatter_single": self._reduce_scatter,
-                   "all_gather_into_tensor": self._all_gather, "all_gather_single": self._all_gather,
-                   "all_to_all_single": self._all_to_all, "all_reduce": self._all_reduce,
-                   "broadcast": self._broadcast, "reduce": self._reduce, "scatter": self._scatter}
-        for name, method in methods.items():
-            if hasattr(dist, name):
-                setattr(dist, name, method)
-
-    # each collective: (tensors it reads and writes, bytes this rank puts on the wire, the fill)
-    def _reduce_scatter(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        size, me, _, _ = self._group(group)
-        return self._run(group, async_op, [output, input], input.numel() * input.element_size() * (size - 1) // size,
-                         lambda: output.copy_(input.view(size, -1)[me]).mul_(_sum_factor(op, size)))
-
-    def _all_gather(self, output, input, group=None, async_op=False):
-        size, _, _, _ = self._group(group)
-        return self._run(group, async_op, [output, input], output.numel() * output.element_size() * (size - 1) // size,
-                         lambda: output.view(size, -1).copy_(input.reshape(1, -1).expand(size, -1)))
-
-    def _all_to_all(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                    async_op=False):
-        size, _, _, _ = self._group(group)
-        return self._run(group, async_op, [output, input], input.numel() * input.element_size() * (size - 1) // size,
-                         lambda: output.copy_(input.view_as(output)))
-
-    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        size, _, _, _ = self._group(group)
-        return self._run(group, async_op, [tensor], 2 * tensor.numel() * tensor.element_size() * (size - 1) // size,
-                         lambda: tensor.mul_(_sum_factor(op, size)))
-
-    def _reduce(self, tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-        size, _, _, _ = self._group(group)
-        return self._run(group, async_op, [tensor], tensor.numel() * tensor.element_size(),
-                         lambda: tensor.mul_(_sum_factor(op, size)))
-
-    def _broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
-        return self._run(group, async_op, [tensor], tensor.numel() * tensor.element_size(), lambda: None)
-
-    def _scatter(self, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
-        size, me, _, _ = self._group(group)
-        fill = (lambda: tensor.copy_(scatter_list[me])) if scatter_list else (lambda: None)
-        return self._run(group, async_op, [tensor] + list(scatter_list or []),
-                         tensor.numel() * tensor.element_size() * (size - 1), fill)
-
-    def _run(self, group, async_op: bool, tensors: Sequence[torch.Tensor], wire_bytes: int, fill):
-        self.calls += 1
-        self.wire_bytes += wire_bytes
-        if not tensors[0].is_cuda:      # CPU plumbing check: no streams, data filled at once
-            fill()
-            work = LinkWork(None)
-            return work if async_op else None
-        _, _, gbit, stream = self._group(group)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            if gbit > 0:
-                torch.cuda._sleep(max(1, int(wire_bytes * 8 / (gbit * 1e9) * self.cycles_per_s)))
-            fill()
-            event = torch.cuda.Event()
-            event.record(stream)
-        for t in tensors:
-            t.record_stream(stream)
-        work = LinkWork(event)
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def _group(self, group) -> Tuple[int, int, float, object]:
-        """(size, this rank's index, link rate, stream) of a group, looked up once: the emulation must not add host
-        time of its own per collective (``dist.get_rank(group)`` alone costs tens of microseconds)."""
-        group = group if group is not None else dist.group.WORLD
-        info = self._groups.get(id(group))
-        if info is None:
-            nodes = {r // self.ranks_per_node for r in dist.get_process_group_ranks(group)}
-            info = (dist.get_world_size(group), dist.get_rank(group),
-                    self.link_gbit if len(nodes) > 1 else self.intra_gbit,
-                    torch.cuda.Stream() if torch.cuda.is_available() else None)
-            self._groups[id(group)] = info
-        return info
-
-
-def _sum_factor(op, size: int) -> int:
-    """What a sum over ``size`` ranks holding the same data multiplies by (an int: integer flags stay integers)."""
-    return size if op == dist.ReduceOp.SUM else 1
-
-
-def sleep_cycles_per_second() -> float:
-    """``torch.cuda._sleep`` spins a number of GPU clock cycles: how many make a second on this GPU, now."""
-    torch.cuda._sleep(100_000_000)      # let the clock ramp up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 200_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / (start.elapsed_time(end) / 1e3)
 
 
 # -- instrumentation ----------------------------------------------------------------------------------------------
@@ -314,11 +175,13 @@ def _intersect(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> Li
 
 
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LONG_CALL_MS = 0.5   # a CUDA runtime / driver call this long held its thread up (whatever its name: cudaMalloc, ...)
 
 
-def summarize_trace(events: List[dict], compute_stream: int) -> dict:
-    """From a Chrome trace of torch.profiler (``traceEvents``), per step (milliseconds): the host time of each
-    phase (its ``mx.<phase>`` annotation), the blocking CUDA calls issued during it (any thread), and in the
+def summarize_trace(events: List[dict]) -> dict:
+    """From a Chrome trace of torch.profiler (``traceEvents``), per step (milliseconds): the compute stream (the one
+    running most of the forward's kernels); the host time of each phase (its ``mx.<phase>`` annotation); the
+    blocking CUDA calls issued during it and every CUDA call of ``LONG_CALL_MS`` or more (any thread); and in the
     backward window -- the first to the last compute-stream op launched during ``mx.backward`` -- the busy time of
     the compute stream, of every other stream, and their overlap."""
     x = [e for e in events if e.get("ph") == "X"]
@@ -326,100 +189,108 @@ def summarize_trace(events: List[dict], compute_stream: int) -> dict:
                        if e.get("cat") == "user_annotation" and e["name"] == "mx." + p) for p in PHASES}
     steps = max(1, len(spans["backward"]))
 
-    def phase_of(ts: float) -> Optional[str]:
+    def phase_of(ts: Optional[float]) -> Optional[str]:
         for p, lst in spans.items():
-            if any(s <= ts <= e for s, e in lst):
+            if ts is not None and any(s <= ts <= e for s, e in lst):
                 return p
         return None
 
     runtime = {e["args"]["correlation"]: e for e in x
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    host_syncs: Dict[str, Dict[str, int]] = {p: {} for p in PHASES}
+    ops = [(e, phase_of(runtime[e["args"]["correlation"]]["ts"]) if e["args"].get("correlation") in runtime else None)
+           for e in x if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    forward_time: Dict[int, float] = {}
+    for o, ph in ops:
+        if ph == "forward" and o.get("cat") == "kernel":
+            forward_time[o["args"]["stream"]] = forward_time.get(o["args"]["stream"], 0.0) + o["dur"]
+    compute = max(forward_time, key=forward_time.get) if forward_time else None
+    host_syncs: Dict[str, Dict[str, float]] = {p: {} for p in PHASES}
+    long_calls: Dict[str, Dict[str, float]] = {p: {} for p in PHASES}
     for e in runtime.values():
-        phase = phase_of(e["ts"])
-        if e["name"] in HOST_SYNCS and phase is not None:
-            host_syncs[phase][e["name"]] = host_syncs[phase].get(e["name"], 0) + 1
-    ops = [e for e in x if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        ph = phase_of(e["ts"])
+        for table, hit in ((host_syncs, e["name"] in HOST_SYNCS), (long_calls, e["dur"] >= LONG_CALL_MS * 1e3)):
+            if hit and ph is not None:
+                table[ph][e["name"]] = table[ph].get(e["name"], 0) + 1 / steps
     busy = {"backward_gpu_ms": 0.0, "compute_busy_ms": 0.0, "comm_busy_ms": 0.0, "overlap_ms": 0.0}
     for s, e in spans["backward"]:
-        launched = [o for o in ops if o["args"].get("stream") == compute_stream
-                    and s <= runtime.get(o["args"].get("correlation"), {"ts": -1.0})["ts"] <= e]
+        launched = [o for o, ph in ops if o["args"].get("stream") == compute and ph == "backward"
+                    and s <= runtime[o["args"]["correlation"]]["ts"] <= e]
         if not launched:
             continue
         lo, hi = min(o["ts"] for o in launched), max(o["ts"] + o["dur"] for o in launched)
-        inside = [(o["args"].get("stream"), max(o["ts"], lo), min(o["ts"] + o["dur"], hi)) for o in ops
+        inside = [(o["args"].get("stream"), max(o["ts"], lo), min(o["ts"] + o["dur"], hi)) for o, _ in ops
                   if o["ts"] < hi and o["ts"] + o["dur"] > lo]
-        comp = _union([(a, b) for st, a, b in inside if st == compute_stream])
-        comm = _union([(a, b) for st, a, b in inside if st != compute_stream])
+        comp = _union([(a, b) for st, a, b in inside if st == compute])
+        comm = _union([(a, b) for st, a, b in inside if st != compute])
         busy["backward_gpu_ms"] += (hi - lo) / 1e3
         busy["compute_busy_ms"] += _length(comp) / 1e3
         busy["comm_busy_ms"] += _length(comm) / 1e3
         busy["overlap_ms"] += _length(_intersect(comp, comm)) / 1e3
-    return {"host_ms_per_step": {p: round(sum(b - a for a, b in spans[p]) / 1e3 / steps, 3) for p in PHASES},
-            "host_syncs_per_step": {p: {k: v / steps for k, v in d.items()} for p, d in host_syncs.items()},
+    return {"compute_stream": compute,
+            "host_ms_per_step": {p: round(sum(b - a for a, b in spans[p]) / 1e3 / steps, 3) for p in PHASES},
+            "host_syncs_per_step": host_syncs, "long_cuda_calls_per_step": long_calls,
             "backward_per_step": {k: round(v / steps, 3) for k, v in busy.items()}}
 
 
 # -- one configuration ---------------------------------------------------------------------------------------------
+def _model_and_batch(args, device: torch.device):
+    """The model (same initial weights every time) and the one batch every configuration trains on."""
+    torch.manual_seed(1234)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    net = Net(args.width, args.hidden, args.depth).to(device, dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+    y = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+    return net, x, y
+
+
 def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe], device: torch.device,
                engine: str = "inline") -> dict:
-    """One ODO configuration; ``engine``: how the progress engine runs on CUDA (``inline``, the default there, or on
-    its own ``thread``, as on CPU -- for comparison)."""
+    """One ODO configuration. ``engine``: the progress engine ``inline`` (CUDA + NCCL's default; forced here, the
+    fake group being no NCCL) or on its own ``thread`` (CPU's default), for comparison. The step time, the waits and
+    the engine's host time come from ``--steps`` plain steps; the trace summary from as many more, profiled."""
     import megatron_ext as mx
     from megatron.core.optimizer import OptimizerConfig
     from megatron_ext.comm import progress
 
-    original = progress.runs_inline
-    progress.runs_inline = lambda dev: dev.type == "cuda" and engine == "inline"
+    net, x, y = _model_and_batch(args, device)
+    original, progress.runs_inline = progress.runs_inline, lambda dev, backend: engine == "inline"
     try:
-        return _run_config(args, combo, pool_size, probe, device, engine)
+        model = mx.OverlappedDDP(net, mx.OverlapConfig(
+            bucket_size=args.bucket_numel, grad_reduce=combo.grad_reduce, param_gather=combo.param_gather,
+            qgz_bits=combo.qgz_bits, ranks_per_node=args.ranks_per_node, buffer_pool_size=pool_size,
+            qgz_pipeline_stages=None))
     finally:
         progress.runs_inline = original
-
-
-def _run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe], device: torch.device,
-                engine: str) -> dict:
-    import megatron_ext as mx
-    from megatron.core.optimizer import OptimizerConfig
-
-    torch.manual_seed(1234)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    net = Net(args.width, args.hidden, args.depth).to(device, dtype)
-    model = mx.OverlappedDDP(net, mx.OverlapConfig(
-        bucket_size=args.bucket_numel, grad_reduce=combo.grad_reduce, param_gather=combo.param_gather,
-        qgz_bits=combo.qgz_bits, ranks_per_node=args.ranks_per_node, buffer_pool_size=pool_size,
-        qgz_pipeline_stages=None))
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=args.clip_grad, bf16=dtype == torch.bfloat16,
+        optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=args.clip_grad, bf16=x.dtype == torch.bfloat16,
         fp16=False), model)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
-    y = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
+    skipped = [0]
+
+    def phase(name: str):
+        if probe is not None:
+            probe.phase = name
+        return torch.profiler.record_function("mx." + name)
 
     def step() -> None:
-        if probe is not None:
-            probe.phase = "forward"
-        with torch.profiler.record_function("mx.forward"):
+        with phase("forward"):
             loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-        if probe is not None:
-            probe.phase = "backward"
-        with torch.profiler.record_function("mx.backward"):
+        with phase("backward"):
             loss.backward()
-        if probe is not None:
-            probe.phase = "finish"
-        with torch.profiler.record_function("mx.finish"):
+        with phase("finish"):
             model.finish_grad_sync()
-        if probe is not None:
-            probe.phase = "step"
-        with torch.profiler.record_function("mx.step"):
+        with phase("step"):
             ok, _, _ = opt.step()
             opt.zero_grad()
         skipped[0] += not ok
 
-    skipped = [0]
-    timed = _time_steps(step, args, device)
+    row = {"combo": combo.label, "grad_reduce": combo.grad_reduce, "param_gather": combo.param_gather,
+           "buffer_pool_size": model.buffer_pool_size, "buckets": len(model.buckets),
+           "engine": ("inline" if model.engine.inline else "thread") if model.engine is not None else "off",
+           **_time_steps(step, args, device, probe)}
     if probe is not None:
-        probe.reset()
+        row["compute_stream_waits"] = summarize_waits(probe.stalls(), args.steps)
+        row["engine_host_ms_per_step"] = round(probe.engine_s * 1e3 / args.steps, 3)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -427,29 +298,17 @@ def _run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe
         for _ in range(args.steps):
             step()
         _synchronize(device)
-    events = _trace_events(prof, args.keep_trace if device.type == "cuda" else "",
-                           f"{combo.label.replace(' ', '_').replace('+', '_')}_pool{model.buffer_pool_size}_{engine}")
-    row = {"combo": combo.label, "grad_reduce": combo.grad_reduce, "param_gather": combo.param_gather,
-           "buffer_pool_size": model.buffer_pool_size, "buckets": len(model.buckets),
-           "engine": ("inline" if model.engine.inline else "thread") if model.engine is not None else "off",
-           "skipped_steps": skipped[0], **timed}
+    row["skipped_steps"] = skipped[0]
     if device.type == "cuda":
-        row["compute_stream"] = _compute_stream(events)
-        row.update(summarize_trace(events, row["compute_stream"]))
-        row["compute_stream_waits"] = summarize_waits(probe.stalls(), args.steps)
-        row["engine_host_ms_per_step"] = round(probe.engine_s * 1e3 / args.steps, 3)
+        name = f"{combo.label.replace(' ', '_').replace('+', '_')}_pool{model.buffer_pool_size}_{engine}"
+        row.update(summarize_trace(_trace_events(prof, args.keep_trace, name)))
     return row
 
 
 def run_no_comm(args, device: torch.device) -> dict:
     """The same model and batch with a local AdamW and no ODO: the step without any communication machinery."""
-    torch.manual_seed(1234)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    net = Net(args.width, args.hidden, args.depth).to(device, dtype)
+    net, x, y = _model_and_batch(args, device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
-    y = torch.randn(args.rows, args.width, generator=g).to(device, dtype)
 
     def step() -> None:
         torch.nn.functional.mse_loss(net(x).float(), y.float()).backward()
@@ -465,18 +324,22 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_steps(step, args, device: torch.device) -> dict:
-    """Warm up, then the median wall time of ``--steps`` steps, each ended by a device synchronize."""
+def _time_steps(step, args, device: torch.device, probe: Optional[WaitProbe] = None) -> dict:
+    """Warm up, then the median wall time of ``--steps`` steps, each ended by a device synchronize (the probe
+    records these steps only)."""
     for _ in range(args.warmup):
         step()
     _synchronize(device)
+    if probe is not None:
+        probe.reset()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         _synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"step_ms": round(statistics.median(times), 3)}
+    return {"step_ms": round(statistics.median(times), 3), "step_ms_min_max": [round(min(times), 3),
+                                                                              round(max(times), 3)]}
 
 
 def _trace_events(prof, keep_dir: str, name: str) -> List[dict]:
@@ -489,21 +352,6 @@ def _trace_events(prof, keep_dir: str, name: str) -> List[dict]:
             with open(path, "rb") as src, gzip.open(os.path.join(keep_dir, f"trace_{name}.json.gz"), "wb") as dst:
                 dst.write(src.read())
     return events
-
-
-def _compute_stream(events: List[dict]) -> Optional[int]:
-    """The stream that runs most of the kernels launched during the forward passes."""
-    x = [e for e in events if e.get("ph") == "X"]
-    spans = [(e["ts"], e["ts"] + e["dur"]) for e in x if e.get("cat") == "user_annotation" and e["name"] == "mx.forward"]
-    launch = {e["args"]["correlation"]: e["ts"] for e in x
-              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    time_on: Dict[int, float] = {}
-    for e in x:
-        if e.get("cat") == "kernel":
-            ts = launch.get(e["args"].get("correlation"))
-            if ts is not None and any(a <= ts <= b for a, b in spans):
-                time_on[e["args"]["stream"]] = time_on.get(e["args"]["stream"], 0.0) + e["dur"]
-    return max(time_on, key=time_on.get) if time_on else None
 
 
 def violations(rows: List[dict]) -> List[str]:
@@ -529,18 +377,20 @@ def format_row(r: dict) -> str:
     head = f"{r['combo']:14s} {r.get('engine', ''):6s} pool {r.get('buffer_pool_size')} buckets {r.get('buckets', 0):3d}"
     if "error" in r:
         return f"{head} | error: {r['error']}"
-    line = f"{head} | step {r['step_ms']:7.1f} ms"
+    lo, hi = r.get("step_ms_min_max", (r["step_ms"], r["step_ms"]))
+    line = f"{head} | step {r['step_ms']:7.1f} ms ({lo:.1f}-{hi:.1f})"
     if "compute_stream_waits" not in r:
         return line
     bw, host = r["backward_per_step"], r["host_ms_per_step"]
     waits = " ".join(f"{ph} {w['waits_per_step']:g}/{w['stalled_per_step']:g}/{w['stall_ms_per_step']:.2f}ms"
                      f"{w['by_source']}" for ph, w in r["compute_stream_waits"].items())
-    return (f"{line} | host fwd/bwd/finish/step {host['forward']:.1f}/{host['backward']:.1f}/{host['finish']:.1f}/"
-            f"{host['step']:.1f} ms, engine {r['engine_host_ms_per_step']:.1f} ms"
+    return (f"{line} | engine host {r['engine_host_ms_per_step']:.1f} ms | profiled host fwd/bwd/finish/step "
+            f"{host['forward']:.1f}/{host['backward']:.1f}/{host['finish']:.1f}/{host['step']:.1f} ms"
             f" | backward GPU {bw['backward_gpu_ms']:.2f} ms: compute {bw['compute_busy_ms']:.2f}, comm "
             f"{bw['comm_busy_ms']:.2f}, overlap {bw['overlap_ms']:.2f}"
             f" | compute-stream waits (per step: count/stalled/stall): {waits}"
-            f" | host syncs in backward: {r['host_syncs_per_step']['backward']}")
+            f" | host syncs in backward: {r['host_syncs_per_step']['backward']}"
+            f" | CUDA calls >= {LONG_CALL_MS} ms in backward: {r['long_cuda_calls_per_step']['backward']}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -51,16 +51,18 @@ inherited no-op: the engine advances. A failure on the engine thread (a kernel e
 stored; this and every later work re-raise it from ``wait()`` as :class:`ProgressEngineError`; the engine issues
 nothing more. The peers' engines then fail at the collective timeout of the group: no rank waits forever.
 
-*CUDA: the same rule, inline.* On CUDA no hop blocks the host: ``wait()`` on an NCCL handle only makes the current
-stream wait, and the kernels between hops are enqueued. So the engine runs the same FIFO rule *inline*, on the
-thread that submits the command (the autograd thread in backward, the training thread at a wait), under a lock, with
-its communication stream current: every launch, advance and completion is enqueued on that stream at once and the
-collective sequence is the thread engine's. A thread there only adds a handoff per command and contends for the
-GIL with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``: 33 buckets of a 270M-parameter model,
-a 16-rank fake group, no link delay), a step took 57 / 54 ms inline against 74 / 72 ms with the thread for qwZ + qgZ
-INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms). With a 400 Gbit/s emulated link, or 8
-buckets, the two were within 5% of each other. (Inline assumes NCCL's behaviour: with ``TORCH_NCCL_BLOCKING_WAIT=1``
-a ``wait()`` would block the submitting thread at each hop.)
+*CUDA: the same rule, inline.* On CUDA with NCCL no hop blocks the host: ``wait()`` on an NCCL handle only makes
+the current stream wait, and the kernels between hops are enqueued (:func:`runs_inline`). So the engine runs the
+same FIFO rule *inline*, on the thread that submits the command (the autograd thread in backward, the training
+thread at a wait), under a lock, with its communication stream current: every launch, advance and completion is
+enqueued on that stream at once and the collective sequence is the thread engine's. A thread there only adds a
+handoff per command and contends for the GIL with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``:
+33 buckets of a 270M-parameter model, a 16-rank fake group, no link delay), a step took 57 / 54 ms inline against
+74 / 72 ms with the thread for qwZ + qgZ INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms).
+With a 400 Gbit/s emulated link, or 8 buckets, plain was the same both ways; of six multi-hop comparisons the thread
+was 3-5% faster in four, equal in one and 20% slower in one (ByteGrad, two buffers) -- one median of 5 steps each,
+within what one run can tell. With ``TORCH_NCCL_BLOCKING_WAIT`` set, or another backend for CUDA tensors, a
+``wait()`` blocks the host, and the engine keeps its thread.
 At submission the training thread records an event on its current stream; the communication stream waits for it
 before the launch, so the bucket is complete before it is read. NCCL ``wait()`` inside the engine makes the
 communication stream (not the compute stream) wait; when a work completes the engine records a done event, and the
@@ -77,7 +79,8 @@ work that finishes during the interpreter's finalisation frees its tensors on gl
 take the GIL, and the process aborts ("terminate called without an active exception": a third of the runs of a
 2-node job that did not call ``destroy_process_group``) --, then every work is dropped; nothing new is issued, and
 a peer that is gone costs at most ``STOP_WAIT_S``. The weight gathers, issued on the training thread, get the same
-deadline: their owners (``ParamSync``, ``ShardedParamSync``) register with :func:`drain_at_exit`.
+deadline: their owners (``ParamSync``, ``ShardedParamSync``) register with :func:`drain_at_exit`. An inline engine
+(CUDA) has no thread to stop and nothing of its own in flight: its works are NCCL's, and ``close()`` leaves them.
 
 *Switch.* ``OverlapConfig.progress_engine`` (``--odo-progress-engine`` / ``--no-odo-progress-engine``, default from
 ``MEGATRON_EXT_PROGRESS_ENGINE``, on unless ``0``) -- off gives the synchronous path (``advance()`` on the training
@@ -269,6 +272,7 @@ class ProgressEngine:
         self._thread: Optional[threading.Thread] = None
         self._inline_lock = threading.RLock()
         self._inline_depth = 0     # inline: commands running on the lock's owner (a chained stage submits again)
+        self._inline_owner: Optional[int] = None   # inline: the thread running a command
         if not inline:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
@@ -288,8 +292,11 @@ class ProgressEngine:
 
     def quiesce(self) -> None:
         """Block until every submitted command has run (e.g. before reading the ledger the engine writes)."""
-        if self.inline or self.on_engine_thread():
+        if self.on_engine_thread():
             return
+        if self.inline:   # another thread may be inside a command
+            with self._inline_lock:
+                return
         with self._idle:
             while self._pending:
                 self._idle.wait()
@@ -304,7 +311,7 @@ class ProgressEngine:
     def on_engine_thread(self) -> bool:
         """Whether the caller is the engine running a command (its thread; inline: inside a command)."""
         if self.inline:
-            return self._inline_depth > 0 and self._inline_lock._is_owned()  # type: ignore[attr-defined]
+            return self._inline_depth > 0 and self._inline_owner == threading.get_ident()
         return threading.current_thread() is self._thread
 
     @property
@@ -348,11 +355,18 @@ class ProgressEngine:
     def _run_inline(self, kind: int, work: EngineWork) -> None:
         """Inline (CUDA): the command runs now, on the submitting thread, exactly as the engine thread would run it."""
         with self._inline_lock:
+            if self._inline_depth and kind == _COMPLETE:
+                # a wait() inside a command would complete works the running command is still advancing (the
+                # thread engine would deadlock on its own queue): a programming error, surfaced at the next wait()
+                raise ProgressEngineError("a progress-engine work was waited for inside an engine command")
             self._inline_depth += 1
+            self._inline_owner = threading.get_ident()
             try:
                 self._command(kind, work)
             finally:
                 self._inline_depth -= 1
+                if not self._inline_depth:
+                    self._inline_owner = None
                 self.commands += 1
 
     def _command(self, kind: int, work: EngineWork) -> None:
@@ -394,6 +408,8 @@ class ProgressEngine:
                         older._inner.wait()
                     self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
+            if self.inline and not isinstance(e, Exception):
+                raise   # Ctrl-C / SystemExit on the training thread itself: not the engine's failure
             self._error = e
 
     def _wake(self) -> None:
@@ -409,6 +425,8 @@ class ProgressEngine:
                         w._inner.wait()
                 self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
+            if self.inline and not isinstance(e, Exception):
+                raise
             self._error = e
             self._fail_all(None)
 
@@ -452,15 +470,18 @@ _ENGINES: Dict[tuple, ProgressEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def runs_inline(device: torch.device) -> bool:
-    """The engine runs inline on CUDA (no hop blocks the host there) and on its own thread elsewhere."""
-    return device.type == "cuda"
+def runs_inline(device: torch.device, backend: str) -> bool:
+    """Inline on CUDA with NCCL, whose ``wait()`` only orders streams; on a thread of its own elsewhere: CPU, another
+    backend for CUDA tensors, or ``TORCH_NCCL_BLOCKING_WAIT`` (a ``wait()`` that blocks the host)."""
+    blocking = any(os.environ.get(v, "0").strip().lower() not in ("0", "", "false")
+                   for v in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"))
+    return device.type == "cuda" and "nccl" in backend.lower() and not blocking
 
 
-def engine_for(key: tuple, device: torch.device) -> ProgressEngine:
+def engine_for(key: tuple, device: torch.device, backend: str) -> ProgressEngine:
     """The process's engine for the DP group ``key`` (shared by every wrapper over that group, e.g. virtual
-    pipeline chunks, so their launches share one FIFO)."""
-    inline = runs_inline(device)
+    pipeline chunks, so their launches share one FIFO); ``backend``: the group's (``dist.get_backend``)."""
+    inline = runs_inline(device, backend)
     with _ENGINES_LOCK:
         eng = _ENGINES.get((key, inline))
         if eng is None:

@@ -67,7 +67,7 @@ class OverlappedDDP(torch.nn.Module):
         self.engine = None
         if config.progress_engine and self.topology.size > 1:
             key = (id(dist.group.WORLD), tuple(self.topology.global_ranks), self.topology.ranks_per_node)
-            self.engine = engine_for(key, device)
+            self.engine = engine_for(key, device, dist.get_backend(self.topology.group))
             self.ledger.sync = self.engine.quiesce
         self.comm = build_plan_comm(self.plan, self.topology, config.grad_reduce, config.param_gather, self.ledger,
                                     config.backend_options(), engine=self.engine)

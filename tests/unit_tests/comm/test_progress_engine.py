@@ -150,6 +150,52 @@ def test_inline_engine_issues_the_thread_engines_sequence_on_the_calling_thread(
     assert [e[:2] for e in nested] == [("inner", 0), ("inner", 1)]
 
 
+def test_inline_engine_serialises_threads_and_refuses_a_wait_inside_a_command():
+    """Two threads submitting (the autograd thread and the training thread): a command runs whole before the other
+    thread's; and a wait() issued inside a command is a programming error that fails the engine, not a reorder."""
+    eng = ProgressEngine(inline=True)
+    log: list = []
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_launch():
+        assert eng.on_engine_thread()
+        inside.set()
+        release.wait(5)
+        return _FakeWork("slow", 1, log)
+
+    first = threading.Thread(target=lambda: eng.submit(slow_launch).wait())
+    first.start()
+    assert inside.wait(5)
+    assert not eng.on_engine_thread()           # another thread's command is running, not ours
+    second = threading.Thread(target=lambda: eng.submit(lambda: _FakeWork("next", 1, log)).wait())
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and log == []      # the lock holds it until the first command is done
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert [e[:2] for e in log] == [("slow", 0), ("next", 0)]
+
+    older = eng.submit(lambda: _FakeWork("older", 2, log))
+    bad = eng.submit(lambda: (older.wait(), _FakeWork("bad", 1, log))[1])
+    with pytest.raises(ProgressEngineError, match="inside an engine command"):
+        bad.wait()
+    with pytest.raises(ProgressEngineError):
+        older.wait()
+
+
+def test_runs_inline_only_where_wait_does_not_block_the_host(monkeypatch):
+    from megatron_ext.comm.progress import runs_inline
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.delenv("NCCL_BLOCKING_WAIT", raising=False)
+    assert runs_inline(cuda, "nccl") and runs_inline(cuda, "cpu:gloo,cuda:nccl")
+    assert not runs_inline(cpu, "gloo") and not runs_inline(cuda, "gloo") and not runs_inline(cpu, "nccl")
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    assert not runs_inline(cuda, "nccl")
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
 def test_failure_surfaces_at_wait_and_later_works_fail_too(inline):
     eng = ProgressEngine(inline=inline)
@@ -339,16 +385,9 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
            rpn: int = RPN, inline: bool = False) -> torch.Tensor:
     """``inline``: the engine CUDA uses (the rule run on the submitting thread), here on gloo, where it blocks."""
     import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig
 
     from megatron_ext.comm import progress
-
-    if inline:
-        original, progress.runs_inline = progress.runs_inline, lambda device: True
-        try:
-            return _train(gr, pg, plan, stages, engine, delays, steps, rpn)
-        finally:
-            progress.runs_inline = original
-    from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
 
@@ -364,8 +403,12 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
     cfg = mx.OverlapConfig(bucket_size=1100 if plan == "zero3x2" else 200, buffer_pool_size=2, grad_reduce=gr, param_gather=pg, ranks_per_node=rpn,
                            quant_group_size=32, sharding=sharding, progress_engine=engine,
                            qgz_pipeline_stages=stages)
-    model = mx.OverlappedDDP(module, cfg)
-    assert (model.engine is not None) == engine
+    original, progress.runs_inline = progress.runs_inline, lambda device, backend: inline
+    try:
+        model = mx.OverlappedDDP(module, cfg)
+    finally:
+        progress.runs_inline = original
+    assert (model.engine is not None) == engine and (not engine or model.engine.inline == inline)
     if stages is None and engine:
         assert model.qgz_stages == 1 and len(model.buckets) >= 4
     opt = mx.OverlappedDistributedOptimizer(
