@@ -1,6 +1,6 @@
 """Progress engine: one per process and DP group, it issues, advances and completes the backends' works so that the
 thread running forward and backward never blocks on a hop: on CPU a thread of its own that also runs the hops'
-epilogues, on CUDA the same rule run inline on the communication stream (see *CUDA* below).
+epilogues, on CUDA with NCCL the same rule run inline on the communication stream (see *CUDA* below).
 
 [Note: progress engine]
 *Why.* A hierarchical reduction (qgZ, ByteGrad) has dependent hops with local work between them (dequantize,
@@ -256,7 +256,7 @@ class EngineWork(Work):
 
 class ProgressEngine:
     """A FIFO of LAUNCH / COMPLETE commands executed by one daemon thread, or ``inline`` by the submitting thread
-    (CUDA, where no command blocks the host; see the module note)."""
+    (CUDA with NCCL, where no command blocks the host; see the module note)."""
 
     def __init__(self, name: str = "megatron-ext-progress", streams: Optional[StreamOps] = None,
                  inline: bool = False) -> None:
