@@ -105,8 +105,9 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--quant-group-size", type=int, default=None,
                    help="elements per quantization scale for qwZ/qgZ (default 2048)")
     g.add_argument("--odo-progress-engine", action=argparse.BooleanOptionalAction, default=None,
-                   help="a progress thread issues, advances and completes the backends' hops and epilogues while "
-                   "forward and backward run (default: on, unless MEGATRON_EXT_PROGRESS_ENGINE=0); "
+                   help="a progress engine issues, advances and completes the gradient reductions' hops and "
+                   "epilogues while forward and backward run: a thread on CPU, inline on the communication stream "
+                   "on CUDA with NCCL (default: on, unless MEGATRON_EXT_PROGRESS_ENGINE=0); "
                    "--no-odo-progress-engine: the synchronous path")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
