@@ -44,8 +44,9 @@ class OverlapConfig:
     qgz_pipeline_stages: Optional[int] = QGZ_DEFAULT_STAGES
     shard_alignment: int = 64              # elements; at least 128 bytes for 2-byte dtypes
     gather_pool_size: int = 4              # ZeRO-3: full-weight bucket buffers alive at once (prefetch bound)
-    # --odo-progress-engine: a progress thread issues, advances and completes every backend work (comm/progress.py);
-    # off: the synchronous path (hops advanced on the training thread). Default: MEGATRON_EXT_PROGRESS_ENGINE.
+    # --odo-progress-engine: a progress engine runs every gradient reduction (comm/progress.py: a thread; inline on
+    # CUDA + NCCL); off: the synchronous path (hops advanced on the training thread). Default:
+    # MEGATRON_EXT_PROGRESS_ENGINE.
     progress_engine: bool = dataclasses.field(default_factory=engine_enabled_by_default)
 
     def __post_init__(self) -> None:
