@@ -58,14 +58,14 @@ class WaitProbe:
     """Measures every wait of the compute stream on another stream, on the GPU: a timing event recorded on the
     compute stream just before the wait and one just after; the time between them is how long the compute stream
     sat at the wait (a wait whose event had already completed costs about nothing). Each wait is labelled with the
-    step phase the training thread is in and with the ODO call that issued it (the buffer pool
-    handing over a buffer, a consumer's ``wait()`` on an engine work, a ``wait()`` on a collective: the outermost)."""
+    step phase the training thread is in and with the ODO call that issued it, the outermost of: the buffer pool
+    handing over a buffer, a consumer's ``wait()`` on an engine work, a ``wait()`` on a collective."""
 
     def __init__(self, compute: "torch.cuda.Stream") -> None:
         self.compute = compute
         self.phase = "setup"
         self.records: List[Tuple[str, str, object, object]] = []
-        self.engine_s = 0.0      # host time the progress engine thread spent executing commands
+        self.engine_s = 0.0      # host time spent in the progress engine's commands (on its thread or inline)
         self._local = threading.local()
         self._lock = threading.Lock()
 
