@@ -51,18 +51,20 @@ inherited no-op: the engine advances. A failure on the engine thread (a kernel e
 stored; this and every later work re-raise it from ``wait()`` as :class:`ProgressEngineError`; the engine issues
 nothing more. The peers' engines then fail at the collective timeout of the group: no rank waits forever.
 
-*CUDA: the same rule, inline.* On CUDA with NCCL no hop blocks the host: ``wait()`` on an NCCL handle only makes
-the current stream wait, and the kernels between hops are enqueued (:func:`runs_inline`). So the engine runs the
-same FIFO rule *inline*, on the thread that submits the command (the autograd thread in backward, the training
-thread at a wait), under a lock, with its communication stream current: every launch, advance and completion is
-enqueued on that stream at once and the collective sequence is the thread engine's. A thread there only adds a
-handoff per command and contends for the GIL with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``:
-33 buckets of a 270M-parameter model, a 16-rank fake group, no link delay), a step took 57 / 54 ms inline against
-74 / 72 ms with the thread for qwZ + qgZ INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms).
-With a 400 Gbit/s emulated link, or 8 buckets, plain was the same both ways; of six multi-hop comparisons the thread
-was 3-5% faster in four, equal in one and 20% slower in one (ByteGrad, two buffers) -- one median of 5 steps each,
-within what one run can tell. With ``TORCH_NCCL_BLOCKING_WAIT`` set, or another backend for CUDA tensors, a
-``wait()`` blocks the host, and the engine keeps its thread.
+*CUDA: the same rule, inline.* On CUDA with NCCL no hop blocks the host: ``wait()`` on an NCCL handle only makes the
+current stream wait, and the kernels between hops are enqueued (:func:`runs_inline`). So the engine runs the same
+FIFO rule *inline*, on the thread that submits the command (the autograd thread in backward, the training thread at
+a wait), under a lock, with its communication stream current: every launch, advance and completion is enqueued on
+that stream at once and the collective sequence is the thread engine's. (A work's later hops are still enqueued at
+later commands, not all at its own launch: on one communication stream that would queue bucket k+1's quantization
+and first hop behind bucket k's last hop.) A thread there only adds a handoff per command and contends for the GIL
+with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``: 33 buckets of a 270M-parameter model, a
+16-rank fake group, no link delay), a step took 57 / 54 ms inline against 74 / 72 ms with the thread for qwZ + qgZ
+INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms). With a 400 Gbit/s emulated link, or 8
+buckets, plain was the same both ways; of six multi-hop comparisons the thread was 3-5% faster in four, equal in one
+and 20% slower in one (ByteGrad, two buffers) -- one median of 5 steps each, within what one run can tell. With
+``TORCH_NCCL_BLOCKING_WAIT`` set, or another backend for CUDA tensors, a ``wait()`` blocks the host, and the engine
+keeps its thread.
 At submission the training thread records an event on its current stream; the communication stream waits for it
 before the launch, so the bucket is complete before it is read. NCCL ``wait()`` inside the engine makes the
 communication stream (not the compute stream) wait; when a work completes the engine records a done event, and the
