@@ -13,7 +13,7 @@ from .sharding import ShardingPlan
 ACCUMULATE_POLICIES = ("auto", "shard", "local")
 QGZ_DEFAULT_STAGES = 2
 QGZ_AUTO_MIN_BUCKETS = 4
-# Gradient bucket buffers (buffer alternation) when the config leaves it open: see default_buffer_pool_size.
+# Gradient bucket buffers (buffer alternation) when the config leaves it open: see buffer_pool_size_for.
 BUFFER_POOL_SIZE = 2
 BUFFER_POOL_SIZE_CPU = 3      # one-collective reductions on CPU (gloo)
 
@@ -76,10 +76,8 @@ class OverlapConfig:
 
     def resolved_buffer_pool_size(self, device: torch.device, single_collective: bool) -> int:
         """The gradient bucket buffers of a wrapper whose buckets live on ``device`` and whose reduction of a bucket
-        is ``single_collective`` (see :func:`default_buffer_pool_size`); ``buffer_pool_size`` when it is set."""
-        if self.buffer_pool_size is not None:
-            return self.buffer_pool_size
-        return default_buffer_pool_size(device.type, single_collective)
+        is ``single_collective`` (see :func:`buffer_pool_size_for`)."""
+        return buffer_pool_size_for(self.buffer_pool_size, device.type, single_collective)
 
     def resolved_qgz_stages(self, buckets: int, engine: bool) -> int:
         """The qgZ stage count for a wrapper with ``buckets`` buckets (see ``qgz_pipeline_stages``)."""
@@ -88,16 +86,18 @@ class OverlapConfig:
         return 1 if engine and buckets >= QGZ_AUTO_MIN_BUCKETS else QGZ_DEFAULT_STAGES
 
 
-def default_buffer_pool_size(device_type: str, single_collective: bool) -> int:
-    """Gradient bucket buffers when the config leaves it open. Two where the collectives of one group run one after
-    the other (NCCL's stream): the older of two in-flight reductions finishes, and frees its buffer, while the link
-    still carries the newer one, so the next bucket fills behind it. Three on CPU when a bucket's reduction is one
-    collective (``plain`` in a single stage; the device stands for gloo, the CPU backend): gloo's process group
-    runs two collectives at once (two worker threads), two in-flight reduce-scatters share the link and finish
+def buffer_pool_size_for(explicit: Optional[int], device_type: str, single_collective: bool) -> int:
+    """Gradient bucket buffers: ``explicit`` when set, else the default. Two where the collectives of one group run
+    one after the other (NCCL's stream): the older of two in-flight reductions finishes, and frees its buffer, while
+    the link still carries the newer one, so the next bucket fills behind it. Three on CPU when a bucket's reduction
+    is one collective (``plain`` in a single stage; the device stands for gloo, the CPU backend): gloo's process
+    group runs two collectives at once (two worker threads), two in-flight reduce-scatters share the link and finish
     together, and with two buffers the link then idles while backward fills the next bucket (traced at 200 Mbit/s
-    with 20 buckets: 1.45 s of backward for 1.19 s of link time; a third buffer: plain 2.24 -> 2.12 s per step,
-    qwZ 1.80 -> 1.68 s). Multi-hop and staged reductions keep two: the progress engine already staggers their
-    hops, and a third work in flight cost qwZ + qgZ INT4 15% at 200 Mbit/s (0.65 -> 0.75 s)."""
+    with 20 buckets: 1.45 s of backward for 1.19 s of link time; a third buffer: plain 2.24 -> 2.12 s per step, qwZ
+    1.80 -> 1.68 s). Multi-hop and staged reductions keep two: the progress engine already staggers their hops, and
+    a third work in flight cost qwZ + qgZ INT4 15% at 200 Mbit/s (0.65 -> 0.75 s)."""
+    if explicit is not None:
+        return explicit
     return BUFFER_POOL_SIZE_CPU if device_type == "cpu" and single_collective else BUFFER_POOL_SIZE
 
 

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..optimizer.bucketing import assign_buckets
-from ..optimizer.config import BUFFER_POOL_SIZE, default_buffer_pool_size
+from ..optimizer.config import BUFFER_POOL_SIZE, buffer_pool_size_for
 from ..optimizer.memory import model_state_bytes
 from ..optimizer.plan_comm import single_collective_reduction, stage_backend_names
 from ..optimizer.sharding import ResolvedPlan
@@ -32,7 +32,7 @@ class TrainingSetup:
     params_dtype: str = "bf16"
     grad_reduce_in_fp32: bool = True
     optimizer: str = "adam"
-    # None: the wrapper's own depth on ``device`` (optimizer/config.py default_buffer_pool_size: 3 for a
+    # None: the wrapper's own depth on ``device`` (optimizer/config.py buffer_pool_size_for: 3 for a
     # single-collective reduction on CPU, else 2). The cost model's time replay issues collectives one after the
     # other, which is what the CPU's third buffer restores on gloo, so it replays 2 unless this is set.
     buffer_pool_size: Optional[int] = None
@@ -52,9 +52,7 @@ class TrainingSetup:
 
     def pool_buffers(self, plan: ResolvedPlan, grad_reduce: str) -> int:
         """The gradient bucket buffers the wrapper keeps under this plan and backend."""
-        if self.buffer_pool_size is not None:
-            return self.buffer_pool_size
-        return default_buffer_pool_size(self.device, single_collective_reduction(plan, grad_reduce))
+        return buffer_pool_size_for(self.buffer_pool_size, self.device, single_collective_reduction(plan, grad_reduce))
 
     def replayed_pool_buffers(self) -> int:
         """The buffers the time model replays (one collective at a time, see ``buffer_pool_size``)."""

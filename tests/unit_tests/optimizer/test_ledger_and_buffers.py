@@ -92,12 +92,13 @@ def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
 
 
 def test_buffer_pool_size_auto():
-    from megatron_ext.optimizer.config import default_buffer_pool_size
+    from megatron_ext.optimizer.config import buffer_pool_size_for
     from megatron_ext.optimizer.plan_comm import single_collective_reduction
     from megatron_ext.optimizer.sharding import ShardingPlan
     # gloo runs two reduce-scatters at once: a third buffer on CPU where a bucket's reduction is one collective.
-    assert (default_buffer_pool_size("cpu", True), default_buffer_pool_size("cpu", False)) == (3, 2)
-    assert (default_buffer_pool_size("cuda", True), default_buffer_pool_size("cuda", False)) == (2, 2)
+    assert (buffer_pool_size_for(None, "cpu", True), buffer_pool_size_for(None, "cpu", False)) == (3, 2)
+    assert (buffer_pool_size_for(None, "cuda", True), buffer_pool_size_for(None, "cuda", False)) == (2, 2)
+    assert buffer_pool_size_for(5, "cpu", True) == 5
     cfg, cpu = mx.OverlapConfig(), torch.device("cpu")
     assert cfg.resolved_buffer_pool_size(cpu, True) == 3
     assert cfg.resolved_buffer_pool_size(torch.device("meta"), True) == 2   # meta: any device but the CPU
