@@ -164,18 +164,25 @@ class NullStreamOps(StreamOps):
 
 
 class CudaStreamOps(StreamOps):
-    """One communication stream per engine, ordered against the submitting stream by events."""
+    """One communication stream per engine, ordered against the submitting stream by events.
+
+    Streams are looked up by device index: ``torch.cuda.current_stream(device)`` and the ``torch.cuda.device`` /
+    ``torch.cuda.stream`` context managers resolve the device through ``is_available()`` on every call, which cost
+    about 11 us per command on an H200 host, against 3 us for the index-based calls used here (run several times
+    per bucket).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream = torch.cuda.Stream(device=self.index)
 
     def at_submit(self, tensors: Sequence[torch.Tensor]):
         for t in tensors:
             if t is not None and t.is_cuda:
                 t.record_stream(self.stream)   # freed on the compute side: kept until the comm stream is past it
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev.record(torch.cuda.current_stream(self.index))
         return ev
 
     def before_launch(self, token) -> None:
@@ -183,7 +190,7 @@ class CudaStreamOps(StreamOps):
             self.stream.wait_event(token)
 
     def context(self):
-        return _CudaContext(self.device, self.stream)
+        return _CudaContext(self.index, self.stream)
 
     def at_done(self):
         ev = torch.cuda.Event()
@@ -192,24 +199,32 @@ class CudaStreamOps(StreamOps):
 
     def at_consume(self, token) -> None:
         if token is not None:
-            torch.cuda.current_stream(self.device).wait_event(token)
+            torch.cuda.current_stream(self.index).wait_event(token)
 
 
 class _CudaContext:
-    """The engine thread's device and communication stream (a new thread starts on device 0, default stream)."""
+    """The engine's device and communication stream for one command, the caller's restored after it (a new thread
+    starts on device 0 and its default stream; inline, the training thread's device is normally already ours)."""
 
-    def __init__(self, device: torch.device, stream) -> None:
-        self._device = torch.cuda.device(device)
-        self._stream = torch.cuda.stream(stream)
+    __slots__ = ("_index", "_stream", "_prev_device", "_prev_stream")
+
+    def __init__(self, index: int, stream) -> None:
+        self._index = index
+        self._stream = stream
 
     def __enter__(self):
-        self._device.__enter__()
-        self._stream.__enter__()
+        current = torch.cuda.current_device()
+        self._prev_device = current if current != self._index else None
+        if self._prev_device is not None:
+            torch.cuda.set_device(self._index)
+        self._prev_stream = torch.cuda.current_stream(self._index)
+        torch.cuda.set_stream(self._stream)
         return self
 
     def __exit__(self, *exc) -> bool:
-        self._stream.__exit__(*exc)
-        self._device.__exit__(*exc)
+        torch.cuda.set_stream(self._prev_stream)
+        if self._prev_device is not None:
+            torch.cuda.set_device(self._prev_device)
         return False
 
 
@@ -421,10 +436,12 @@ class ProgressEngine:
     def _complete_ready(self) -> None:
         """Complete the single-phase works whose handles have finished (issues nothing: timing may decide)."""
         try:
+            ready = [w for w in self._inflight if w._inner.ready]
+            if not ready:   # the usual case after a launch: nothing to complete, no stream switch
+                return
             with self.streams.context():
-                for w in self._inflight:
-                    if w._inner.ready:
-                        w._inner.wait()
+                for w in ready:
+                    w._inner.wait()
                 self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced at the next wait()
             if self.inline and not isinstance(e, Exception):
