@@ -23,7 +23,7 @@ from .layout import SwizzleLayout, codes_dtype, num_groups, swizzle_layout, swiz
 
 __all__ = [
     "quantize_symmetric", "dequantize_symmetric", "quantize_minmax_uint8", "dequantize_minmax_uint8",
-    "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce",
+    "dequantize_rows", "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce",
     "SwizzleLayout", "swizzle_layout", "swizzle_permutation", "num_groups", "codes_dtype",
     "use_backend", "select_backend", "triton_available", "BACKENDS",
 ]
@@ -55,6 +55,15 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
     """Inverse of :func:`quantize_symmetric`: 1-D ``numel`` elements of ``dtype``, ``fl32(code * scale)`` rounded."""
     return _impl(codes.device.type).dequantize_symmetric(codes, scales, bits=bits, group_size=group_size,
                                                           numel=numel, dtype=dtype)
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Dequantize each row of ``codes`` ([R, bytes], whole groups) with its row of ``scales`` ([R, groups] fp32)
+    into ``out`` ([R, n] of fp32/fp16/bf16, ``n <= groups * group_size``: a row's padding is dropped); returns
+    ``out``. Each tensor's rows are contiguous, at any row stride: a gathered ``[codes | scales]`` byte buffer is
+    decoded where it lies, straight into the destination (on CUDA one kernel, no copy; qwZ's all-gather)."""
+    return _impl(codes.device.type).dequantize_rows(codes, scales, bits=bits, group_size=group_size, out=out)
 
 
 def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,7 +102,8 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused intra-node qgZ step: dequantize ``k`` received chunks, sum in fp32, requantize.
 
-    ``chunks`` is ``[k, nbytes]`` (codes of equal-length chunks, whole groups), ``scales`` ``[k, groups]`` fp32.
+    ``chunks`` is ``[k, nbytes]`` (codes of equal-length chunks, whole groups), ``scales`` ``[k, groups]`` fp32;
+    each row contiguous, the rows at any stride (the rows of a received buffer, read in place on CUDA).
     Returns ``(codes [nbytes], scales [groups])`` of the sum; one pass over memory instead of three (seed 000 4.2).
     """
     return _impl(chunks.device.type).dequantize_reduce_quantize(chunks, scales, bits, group_size)
@@ -101,7 +111,8 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                       numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Final qgZ step: dequantize ``k`` chunks (``[k, nbytes]``, scales ``[k, groups]``) and sum them in fp32.
+    """Final qgZ step: dequantize ``k`` chunks (``[k, nbytes]``, scales ``[k, groups]``, rows as in
+    :func:`dequantize_reduce_quantize`) and sum them in fp32.
 
     Returns the first ``numel`` (default: all ``groups * group_size``) elements of the sum, cast to ``dtype``.
     """

@@ -326,6 +326,11 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
     return out
 
 
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    return _ref.dequantize_rows_with(dequantize_symmetric, codes, scales, bits, group_size, out)
+
+
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
                      pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
@@ -352,6 +357,7 @@ def _reduce_partial_group(chunks3: torch.Tensor, scales: torch.Tensor, g0: int, 
 def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
+    chunks, scales = chunks.contiguous(), scales.contiguous()   # rows of a received buffer: the loops read flat
     # hand-written (native.py says why); at every size unless MX_KERNELS_COMPILE=0: it compiles once per machine,
     # not per shape, and runs 10x faster than eager on qgZ's 100k-element stage chunks
     if (bits == 4 and k <= native.MAX_K and chunks.device.type == scales.device.type == "cpu"
@@ -373,6 +379,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                       numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
+    chunks, scales = chunks.contiguous(), scales.contiguous()
     g, bpg = group_size, group_size * bits // 8
     total = groups * g
     numel = total if numel is None else numel

@@ -74,11 +74,22 @@ def check_input(x: torch.Tensor, name: str = "x") -> None:
     check_contiguous(x, name)
 
 
-def check_codes(codes: torch.Tensor, bits: int, name: str = "codes") -> None:
+def check_rows(t: torch.Tensor, name: str) -> None:
+    """A 2-D tensor whose rows are each contiguous, at any row stride (e.g. rows of a received byte buffer)."""
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be 2-D with contiguous rows (got shape {tuple(t.shape)}, strides "
+                         f"{tuple(t.stride())})")
+
+
+def check_codes(codes: torch.Tensor, bits: int, name: str = "codes", rows: bool = False) -> None:
+    """Codes of ``bits``: flat memory, or with ``rows`` a 2-D tensor of contiguous rows (:func:`check_rows`)."""
     want = torch.int8 if bits == 8 else torch.uint8
     if codes.dtype != want:
         raise TypeError(f"{name} for {bits}-bit codes must be {want}, got {codes.dtype}")
-    check_contiguous(codes, name)
+    if rows:
+        check_rows(codes, name)
+    else:
+        check_contiguous(codes, name)
 
 
 def check_minmax_codes(q: torch.Tensor, name: str = "q") -> None:

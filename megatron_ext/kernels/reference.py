@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_input,
+from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_input, check_rows,
                      check_minmax_codes, codes_dtype, num_groups, qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
@@ -161,6 +161,46 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
     return out
 
 
+def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, out: torch.Tensor
+                    ) -> tuple[int, int, int]:
+    """Validate ``dequantize_rows``'s arguments (every backend); returns ``(rows, groups per row, out row length)``."""
+    check_bits_group(bits, group_size)
+    check_codes(codes, bits, "codes", rows=True)
+    check_rows(scales, "scales")
+    check_rows(out, "out")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"scales must be float32, got {scales.dtype}")
+    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    rows, groups, n = codes.shape[0], scales.shape[1], out.shape[1]
+    if scales.shape[0] != rows or out.shape[0] != rows:
+        raise ValueError(f"codes, scales and out must have the same rows; got {tuple(codes.shape)}, "
+                         f"{tuple(scales.shape)} and {tuple(out.shape)}")
+    if groups * group_size * bits // 8 != codes.shape[1] or n > groups * group_size:
+        raise ValueError(f"a row of {groups} groups of {group_size} {bits}-bit codes is "
+                         f"{groups * group_size * bits // 8} bytes and decodes to at most {groups * group_size} "
+                         f"elements; got {codes.shape[1]} bytes and out rows of {n}")
+    return rows, groups, n
+
+
+def dequantize_rows_with(dequantize, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                         out: torch.Tensor) -> torch.Tensor:
+    """``dequantize_rows`` by one flat ``dequantize`` call: every row holds whole groups, so group boundaries are row
+    boundaries and each element decodes as a per-row call would decode it."""
+    rows, groups, n = check_rows_args(codes, scales, bits, group_size, out)
+    if rows and n:
+        padded = groups * group_size
+        flat = dequantize(codes.contiguous().view(-1), scales.contiguous().view(-1), bits=bits,
+                          group_size=group_size, numel=rows * padded, dtype=out.dtype)
+        out.copy_(flat.view(rows, padded)[:, :n])
+    return out
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    return dequantize_rows_with(dequantize_symmetric, codes, scales, bits, group_size, out)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # qgZ: swizzle + quantize, dequantize + reduce (+ requantize)
 # ----------------------------------------------------------------------------------------------------------------
@@ -215,13 +255,14 @@ def _swizzle_chunks(lay: SwizzleLayout):
 
 
 def check_chunks(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> tuple[int, int]:
-    """Validate the ``[k, bytes]`` chunks and ``[k, groups]`` scales of the reduce ops (both backends)."""
+    """Validate the ``[k, bytes]`` chunks and ``[k, groups]`` scales of the reduce ops (every backend). Each row
+    is contiguous, the rows at any stride: the chunks of a received all-to-all buffer are read where they lie."""
     check_bits_group(bits, group_size)
-    check_codes(chunks, bits, "chunks")
-    check_contiguous(scales, "scales")
     if chunks.dim() != 2 or scales.dim() != 2 or scales.shape[0] != chunks.shape[0]:
         raise ValueError(f"chunks must be [k, bytes] and scales [k, groups]; got {tuple(chunks.shape)} and "
                          f"{tuple(scales.shape)}")
+    check_codes(chunks, bits, "chunks", rows=True)
+    check_rows(scales, "scales")
     k, nbytes = chunks.shape
     groups = scales.shape[1]
     if k < 1:

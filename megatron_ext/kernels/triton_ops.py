@@ -71,16 +71,19 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
 
 def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                    out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None):
+    """``chunks`` [k, bytes] and ``scales`` [k, groups], each row contiguous and the rows at any stride (chunks
+    read in place from a received buffer)."""
     k, groups = chunks.shape[0], scales.shape[1]
     cols, gpp = _tile(bits, group_size)
-    check_int32_offsets(k * _tiled_extent(groups, bits, group_size), "dequantize/reduce")  # chunk i at i*groups*...
+    # chunk i at i * stride(0); masked lanes of the last tile run past its end (_tiled_extent)
+    check_int32_offsets((k - 1) * chunks.stride(0) + _tiled_extent(groups, bits, group_size), "dequantize/reduce")
     requant = out is None
     dummy = out if out is not None else out_scales
-    grid = (cdiv(groups, gpp),)
+    grid = (cdiv(groups, gpp), 1)
     _sym.reduce_kernel[grid](chunks, scales, dummy, out_codes if requant else dummy,
-                             out_scales if requant else dummy, groups, numel, K=k,
-                             GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=requant,
-                             **_OPTS)
+                             out_scales if requant else dummy, groups, numel, chunks.stride(0), scales.stride(0),
+                             0, 0, 0, K=k, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits),
+                             REQUANT=requant, **_OPTS)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
@@ -91,6 +94,19 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
     if groups:
         sc = scales.reshape(-1)[:groups].float().contiguous().view(1, groups)
         _launch_reduce(codes.view(-1)[:nbytes].view(1, nbytes), sc, bits, group_size, numel, out, None, None)
+    return out
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    rows, groups, n = _ref.check_rows_args(codes, scales, bits, group_size, out)
+    if rows and n:
+        cols, gpp = _tile(bits, group_size)
+        check_int32_offsets((rows - 1) * codes.stride(0) + _tiled_extent(groups, bits, group_size), "dequantize rows")
+        check_int32_offsets(rows * out.stride(0), "dequantize rows")
+        _sym.reduce_kernel[(cdiv(groups, gpp), rows)](
+            codes, scales, out, out, out, groups, n, 0, 0, codes.stride(0), scales.stride(0), out.stride(0),
+            K=1, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=False, **_OPTS)
     return out
 
 

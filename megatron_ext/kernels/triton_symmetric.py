@@ -133,14 +133,22 @@ def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, sta
 
 @triton.jit
 def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, groups, numel,
+                  chunk_stride, scale_stride, row_stride, scale_row_stride, out_row_stride,
                   K: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr,
                   QMAX: tl.constexpr, REQUANT: tl.constexpr):
-    """Sum over the ``K`` rows of ``chunks`` ([K, groups * GROUP * BITS / 8]) of ``fl(code * scale)``, in order.
+    """Sum over the ``K`` chunks of ``fl(code * scale)``, in order; chunk ``i`` starts ``i * chunk_stride`` code
+    elements (``i * scale_stride`` scales) in, so the chunks may be rows of a received byte buffer, read in place.
 
     REQUANT: quantize the sum into ``out_codes``/``out_scales``; else store its first ``numel`` elements to ``out``.
     Dequantization alone is the case K = 1. K (nodes or ranks per node) is a constexpr so that the loop unrolls and
-    the K loads are all in flight before the first is used.
+    the K loads are all in flight before the first is used. Grid axis 1 runs independent problems (rows of a
+    gathered buffer): problem ``r`` reads from ``r * row_stride`` / ``r * scale_row_stride`` and writes ``out`` from
+    ``r * out_row_stride``.
     """
+    r = tl.program_id(1)
+    chunks_ptr += r * row_stride
+    scales_ptr += r * scale_row_stride
+    out_ptr += r * out_row_stride
     pid = tl.program_id(0)
     rows = pid * GPP + tl.arange(0, GPP)
     row_ok = rows < groups
@@ -151,8 +159,8 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
         off = rows[:, None] * GROUP + cols[None, :]
         acc = tl.zeros((GPP, COLS), dtype=tl.float32)
         for i in tl.static_range(K):
-            sc = tl.load(scales_ptr + i * groups + rows, mask=row_ok, other=0.0)
-            c = _int8_value(tl.load(chunks_ptr + i * groups * GROUP + off, mask=m2, other=0))
+            sc = tl.load(scales_ptr + i * scale_stride + rows, mask=row_ok, other=0.0)
+            c = _int8_value(tl.load(chunks_ptr + i * chunk_stride + off, mask=m2, other=0))
             acc += c * sc[:, None]
         if REQUANT:
             absmax = tl.max(tl.abs(acc), axis=1)
@@ -169,8 +177,8 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
         acc0 = tl.zeros((GPP, COLS), dtype=tl.float32)
         acc1 = tl.zeros((GPP, COLS), dtype=tl.float32)
         for i in tl.static_range(K):
-            sc = tl.load(scales_ptr + i * groups + rows, mask=row_ok, other=0.0)
-            hi, lo = _int4_pair(tl.load(chunks_ptr + i * groups * (GROUP // 2) + off, mask=m2, other=0))
+            sc = tl.load(scales_ptr + i * scale_stride + rows, mask=row_ok, other=0.0)
+            hi, lo = _int4_pair(tl.load(chunks_ptr + i * chunk_stride + off, mask=m2, other=0))
             acc0 += hi * sc[:, None]
             acc1 += lo * sc[:, None]
         if REQUANT:

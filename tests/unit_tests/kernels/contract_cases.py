@@ -98,17 +98,73 @@ def run_non_contiguous_rejected(impl) -> None:
     sc2 = torch.stack([scales, scales])  # [2, 8]
     bad_sc2 = torch.stack([scales, scales], 1).t()  # same values, non-contiguous
     bad_chunks = torch.stack([codes, codes], 1).t()
+    # the reduce ops take rows at any stride (run_row_strided_inputs), never a row that is itself strided
     for fn in (lambda c, s: impl.dequantize_reduce_quantize(c, s, 8, 8),
                lambda c, s: impl.dequantize_reduce(c, s, bits=8, group_size=8)):
-        with pytest.raises(ValueError, match=r"scales must be contiguous .*strides"):
+        with pytest.raises(ValueError, match=r"scales must be 2-D with contiguous rows .*strides"):
             fn(chunks, bad_sc2)
-        with pytest.raises(ValueError, match=r"chunks must be contiguous .*strides"):
+        with pytest.raises(ValueError, match=r"chunks must be 2-D with contiguous rows .*strides"):
             fn(bad_chunks, sc2)
+    out = torch.empty(2, 64)
+    with pytest.raises(ValueError, match=r"codes must be 2-D with contiguous rows .*strides"):
+        impl.dequantize_rows(bad_chunks, sc2, bits=8, group_size=8, out=out)
+    with pytest.raises(ValueError, match=r"out must be 2-D with contiguous rows .*strides"):
+        impl.dequantize_rows(chunks, sc2, bits=8, group_size=8, out=torch.empty(64, 2).t())
     q, mins, maxs = impl.quantize_minmax_uint8(x, 16)
     with pytest.raises(ValueError, match=r"q must be contiguous .*strides"):
         impl.dequantize_minmax_uint8(torch.stack([q, q], 1).view(-1)[::2], mins, maxs, 16, 64)
     with pytest.raises(TypeError, match=r"must be torch.uint8, got torch.int8"):
         impl.dequantize_minmax_uint8(q.view(torch.int8), mins, maxs, 16, 64)
+
+
+def _wire_rows(codes: torch.Tensor, scales: torch.Tensor, lead: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codes [k, b]`` and ``scales [k, g]`` copied into the rows of a byte buffer as a backend sends them
+    (``[codes | pad | scales]``, ``lead`` junk bytes first, junk in the pad), returned as the strided views a
+    receiver reads."""
+    k, cb = codes.shape
+    cb_pad = -(-cb // 4) * 4
+    row = lead + cb_pad + 4 * scales.shape[1]
+    buf = torch.full((k, row), 0xA5, dtype=torch.uint8)
+    buf[:, lead:lead + cb] = codes.view(torch.uint8)
+    buf[:, lead + cb_pad:] = scales.contiguous().view(torch.uint8)
+    return buf[:, lead:lead + cb].view(codes.dtype), buf[:, lead + cb_pad:].view(torch.float32)
+
+
+def run_row_strided_inputs(impl) -> None:
+    """Rows of a received byte buffer (codes and scales interleaved per row, padding between them) are read in place
+    and give the bits of contiguous inputs: the two qgZ reductions over k chunks, and ``dequantize_rows`` (qwZ's
+    decode of all gathered rows, straight into the destination) against a per-row ``dequantize_symmetric``."""
+    g = torch.Generator().manual_seed(3)
+    for bits, group, n in ((8, 8, 40), (4, 8, 42), (4, 16, 16)):   # rows of 5, 6 and 1 groups; one with padding
+        pieces = [impl.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
+                  for _ in range(3)]
+        codes = torch.stack([c for c, _ in pieces])
+        scales = torch.stack([s for _, s in pieces])
+        for lead in (0, 4):
+            c, s = _wire_rows(codes, scales, lead)
+            assert not c.is_contiguous() and not s.is_contiguous()
+            for a, b in zip(impl.dequantize_reduce_quantize(c, s, bits, group),
+                            impl.dequantize_reduce_quantize(codes, scales, bits, group)):
+                _same(a, b)
+            _same(impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=n - 1),
+                  impl.dequantize_reduce(codes, scales, bits=bits, group_size=group, numel=n - 1))
+            for dtype in (torch.float32, torch.bfloat16):
+                out = torch.full((3, n + 5), 7.0, dtype=dtype)[:, 2:2 + n]   # strided rows; the rest untouched
+                assert impl.dequantize_rows(c, s, bits=bits, group_size=group, out=out) is out
+                for r, (cr, sr) in enumerate(pieces):
+                    _same(out[r], impl.dequantize_symmetric(cr, sr, bits=bits, group_size=group, numel=n,
+                                                            dtype=dtype))
+                assert out.as_strided((3, n + 5), (n + 5, 1), 0)[:, :2].eq(7).all()
+    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    with pytest.raises(ValueError, match=r"same rows"):
+        impl.dequantize_rows(codes.view(2, 32), scales.view(1, 8), bits=8, group_size=8, out=torch.empty(2, 32))
+    with pytest.raises(ValueError, match=r"decodes to at most 32 elements; got 32 bytes and out rows of 33"):
+        impl.dequantize_rows(codes.view(2, 32), scales.view(2, 4), bits=8, group_size=8, out=torch.empty(2, 33))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (a, b)
 
 
 def run_bad_arguments_rejected(impl) -> None:

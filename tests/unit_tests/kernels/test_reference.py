@@ -326,6 +326,12 @@ def test_strided_codes_scales_chunks_are_clear_errors():
     contract_cases.run_bad_arguments_rejected(reference)
 
 
+def test_row_strided_inputs():
+    """Rows of a received buffer read in place: the same bits as contiguous inputs (and dequantize_rows as a
+    per-row dequantize)."""
+    contract_cases.run_row_strided_inputs(reference)
+
+
 def test_round_half_to_even_ties():
     """Exact .5 ties, hand-written codes: plain quantize, the fused swizzle and the fused requantize."""
     contract_cases.run_symmetric_ties(reference)

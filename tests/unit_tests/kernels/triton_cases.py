@@ -55,8 +55,14 @@ class _OnDevice:
         fn = getattr(self._impl, name)
 
         def call(*args, **kwargs):
-            out = fn(*map(_to_device, args), **{k: _to_device(v) for k, v in kwargs.items()})
+            dev_kwargs = {k: _to_device(v) for k, v in kwargs.items()}
+            out = fn(*map(_to_device, args), **dev_kwargs)
             torch.cuda.synchronize()
+            if "out" in kwargs:   # an op writing into ``out``: copy its whole storage back (what it must not touch too)
+                dst, src = kwargs["out"], dev_kwargs["out"]
+                torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage()).copy_(
+                    torch.empty(0, dtype=src.dtype, device=src.device).set_(src.untyped_storage()))
+                return dst if out is src else _to_cpu(out)
             return _to_cpu(out)
         return call
 
@@ -170,6 +176,7 @@ def test_non_contiguous_rejected(tri):
     with pytest.raises(ValueError, match="contiguous"):
         tri.quantize_minmax_uint8(x, 8)
     contract_cases.run_non_contiguous_rejected(tri)  # the same errors as the torch path (test_reference)
+    contract_cases.run_row_strided_inputs(tri)
     contract_cases.run_bad_arguments_rejected(tri)
 
 
