@@ -47,10 +47,7 @@ import torch.distributed as dist
 from .backend import BackendOptions, CompletedWork, GradReduce, Work, register_grad_reduce
 from .ledger import CommLedger
 from .topology import Topology
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+from .wire import pack_rows, round_up, row_bytes, unpack_rows
 
 
 def qgz_geometry(n: int, stages: int, group_size: int) -> Tuple[int, int, int, int, int]:
@@ -65,7 +62,7 @@ def qgz_geometry(n: int, stages: int, group_size: int) -> Tuple[int, int, int, i
     sub = -(-n // stages)
     g_max = max(2, group_size - group_size % 2)
     groups = max(1, -(-sub // g_max))
-    g = _round_up(-(-sub // groups), 2)
+    g = round_up(-(-sub // groups), 2)
     return stages, sub, groups, g, groups * g
 
 
@@ -73,36 +70,9 @@ def qgz_bytes(n: int, nodes: int, ranks_per_node: int, bits: int, stages: int, g
     """Closed form: (intra, inter) bytes one rank sends for one bucket of ``nodes*ranks_per_node*n`` elements."""
     S, _, G, _, sub_pad = qgz_geometry(n, stages, group_size)
     N, D = nodes, ranks_per_node
-    intra = S * (D - 1) * _row_bytes(N * sub_pad, N * G, bits) if D > 1 else 0
-    inter = S * (N - 1) * _row_bytes(sub_pad, G, bits) if N > 1 else 0
+    intra = S * (D - 1) * row_bytes(N * sub_pad * bits // 8, N * G) if D > 1 else 0
+    inter = S * (N - 1) * row_bytes(sub_pad * bits // 8, G) if N > 1 else 0
     return intra, inter
-
-
-# -- byte rows: [codes | pad to 4 bytes | fp32 scales], one per all-to-all destination -------------------------
-def _row_bytes(numel: int, groups: int, bits: int) -> int:
-    return _round_up(numel * bits // 8, 4) + 4 * groups
-
-
-def _pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    c = codes.reshape(rows, -1).view(torch.uint8)
-    s = scales.reshape(rows, -1).to(torch.float32).view(torch.uint8)
-    cb = c.shape[1]
-    cb_pad = _round_up(cb, 4)
-    out = torch.empty(rows, cb_pad + s.shape[1], dtype=torch.uint8, device=codes.device)
-    out[:, :cb].copy_(c)
-    if cb_pad > cb:
-        out[:, cb:cb_pad].zero_()
-    out[:, cb_pad:].copy_(s)
-    return out
-
-
-def _unpack_rows(buf: torch.Tensor, rows: int, codes_bytes: int, codes_dtype: torch.dtype):
-    """Contiguous ``(codes [rows, codes_bytes], scales [rows, k] fp32)`` from a received ``[rows, row]`` buffer."""
-    b = buf.view(rows, -1)
-    cb_pad = _round_up(codes_bytes, 4)
-    codes = b[:, :codes_bytes].contiguous().view(codes_dtype)
-    scales = b[:, cb_pad:].contiguous().view(torch.float32)
-    return codes, scales
 
 
 @register_grad_reduce("qgz")
@@ -175,13 +145,13 @@ class _QgzWork(Work):
         self._inter: List[Tuple[int, object, torch.Tensor]] = []
         for s in range(S):
             if D > 1:   # 2. intra-node all-to-all: row b' (N sub-slices) to local peer b'
-                send = _pack_rows(codes[s], scales[s], D)
+                send = pack_rows(codes[s], scales[s], D)
                 recv = torch.empty_like(send)
                 self.ledger.record("qgz_intra_all_to_all", intra=(D - 1) * send.shape[1])
                 h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=topo.intra_group, async_op=True)
                 self._intra[s] = (h, recv)
             else:       # one rank per node: the inter-node hop is the first hop
-                self._launch_inter(s, _pack_rows(codes[s], scales[s], N))
+                self._launch_inter(s, pack_rows(codes[s], scales[s], N))
         self._phase = self._INTRA if D > 1 else self._INTER
 
     def _launch_inter(self, s: int, send: torch.Tensor) -> None:
@@ -194,8 +164,8 @@ class _QgzWork(Work):
     def _finish_stage(self, s: int, total: torch.Tensor) -> None:
         lo = s * self.sub
         hi = min(lo + self.sub, self.n)
-        if hi > lo:
-            self.out[lo:hi].copy_(total[:hi - lo].mul_(1.0 / self.P))   # the one and only averaging
+        if hi > lo:   # the one and only averaging, in fp32, written in the shard's dtype
+            torch.mul(total[:hi - lo], 1.0 / self.P, out=self.out[lo:hi])
 
     def _complete_intra(self) -> None:
         from megatron_ext.kernels import dequantize_reduce, dequantize_reduce_quantize
@@ -205,13 +175,13 @@ class _QgzWork(Work):
             h, recv = self._intra[s]
             self._intra[s] = None
             h.wait()
-            c, sc = _unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
+            c, sc = unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
             if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
                 self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
                 continue
             # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums)
             c2, sc2 = dequantize_reduce_quantize(c, sc, bits, g)
-            self._launch_inter(s, _pack_rows(c2, sc2, N))
+            self._launch_inter(s, pack_rows(c2, sc2, N))
 
     def _complete_inter(self) -> None:
         from megatron_ext.kernels import dequantize_reduce
@@ -220,7 +190,7 @@ class _QgzWork(Work):
         for s, h, recv in inter:
             h.wait()
             # 5. dequantize + reduce over the N node partial sums
-            c, sc = _unpack_rows(recv, self.N, self.sub_pad * self.bits // 8, self.code_dtype)
+            c, sc = unpack_rows(recv, self.N, self.sub_pad * self.bits // 8, self.code_dtype)
             self._finish_stage(s, dequantize_reduce(c, sc, bits=self.bits, group_size=self.g, dtype=torch.float32))
 
     def advance(self) -> None:

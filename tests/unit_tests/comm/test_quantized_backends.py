@@ -298,3 +298,21 @@ def test_qgz_geometry_agrees_with_kernel_layout_for_any_group_size(group_size, s
         assert -(-sub // g) == G and sub <= sub_pad == G * g < sub + g, (n, sub, G, g)
         lay = swizzle_layout(8 * n, 4, g, 4, 2, S)
         assert lay.stage_numel == sub and lay.chunk_numel == sub_pad, (n, lay)
+
+
+def test_bytegrad_rows_compressed_at_once_equal_row_by_row():
+    """ByteGrad's leader compresses all nodes' chunks in one call when the (min, max) chunk divides the row: the
+    same bytes as one call per row (no chunk straddles two rows); otherwise it falls back to row by row. A
+    decompressed value is never -0.0, so the node sum may start from node 0's version instead of zeros."""
+    from megatron_ext.comm.bytegrad import _compress_rows, _decompress
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, generator=g) * 4
+    x[1, :32] = 0.0
+    x[2, 40:72] = -0.0
+    for c in (32, 96, 40, 7):
+        rows = _compress_rows(x, c)
+        for i in range(3):
+            assert torch.equal(rows[i], _compress_rows(x[i:i + 1].clone(), c)[0])
+            d = _decompress(rows[i], 96, c)
+            assert not torch.any((d == 0) & torch.signbit(d))
