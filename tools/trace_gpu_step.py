@@ -291,6 +291,7 @@ def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe]
     if probe is not None:
         row["compute_stream_waits"] = summarize_waits(probe.stalls(), args.steps)
         row["engine_host_ms_per_step"] = round(probe.engine_s * 1e3 / args.steps, 3)
+    row["host_us_per_bucket"] = bucket_host_us(model, device, x.dtype)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -303,6 +304,47 @@ def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe]
         name = f"{combo.label.replace(' ', '_').replace('+', '_')}_pool{model.buffer_pool_size}_{engine}"
         row.update(summarize_trace(_trace_events(prof, args.keep_trace, name)))
     return row
+
+
+def bucket_host_us(model, device: torch.device, dtype: torch.dtype, buckets: int = 40, rounds: int = 5
+                   ) -> Dict[str, float]:
+    """Host time per bucket on the training thread, apart from any step: ``buckets`` reductions of the first bucket's
+    size launched back to back with at most two in flight (the default pool), through the progress engine
+    (``reduce_engine``) and through the backend alone (``reduce_backend``), and as many weight gathers
+    (``gather``); the least of ``rounds`` rounds, in microseconds. On a GPU the launches return before the kernels
+    run, so this is what a bucket costs the host (issue 14's per-bucket overhead), not the link."""
+    b = model.buckets[0]
+    bucket = torch.randn(b.numel, device=device)
+    out = torch.empty(b.shard_numel, device=device)
+    params = torch.randn(b.numel, device=device).to(dtype)
+    engine_backend = model.grad_backend
+    direct = getattr(engine_backend, "inner", engine_backend)
+
+    def reduce(backend) -> None:
+        works = []
+        for _ in range(buckets):
+            works.append(backend.reduce_scatter(bucket, out))
+            if len(works) > 2:
+                works.pop(0).wait()
+        for w in works:
+            w.wait()
+
+    def gather() -> None:
+        for _ in range(buckets):
+            model.param_backend.all_gather(params[:b.shard_numel], params).wait()
+
+    result = {}
+    for name, fn in (("reduce_engine", lambda: reduce(engine_backend)), ("reduce_backend", lambda: reduce(direct)),
+                     ("gather", gather)):
+        best = float("inf")
+        for _ in range(rounds + 1):   # the first round warms up
+            _synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        result[name] = round(best / buckets * 1e6, 1)
+    _synchronize(device)
+    return result
 
 
 def run_no_comm(args, device: torch.device) -> dict:
@@ -379,6 +421,10 @@ def format_row(r: dict) -> str:
         return f"{head} | error: {r['error']}"
     lo, hi = r.get("step_ms_min_max", (r["step_ms"], r["step_ms"]))
     line = f"{head} | step {r['step_ms']:7.1f} ms ({lo:.1f}-{hi:.1f})"
+    per_bucket = r.get("host_us_per_bucket")
+    if per_bucket:
+        line += (" | host us per bucket: reduce {reduce_engine:.0f} (backend alone {reduce_backend:.0f}), "
+                 "gather {gather:.0f}".format(**per_bucket))
     if "compute_stream_waits" not in r:
         return line
     bw, host = r["backward_per_step"], r["host_ms_per_step"]

@@ -137,6 +137,9 @@ def test_cpu_run_of_every_configuration(tmp_path):
     odo = rows[1:]
     assert len(odo) == 3 * 2 and not [r for r in odo if "error" in r], odo
     assert all(r["skipped_steps"] == 0 and r["buckets"] >= 3 and r["buffer_pool_size"] == 4 for r in odo)
+    # the per-bucket host time of reductions (engine and backend alone) and gathers, apart from the steps
+    assert all(sorted(r["host_us_per_bucket"]) == ["gather", "reduce_backend", "reduce_engine"]
+               and min(r["host_us_per_bucket"].values()) > 0 for r in odo), odo
     assert sorted((r["combo"], r["engine"]) for r in odo) == sorted(
         (c, e) for c in ("plain", "qwZ+qgZ INT4", "ByteGrad") for e in ("inline", "thread"))
     assert json.loads(path.read_text())["meta"]["link_calls"] > 0
