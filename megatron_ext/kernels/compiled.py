@@ -357,7 +357,6 @@ def _reduce_partial_group(chunks3: torch.Tensor, scales: torch.Tensor, g0: int, 
 def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
-    chunks, scales = chunks.contiguous(), scales.contiguous()   # rows of a received buffer: the loops read flat
     # hand-written (native.py says why); at every size unless MX_KERNELS_COMPILE=0: it compiles once per machine,
     # not per shape, and runs 10x faster than eager on qgZ's 100k-element stage chunks
     if (bits == 4 and k <= native.MAX_K and chunks.device.type == scales.device.type == "cpu"
@@ -365,6 +364,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
         return native.int4_reduce_quantize(chunks, scales, group_size)
     if not _wanted(groups * group_size):
         return _ref.dequantize_reduce_quantize(chunks, scales, bits, group_size)
+    chunks, scales = chunks.contiguous(), scales.contiguous()   # rows of a received buffer: Inductor's loops read flat
     bpg = group_size * bits // 8
     codes = torch.empty(groups, bpg, dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
@@ -379,7 +379,6 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                       numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
-    chunks, scales = chunks.contiguous(), scales.contiguous()
     g, bpg = group_size, group_size * bits // 8
     total = groups * g
     numel = total if numel is None else numel
@@ -389,6 +388,7 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
         return native.dequantize_reduce(chunks, scales, bits, group_size, numel)
     if not _wanted(numel):
         return _ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
+    chunks, scales = chunks.contiguous(), scales.contiguous()
     out = torch.empty(numel, dtype=dtype, device=chunks.device)
     ch3 = chunks.view(k, groups, bpg)
     full = numel // g

@@ -135,7 +135,7 @@ def _threads(numel: int, threads: int | None) -> int:
 def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size: int, *, threads: int | None = None,
                          variant: str = "native") -> tuple[torch.Tensor, torch.Tensor]:
     """``dequantize_reduce_quantize`` for INT4 on CPU: ``chunks`` [k, bytes] uint8 and ``scales`` [k, groups] fp32,
-    both contiguous (the caller checks them); returns (codes [bytes], scales [groups])."""
+    each row contiguous, the rows at any stride (the caller checks them); returns (codes [bytes], scales [groups])."""
     lib = _lib(variant)
     k, nbytes = chunks.shape
     groups = scales.shape[1]
@@ -144,7 +144,8 @@ def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size:
     codes = torch.empty(nbytes, dtype=torch.uint8)
     out_scales = torch.empty(groups, dtype=torch.float32)
     if groups:
-        rc = lib.mx_int4_reduce_quantize(chunks.data_ptr(), nbytes, scales.data_ptr(), groups, k, groups,
+        rc = lib.mx_int4_reduce_quantize(chunks.data_ptr(), chunks.stride(0), scales.data_ptr(), scales.stride(0),
+                                         k, groups,
                                          group_size // 2, codes.data_ptr(), out_scales.data_ptr(),
                                          _threads(groups * group_size, threads))
         if rc:
@@ -165,10 +166,11 @@ def quantize_into(x: torch.Tensor, bits: int, group_size: int, codes: torch.Tens
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int, *,
                       threads: int | None = None, variant: str = "native") -> torch.Tensor:
     """fp32 sum of the first ``numel`` elements of the k >= 1 chunks (``chunks`` [k, bytes] and ``scales``
-    [k, groups], contiguous, as ``reference.check_chunks`` checks them; k = 1 is the dequantization)."""
+    [k, groups], rows contiguous at any row stride, as ``reference.check_chunks`` checks them; k = 1 is the
+    dequantization)."""
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
-        _lib(variant).mx_dequantize_reduce(chunks.data_ptr(), chunks.shape[1], scales.data_ptr(), scales.shape[1],
+        _lib(variant).mx_dequantize_reduce(chunks.data_ptr(), chunks.stride(0), scales.data_ptr(), scales.stride(0),
                                            chunks.shape[0], numel, group_size, bits, out.data_ptr(),
                                            _threads(numel, threads))
     return out
