@@ -291,7 +291,8 @@ def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe]
     if probe is not None:
         row["compute_stream_waits"] = summarize_waits(probe.stalls(), args.steps)
         row["engine_host_ms_per_step"] = round(probe.engine_s * 1e3 / args.steps, 3)
-    row["host_us_per_bucket"] = bucket_host_us(model, device, x.dtype)
+    if args.host_buckets:
+        row["host_us_per_bucket"] = bucket_host_us(model, device, x.dtype, args.host_buckets)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -459,6 +460,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                    help="emulated intra-node link, Gbit/s (0: no delay; default about one NVLink 4 direction)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--host-buckets", type=int, default=40,
+                   help="reductions and gathers per round of the host-time-per-bucket measurement (0: skip it)")
     p.add_argument("--keep-trace", default="", help="folder for the gzipped Chrome traces (CUDA only)")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--check", action="store_true",
@@ -470,6 +473,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if any(e not in ("inline", "thread") for e in engines):
         p.error(f"--engines: choose from inline, thread; got {args.engines!r}")
+    if args.host_buckets < 0:
+        p.error(f"--host-buckets must be >= 0, got {args.host_buckets}")
     if args.world_size % args.ranks_per_node:
         p.error(f"--world-size {args.world_size} is not a multiple of --ranks-per-node {args.ranks_per_node}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -16,8 +16,8 @@ spans 32 rows, small rows share a scale with the largest, and INT4 gradients cos
 
 Measured (final loss vs plain, seed 1234 / seed 4321): qwZ -0.00 / +0.03%, qgZ INT4 +0.36 / +0.50%, qgZ INT8
 +0.00 / -0.00%, ByteGrad +0.21 / +0.22%, qwZ+qgZ INT4 +0.45 / +0.46%, qwZ+qgZ INT8 +0.03 / +0.02%, qwZ+ByteGrad
-+0.18 / +0.17%: the 2% criterion has a margin of 4x. The whole module (8 runs of 200 steps in one gloo world of 4
-ranks) takes about 2 minutes of 2-core CPU time (3 minutes of wall time on a loaded shared machine).
++0.18 / +0.17%: the 2% criterion has a margin of 4x. The whole module (7 runs of 200 steps in one gloo world of 4
+ranks; ``TESTED`` says which) takes about 2.5 minutes of wall time on 2 cores.
 """
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ from unit_tests.dist_harness import run_distributed
 from unit_tests.training.conftest import text_dataset  # noqa: F401 - the real-text dataset fixture, reused
 
 STEPS, FINAL_WINDOW, TOLERANCE = 200, 20, 0.02
+# Every combination but qwZ + qgZ INT8, for the suite's 10-minute budget (a run is about 20 s): both of its halves
+# run here alone (qwZ -0.00 / +0.03%, qgZ INT8 +0.00 / -0.00%) and the same pairing runs at INT4;
+# tools/bench_convergence.py runs all eight (qwZ + qgZ INT8 measured +0.03 / +0.02%, in the module note).
+TESTED = [label for label in COMBOS if label != "qwZ+qgZ INT8"]
 QUANT_GROUP = 128
 
 
@@ -60,7 +64,7 @@ def _train_every_combo(base: list) -> dict:
 
     logging.getLogger("megatron_ext").setLevel(logging.ERROR)
     losses = {}
-    for label in COMBOS:
+    for label in TESTED:
         with contextlib.redirect_stdout(io.StringIO()):
             result = pretrain(base + _combo_flags(label))
         losses[label] = [result["losses"][i] for i in sorted(result["losses"])]
@@ -92,7 +96,7 @@ def test_plain_run_learns(losses):
     assert _final(curve) < curve[0] - 1.0, (curve[0], _final(curve))
 
 
-@pytest.mark.parametrize("label", [c for c in COMBOS if c != "plain"])
+@pytest.mark.parametrize("label", [c for c in TESTED if c != "plain"])
 def test_final_loss_within_2_percent_of_plain(losses, label):
     assert len(losses[label]) == STEPS
     assert losses[label] != losses["plain"], f"{label}: the backend changed nothing (not engaged?)"

@@ -129,7 +129,8 @@ def test_cpu_run_of_every_configuration(tmp_path):
         import trace_gpu_step as t
         t.main(["--device", "cpu", "--width", "32", "--hidden", "64", "--depth", "2", "--rows", "8",
                 "--bucket-numel", "3000", "--world-size", "8", "--ranks-per-node", "4", "--warmup", "1",
-                "--steps", "1", "--pool-sizes", "4", "--engines", "inline,thread", "--json", {str(path)!r}])
+                "--steps", "1", "--pool-sizes", "4", "--engines", "inline,thread", "--host-buckets", "4",
+                "--json", {str(path)!r}])
         """)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(path.read_text())["rows"]
@@ -146,7 +147,8 @@ def test_cpu_run_of_every_configuration(tmp_path):
 
 
 @pytest.mark.parametrize("argv,flag", [(["--engines", "inline,fast"], "--engines"),
-                                       (["--world-size", "12", "--ranks-per-node", "8"], "--world-size")])
+                                       (["--world-size", "12", "--ranks-per-node", "8"], "--world-size"),
+                                       (["--host-buckets", "-1"], "--host-buckets")])
 def test_bad_arguments_name_the_flag(tool, capsys, argv, flag):
     with pytest.raises(SystemExit):
         tool.main(["--device", "cpu"] + argv)
