@@ -310,7 +310,7 @@ def run_config(args, combo, pool_size: Optional[int], probe: Optional[WaitProbe]
 def bucket_host_us(model, device: torch.device, dtype: torch.dtype, buckets: int = 40, rounds: int = 5
                    ) -> Dict[str, float]:
     """Host time per bucket on the training thread, apart from any step: ``buckets`` reductions of the first bucket's
-    size launched back to back with at most two in flight (the default pool), through the progress engine
+    size launched back to back, the oldest waited for once a third is launched, through the progress engine
     (``reduce_engine``) and through the backend alone (``reduce_backend``), and as many weight gathers
     (``gather``); the least of ``rounds`` rounds, in microseconds. On a GPU the launches return before the kernels
     run, so this is what a bucket costs the host (issue 14's per-bucket overhead), not the link."""

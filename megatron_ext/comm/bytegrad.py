@@ -43,13 +43,14 @@ import torch.distributed as dist
 from .backend import BackendOptions, CompletedWork, GradReduce, StagedWork, Work, register_grad_reduce
 from .ledger import CommLedger
 from .topology import Topology
-from .wire import round_up
+from .wire import pack_rows, row_bytes, unpack_rows
 
 
 def bytegrad_row_bytes(chunk_numel: int, minmax_chunk: int) -> int:
-    """Bytes of one compressed all-to-all chunk of ``chunk_numel`` elements."""
+    """Bytes of one compressed all-to-all chunk of ``chunk_numel`` elements: a wire row (``comm/wire.py``) whose
+    "scales" are the chunk's mins then maxs."""
     c = minmax_chunk if minmax_chunk > 0 else chunk_numel
-    return round_up(chunk_numel, 4) + 8 * (-(-chunk_numel // c))
+    return row_bytes(chunk_numel, 2 * (-(-chunk_numel // c)))
 
 
 def bytegrad_bytes(n: int, nodes: int, ranks_per_node: int, elem_size: int, minmax_chunk: int, leader: bool,
@@ -71,6 +72,10 @@ def bytegrad_bytes(n: int, nodes: int, ranks_per_node: int, elem_size: int, minm
     return (D - 1) * (B if all_reduce else n) * elem_size, rounds * (N - 1) * row
 
 
+# rows compressed by one call up to this many elements (the Triton kernels index with int32; above, row by row)
+_ONE_CALL_NUMEL = 1 << 30
+
+
 def _compress(x: torch.Tensor, c: int) -> torch.Tensor:
     """One byte row ``[q | pad | mins | maxs]`` for the fp32/bf16/fp16 chunk ``x``."""
     return _compress_rows(x.reshape(1, -1), c)[0]
@@ -78,34 +83,24 @@ def _compress(x: torch.Tensor, c: int) -> torch.Tensor:
 
 def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
     """The rows ``[q | pad | mins | maxs]`` of the ``[rows, L]`` tensor ``x``, one per row. When ``c`` divides ``L``
-    no (min, max) chunk straddles two rows, so all rows are quantized by one call (the same bits as row by row, a
-    third of the kernel launches per node); otherwise row by row."""
+    no (min, max) chunk straddles two rows, so all rows are quantized by one call (3 kernel launches instead of 3
+    per row) and decode to the values row-by-row calls give: the codes, scales and offsets are the same; a
+    chunk's min of 0 may keep either sign, which no decoded value depends on. Otherwise row by row."""
     from megatron_ext.kernels import quantize_minmax_uint8
 
     rows, L = x.shape
-    if rows > 1 and L % c:
+    if rows > 1 and (L % c or x.numel() > _ONE_CALL_NUMEL):
         return torch.stack([_compress_rows(r.reshape(1, L), c)[0] for r in x])
     q, mins, maxs = quantize_minmax_uint8(x.contiguous().view(-1), c)
-    lp = round_up(L, 4)
-    k = mins.numel() // rows
-    out = torch.empty(rows, lp + 8 * k, dtype=torch.uint8, device=x.device)
-    out[:, :L].copy_(q.view(rows, L))
-    if lp > L:
-        out[:, L:lp].zero_()
-    out[:, lp:lp + 4 * k].copy_(mins.to(torch.float32).view(torch.uint8).view(rows, 4 * k))
-    out[:, lp + 4 * k:].copy_(maxs.to(torch.float32).view(torch.uint8).view(rows, 4 * k))
-    return out
+    return pack_rows(q, torch.stack([mins.view(rows, -1), maxs.view(rows, -1)], 1), rows)
 
 
 def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from megatron_ext.kernels import dequantize_minmax_uint8
 
-    lp = round_up(L, 4)
     k = -(-L // c)
-    q = row[:L]
-    mins = row[lp:lp + 4 * k].contiguous().view(torch.float32)
-    maxs = row[lp + 4 * k:lp + 8 * k].contiguous().view(torch.float32)
-    return dequantize_minmax_uint8(q, mins, maxs, c, L, dtype)
+    q, minmax = unpack_rows(row, 1, L, torch.uint8, 2 * k)
+    return dequantize_minmax_uint8(q[0], minmax[0, :k], minmax[0, k:], c, L, dtype)
 
 
 @register_grad_reduce("bytegrad")
@@ -191,7 +186,8 @@ class ByteGradGradReduce(GradReduce):
         def average() -> torch.Tensor:
             """Leader: this node's block of the bucket, summed over all P ranks and averaged (fp32)."""
             recv = st.pop("recv")
-            # node 0's version is the sum's start: 0 + d == d bit for bit ((q + lb) / scale is never -0.0)
+            # node 0's version is the sum's start: 0 + d == d bit for bit, since d = (q + lb) / scale is never
+            # -0.0: q + lb is a whole number (+0.0 when zero) and a non-zero one is at least 1 against scale <= 2.55e9
             acc = _decompress(recv[0], L, c)
             for a in range(1, nodes):
                 acc.add_(_decompress(recv[a], L, c))

@@ -176,6 +176,8 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
     if scales.shape[0] != rows or out.shape[0] != rows:
         raise ValueError(f"codes, scales and out must have the same rows; got {tuple(codes.shape)}, "
                          f"{tuple(scales.shape)} and {tuple(out.shape)}")
+    if rows > 1 and out.stride(0) < n:
+        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < row length {n})")
     if groups * group_size * bits // 8 != codes.shape[1] or n > groups * group_size:
         raise ValueError(f"a row of {groups} groups of {group_size} {bits}-bit codes is "
                          f"{groups * group_size * bits // 8} bytes and decodes to at most {groups * group_size} "

@@ -14,6 +14,7 @@ from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, c
 # results equal the torch reference bit for bit. The interpreter ignores the option.
 _OPTS = {"enable_fp_fusion": False}
 _MINMAX_BLOCK = 2048
+_MAX_GRID_ROWS = 65535  # CUDA's limit on grid axis 1 (dequantize_rows launches a block of rows at a time)
 _FINISH_BLOCK = 1024  # partials reduced per step by the per-chunk finishing program
 
 
@@ -70,19 +71,24 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
 
 
 def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
-                   out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None):
+                   out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None,
+                   rows: int = 1, row_strides: tuple[int, int, int] = (0, 0, 0)):
     """``chunks`` [k, bytes] and ``scales`` [k, groups], each row contiguous and the rows at any stride (chunks
-    read in place from a received buffer)."""
+    read in place from a received buffer). ``rows`` > 1: as many independent problems (grid axis 1), problem ``r``
+    reading and writing ``r * row_strides`` (codes, scales, ``out``) further on."""
     k, groups = chunks.shape[0], scales.shape[1]
     cols, gpp = _tile(bits, group_size)
     # chunk i at i * stride(0); masked lanes of the last tile run past its end (_tiled_extent)
-    check_int32_offsets((k - 1) * chunks.stride(0) + _tiled_extent(groups, bits, group_size), "dequantize/reduce")
+    check_int32_offsets((rows - 1) * row_strides[0] + (k - 1) * chunks.stride(0)
+                        + _tiled_extent(groups, bits, group_size), "dequantize/reduce")
+    check_int32_offsets((rows - 1) * row_strides[1] + (k - 1) * scales.stride(0) + groups, "dequantize/reduce")
+    check_int32_offsets((rows - 1) * row_strides[2] + numel, "dequantize/reduce")
     requant = out is None
     dummy = out if out is not None else out_scales
-    grid = (cdiv(groups, gpp), 1)
+    grid = (cdiv(groups, gpp), rows)
     _sym.reduce_kernel[grid](chunks, scales, dummy, out_codes if requant else dummy,
                              out_scales if requant else dummy, groups, numel, chunks.stride(0), scales.stride(0),
-                             0, 0, 0, K=k, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits),
+                             *row_strides, K=k, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits),
                              REQUANT=requant, **_OPTS)
 
 
@@ -99,14 +105,12 @@ def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
                     out: torch.Tensor) -> torch.Tensor:
-    rows, groups, n = _ref.check_rows_args(codes, scales, bits, group_size, out)
-    if rows and n:
-        cols, gpp = _tile(bits, group_size)
-        check_int32_offsets((rows - 1) * codes.stride(0) + _tiled_extent(groups, bits, group_size), "dequantize rows")
-        check_int32_offsets(rows * out.stride(0), "dequantize rows")
-        _sym.reduce_kernel[(cdiv(groups, gpp), rows)](
-            codes, scales, out, out, out, groups, n, 0, 0, codes.stride(0), scales.stride(0), out.stride(0),
-            K=1, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=False, **_OPTS)
+    rows, _, n = _ref.check_rows_args(codes, scales, bits, group_size, out)
+    strides = (codes.stride(0), scales.stride(0), out.stride(0))
+    for r0 in range(0, rows if n else 0, _MAX_GRID_ROWS):
+        r1 = min(rows, r0 + _MAX_GRID_ROWS)
+        _launch_reduce(codes[r0:r0 + 1], scales[r0:r0 + 1], bits, group_size, n, out[r0:r1], None, None,
+                       rows=r1 - r0, row_strides=strides)
     return out
 
 

@@ -301,18 +301,31 @@ def test_qgz_geometry_agrees_with_kernel_layout_for_any_group_size(group_size, s
 
 
 def test_bytegrad_rows_compressed_at_once_equal_row_by_row():
-    """ByteGrad's leader compresses all nodes' chunks in one call when the (min, max) chunk divides the row: the
-    same bytes as one call per row (no chunk straddles two rows); otherwise it falls back to row by row. A
-    decompressed value is never -0.0, so the node sum may start from node 0's version instead of zeros."""
+    """ByteGrad's leader compresses all nodes' chunks in one call when the (min, max) chunk divides the row: the same
+    codes, the same mins and maxs as values (a min of 0 may keep either sign) and bit-identical decoded values as one
+    call per row (no chunk straddles two rows), on the torch and compiled paths. A decoded value is never -0.0 (the
+    reason is in ``average``), so the node sum may start from node 0's version instead of zeros."""
     from megatron_ext.comm.bytegrad import _compress_rows, _decompress
+    from megatron_ext.kernels import use_backend
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 96, generator=g) * 4
     x[1, :32] = 0.0
     x[2, 40:72] = -0.0
-    for c in (32, 96, 40, 7):
-        rows = _compress_rows(x, c)
-        for i in range(3):
-            assert torch.equal(rows[i], _compress_rows(x[i:i + 1].clone(), c)[0])
-            d = _decompress(rows[i], 96, c)
-            assert not torch.any((d == 0) & torch.signbit(d))
+    x[0, 10] = -0.0
+    for backend in ("torch", "compiled"):
+        with use_backend(backend):
+            for c in (32, 96, 48):
+                rows = _compress_rows(x, c)
+                k = 96 // c
+                for i in range(3):
+                    alone = _compress_rows(x[i:i + 1].clone(), c)[0]
+                    assert torch.equal(rows[i, :96], alone[:96])     # the codes
+                    assert torch.equal(rows[i, 96:].view(torch.float32), alone[96:].view(torch.float32))
+                    d = _decompress(rows[i], 96, c)
+                    assert torch.equal(d.view(torch.int32), _decompress(alone, 96, c).view(torch.int32))
+                    assert not torch.any(torch.signbit(d) & (d == 0))
+                    assert rows.shape[1] == 96 + 8 * k
+            # a chunk that does not divide the row: row by row, each row as its own call
+            rows = _compress_rows(x, 40)
+            assert all(torch.equal(rows[i], _compress_rows(x[i:i + 1].clone(), 40)[0]) for i in range(3))

@@ -135,7 +135,8 @@ def run_row_strided_inputs(impl) -> None:
     and give the bits of contiguous inputs: the two qgZ reductions over k chunks, and ``dequantize_rows`` (qwZ's
     decode of all gathered rows, straight into the destination) against a per-row ``dequantize_symmetric``."""
     g = torch.Generator().manual_seed(3)
-    for bits, group, n in ((8, 8, 40), (4, 8, 42), (4, 16, 16)):   # rows of 5, 6 and 1 groups; one with padding
+    # rows of 5, 5, 6 and 1 groups; the second and third decode to more than n (the padding is dropped)
+    for bits, group, n in ((8, 8, 40), (8, 8, 37), (4, 8, 42), (4, 16, 16)):
         pieces = [impl.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
                   for _ in range(3)]
         codes = torch.stack([c for c, _ in pieces])
@@ -149,17 +150,21 @@ def run_row_strided_inputs(impl) -> None:
             _same(impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=n - 1),
                   impl.dequantize_reduce(codes, scales, bits=bits, group_size=group, numel=n - 1))
             for dtype in (torch.float32, torch.bfloat16):
-                out = torch.full((3, n + 5), 7.0, dtype=dtype)[:, 2:2 + n]   # strided rows; the rest untouched
+                whole = torch.full((3, n + 5), 7.0, dtype=dtype)
+                out = whole[:, 2:2 + n]   # strided rows; the columns around them must stay untouched
                 assert impl.dequantize_rows(c, s, bits=bits, group_size=group, out=out) is out
                 for r, (cr, sr) in enumerate(pieces):
                     _same(out[r], impl.dequantize_symmetric(cr, sr, bits=bits, group_size=group, numel=n,
                                                             dtype=dtype))
-                assert out.as_strided((3, n + 5), (n + 5, 1), 0)[:, :2].eq(7).all()
+                assert whole[:, :2].eq(7).all() and whole[:, 2 + n:].eq(7).all()
     codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     with pytest.raises(ValueError, match=r"same rows"):
         impl.dequantize_rows(codes.view(2, 32), scales.view(1, 8), bits=8, group_size=8, out=torch.empty(2, 32))
     with pytest.raises(ValueError, match=r"decodes to at most 32 elements; got 32 bytes and out rows of 33"):
         impl.dequantize_rows(codes.view(2, 32), scales.view(2, 4), bits=8, group_size=8, out=torch.empty(2, 33))
+    with pytest.raises(ValueError, match=r"out's rows overlap \(row stride 0 < row length 32\)"):
+        impl.dequantize_rows(codes.view(2, 32), scales.view(2, 4), bits=8, group_size=8,
+                             out=torch.empty(1, 32).expand(2, 32))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -223,7 +223,9 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
              lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64),
              lambda: tri.dequantize_reduce(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64),
              lambda: tri.quantize_minmax_uint8(x, 1024),
-             lambda: tri.dequantize_minmax_uint8(q, mins, maxs, 1024, 4096)]
+             lambda: tri.dequantize_minmax_uint8(q, mins, maxs, 1024, 4096),
+             lambda: tri.dequantize_rows(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64,
+                                         out=torch.empty(2, 2048))]
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 4000)
     for call in calls:
         with pytest.raises(ValueError, match="int32"):
@@ -231,6 +233,14 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)  # a limit above the extents: every call runs
     for call in calls:
         call()
+
+
+def test_dequantize_rows_in_blocks_of_grid_rows(tri, monkeypatch):
+    """More rows than one launch's grid axis 1 may hold (CUDA: 65535; lowered to 2 here): launched in blocks, the
+    same bits (run_row_strided_inputs has 3 rows)."""
+    from megatron_ext.kernels import triton_ops
+    monkeypatch.setattr(triton_ops, "_MAX_GRID_ROWS", 2)
+    contract_cases.run_row_strided_inputs(tri)
 
 
 class _LaunchSpy:
