@@ -145,8 +145,7 @@ def int4_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, group_size:
     out_scales = torch.empty(groups, dtype=torch.float32)
     if groups:
         rc = lib.mx_int4_reduce_quantize(chunks.data_ptr(), chunks.stride(0), scales.data_ptr(), scales.stride(0),
-                                         k, groups,
-                                         group_size // 2, codes.data_ptr(), out_scales.data_ptr(),
+                                         k, groups, group_size // 2, codes.data_ptr(), out_scales.data_ptr(),
                                          _threads(groups * group_size, threads))
         if rc:
             raise MemoryError(f"the native INT4 reduction failed (status {rc})")
