@@ -11,8 +11,8 @@ What it times, every rank at once (so shared links and shared processors are mea
   builds them), as forward + backward FLOP/s by Megatron's formula (the median of ``--windows`` windows); and
   forward + backward alone and beside a running collective (``overlap_slowdown``);
 - the quantization kernels (bytes/s), the Adam update and the gradient hook's add into a bucket (s per element),
-  the host cost of issuing a collective, and -- CPU ranks -- the compute time one collective hop takes from the
-  training beside it.
+  the host cost of issuing a collective and -- GPU ranks -- of a quantized hop's codec calls, and -- CPU ranks --
+  the compute time one collective hop takes from the training beside it.
 
     torchrun --nnodes 4 --nproc-per-node 8 ... tools/calibrate_comm.py --backend nccl --out profile.json \\
         --gpt 32,4096,32,32000,4096,1
@@ -305,6 +305,38 @@ def measure_reduce_kernels(device) -> tuple[float, float]:
     return read / final, read / requant
 
 
+def codec_hop(x, out) -> None:
+    """The codec calls of one quantized hop: quantize ``x``, pack its wire row, decode the rows in place into
+    ``out`` ([1, x.numel()])."""
+    from megatron_ext.comm.wire import pack_rows, unpack_rows
+    from megatron_ext.kernels import dequantize_rows, quantize_symmetric
+
+    codes, scales = quantize_symmetric(x, bits=8, group_size=2048)
+    c, s = unpack_rows(pack_rows(codes, scales, 1), 1, codes.numel(), codes.dtype)
+    dequantize_rows(c, s, bits=8, group_size=2048, out=out)
+
+
+def measure_codec_host(device) -> float:
+    """GPU: host seconds of one quantized hop's codec calls (:func:`codec_hop`) on a 1M-element shard, launched
+    back to back (the device runs the kernels meanwhile). CPU: 0 (the kernels run on the host and are timed in
+    kernel_bytes_per_s)."""
+    import torch
+
+    if device.type != "cuda":
+        return 0.0
+    x = torch.randn(1 << 20, device=device)
+    out = torch.empty(1, x.numel(), device=device)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            codec_hop(x, out)
+        best = min(best, (time.perf_counter() - t0) / 20)
+    torch.cuda.synchronize(device)
+    return _max_over_ranks(best)
+
+
 def measure_optimizer(device) -> float:
     import torch
 
@@ -415,6 +447,7 @@ def calibrate(a, rpn: int, device) -> dict:
     kernel_bps = measure_kernels(device)
     reduce_bps, requant_bps = measure_reduce_kernels(device)
     launch_s = measure_launch(bg_group or dist.group.WORLD, device)
+    codec_host_s = measure_codec_host(device)
     first = compute[next(iter(compute))] if compute else 1e11
     if device.type == "cuda":
         mem = torch.cuda.get_device_properties(device).total_memory
@@ -435,7 +468,8 @@ def calibrate(a, rpn: int, device) -> dict:
         kernel_bytes_per_s=kernel_bps, reduce_kernel_bytes_per_s=reduce_bps, requant_kernel_bytes_per_s=requant_bps,
         kernels_on_compute=device.type == "cpu",
         optimizer_s_per_element=opt_s,
-        launch_s=launch_s, hop_cpu_s=hop_cpu_s, overlap_slowdown=slowdown, compute_by_model=compute,
+        launch_s=launch_s, codec_host_s=codec_host_s, hop_cpu_s=hop_cpu_s, overlap_slowdown=slowdown,
+        compute_by_model=compute,
         grad_s_per_element=grad_s,
         intra_on_compute=device.type == "cpu", stores_attention_scores=device.type == "cpu", device=device.type)
     out = prof.to_json()

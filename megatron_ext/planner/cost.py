@@ -2,8 +2,9 @@
 
 [Note: the overlap model]
 One step is replayed in program order on three timelines: the compute stream (forward, backward, optimizer; plus
-the quantization kernels, the launch cost and -- CPU ranks -- each hop's own processor time (``hop_cpu_s``) where
-they share the processor) and two communication channels,
+the quantization kernels, the launch cost, a quantized hop's host time on a GPU (``codec_host_s``: at small
+buckets the host, not the link, bounds the quantized backends there) and -- CPU ranks -- each hop's own processor
+time (``hop_cpu_s``) where they share the processor) and two communication channels,
 ``intra`` (NVLink / shared memory) and ``inter`` (the node's NICs). A collective occupies the channels its bytes
 use (both for a group spanning nodes) and starts when it is issued and its channels are free. Every hop is issued
 by the progress engine (``comm/progress.py``, on by default; a thread on CPU, inline on CUDA, one rule) under its
@@ -199,7 +200,8 @@ class _Replay:
     def _hop(self, h: _Timed, at: float) -> float:
         """Issue one hop on the engine at ``at``; returns when it ends. Its host work shares the processor."""
         p = self.profile
-        self.now += p.launch_s + p.hop_cpu_s
+        # the training thread issues it (inline on CUDA) and, for a quantized hop, runs its codec calls' host side
+        self.now += p.launch_s + p.hop_cpu_s + (p.codec_host_s if h.kernel_s > 0 else 0.0)
         dur = h.duration
         if p.kernels_on_compute:
             self.now += h.kernel_s

@@ -82,6 +82,7 @@ class HardwareProfile:
     requant_kernel_bytes_per_s: float = 0.0    # qgZ's INT4 dequantize-reduce-requantize (0: as the reduce kernels)
     optimizer_s_per_element: float = 2e-11     # Adam update of one owned element (masters, states, cast)
     launch_s: float = 5e-6                     # host time to issue one collective (per hop)
+    codec_host_s: float = 0.0                  # GPU: host time of a quantized hop's codec calls (CPU: in kernel_s)
     hop_cpu_s: float = 0.0                     # CPU ranks: compute time a hop takes from the training beside it
     overlap_slowdown: float = 0.0              # compute slows by this fraction while a collective runs beside it
     grad_s_per_element: float = 0.0            # per micro-batch: a gradient element added into its bucket buffer
@@ -153,7 +154,10 @@ def _uniform(alpha: float, bw: float) -> Dict[str, LinkCost]:
 
 GB = 1e9
 _ASSUMED = ("effective bandwidths 80% of line rate and compute 20% slower beside running NCCL kernels "
-            "(assumptions)")
+            "(assumptions); 0.15 ms of host time per quantized hop (measured on an H200 host: a qgZ reduction "
+            "0.45-0.55 ms for its two hops, a qwZ gather 0.2 ms, README 'Host time per bucket')")
+# Host time of one quantized hop on a GPU (the presets' hosts are not measured: one H200 host's value, rounded down)
+_CODEC_HOST_S = 1.5e-4
 
 
 def _dgx2(ib_links: int) -> HardwareProfile:
@@ -163,7 +167,8 @@ def _dgx2(ib_links: int) -> HardwareProfile:
         f"achieved compute 50% of peak, {_ASSUMED}",
         16, 32 * 2 ** 30, 120e12, 60e12,
         {"intra": _uniform(3e-6, 120 * GB), "inter": _uniform(6e-6, 0.8 * 12.5 * GB * ib_links)},
-        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2)
+        kernel_bytes_per_s=450 * GB, optimizer_s_per_element=36 / 450e9, overlap_slowdown=0.2,
+        codec_host_s=_CODEC_HOST_S)
 
 
 PRESETS: Dict[str, HardwareProfile] = {p.name: p for p in (
@@ -175,13 +180,15 @@ PRESETS: Dict[str, HardwareProfile] = {p.name: p for p in (
         f"on 8 GPUs reaches 63% MFU); {_ASSUMED}",
         8, 80 * 2 ** 30, 312e12, 0.65 * 312e12,
         {"intra": _uniform(3e-6, 0.8 * 200 * GB), "inter": _uniform(6e-6, 0.8 * 100 * GB)},
-        kernel_bytes_per_s=1000 * GB, optimizer_s_per_element=36 / 1000e9, overlap_slowdown=0.2),
+        kernel_bytes_per_s=1000 * GB, optimizer_s_per_element=36 / 1000e9, overlap_slowdown=0.2,
+        codec_host_s=_CODEC_HOST_S),
     HardwareProfile(
         "h100", "DGX H100 datasheet: 8 H100 80 GB per node, NVLink 4 (450 GB/s per GPU per direction), 8 x 400 "
         f"Gbit/s NDR InfiniBand; 989 TFLOP/s bf16 dense peak; achieved compute 45% of peak, {_ASSUMED}",
         8, 80 * 2 ** 30, 989e12, 0.45 * 989e12,
         {"intra": _uniform(3e-6, 0.8 * 450 * GB), "inter": _uniform(5e-6, 0.8 * 400 * GB)},
-        kernel_bytes_per_s=2500 * GB, optimizer_s_per_element=36 / 2500e9, overlap_slowdown=0.2),
+        kernel_bytes_per_s=2500 * GB, optimizer_s_per_element=36 / 2500e9, overlap_slowdown=0.2,
+        codec_host_s=_CODEC_HOST_S),
 )}
 
 

@@ -64,6 +64,7 @@ def test_calibration_writes_a_profile_the_planner_uses(spawn):
     assert prof.reduce_scatter_as_all_reduce   # gloo's reduce-scatter is an all-reduce of the whole buffer
     assert prof.reduce_kernel_bytes_per_s > 0 and prof.requant_kernel_bytes_per_s > 0  # both reductions timed
     assert 0.0 <= prof.hop_cpu_s < 0.05 and "hop_cpu_s" in out   # a hop's processor time: measured, not seconds
+    assert out["codec_host_s"] == 0.0   # CPU: the codecs' time is their kernel time, on the processor that trains
     assert len(out["samples"]["inter all_gather"]) == 2
     wl = Workload(ModelSpec("gpt-1x64", 1, 64, 4, 128, 32), 4, 2, 1, 2, setup=TrainingSetup(params_dtype="fp32"))
     ranking = solve(wl, prof, bucket_sizes=[4096])
@@ -88,3 +89,18 @@ def test_compute_from_the_training_step_gives_the_step_back():
     prof = dataclasses.replace(base, compute_by_model={spec.name: spec.flops_per_sequence() * wl.micro_batch / fb})
     for p in solve(wl, prof, bucket_sizes=[4096, 1 << 20]).ranked:
         assert p.compute_s == pytest.approx(step_s, rel=1e-9)
+
+
+def test_codec_hop_decodes_what_it_quantized():
+    """The calls whose host time ``codec_host_s`` measures on a GPU run (here on CPU) and decode what a plain
+    quantize-dequantize gives."""
+    from megatron_ext.kernels import dequantize_symmetric, quantize_symmetric
+
+    with loaded_tool("calibrate_comm") as tool:
+        x = torch.randn(5000)
+        out = torch.empty(1, 5000)
+        tool.codec_hop(x, out)
+        codes, scales = quantize_symmetric(x, bits=8, group_size=2048)
+        assert torch.equal(out[0], dequantize_symmetric(codes, scales, bits=8, group_size=2048, numel=5000))
+        assert tool.measure_codec_host(torch.device("cpu")) == 0.0
+

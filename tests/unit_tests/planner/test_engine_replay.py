@@ -19,3 +19,18 @@ def test_complete_of_an_already_finished_work_still_finishes_the_older_ones():
     rp.complete(short)                  # the engine's COMPLETE(short): every work launched up to it is finished
     assert long.next == len(long.hops)
     assert rp.engine >= long.end and long not in rp.inflight
+
+
+def test_quantized_hop_charges_its_codec_host_time_to_the_training_thread():
+    """On a GPU a quantized hop's codec calls run on the host that drives training (inline engine); a plain hop
+    (no kernel work) costs only its launch."""
+    import dataclasses
+
+    prof = dataclasses.replace(hardware_preset("h100"), launch_s=1e-5, codec_host_s=2e-4, hop_cpu_s=0.0)
+    assert hardware_preset("h100").codec_host_s > 0
+    rp = _Replay(prof)
+    rp.launch([_Timed(None, 1.0, ("inter",), 0.0, 0.0)])
+    assert abs(rp.now - 1e-5) < 1e-12
+    rp.launch([_Timed(None, 1.0, ("inter",), 1e-3, 0.0), _Timed(None, 1.0, ("inter",), 1e-3, 0.0)])
+    # the new work's first hop: launch + codec host time (its kernel time runs on the device, not the host)
+    assert abs(rp.now - (1e-5 + 1e-5 + 2e-4)) < 1e-12
