@@ -437,8 +437,9 @@ class ProgressEngine:
         """Complete the single-phase works whose handles have finished (issues nothing: timing may decide)."""
         try:
             ready = [w for w in self._inflight if w._inner.ready]
-            if not ready:   # the usual case after a launch: nothing to complete, so no stream switch; still retire
-                self._retire_finished()   # what a failed command finished before it raised (needs no stream)
+            if not ready:   # the usual case after a launch: nothing to complete, no stream switch
+                if self._error is not None:   # the command failed: what it finished first still succeeds
+                    self._retire_finished()
                 return
             with self.streams.context():
                 for w in ready:

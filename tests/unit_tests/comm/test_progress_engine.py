@@ -215,6 +215,20 @@ def test_failure_surfaces_at_wait_and_later_works_fail_too(inline):
     assert ("after", 0) not in [e[:2] for e in log], "a broken engine issued more"
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_a_work_finished_by_a_failing_command_still_succeeds(inline):
+    """LAUNCH(c) advances a (its last hop: a finishes) and then b, which fails: a's result stands, b and c fail."""
+    eng = ProgressEngine(inline=inline)
+    log: list = []
+    a = eng.submit(lambda: _FakeWork("a", 2, log))
+    b = eng.submit(lambda: _FakeWork("b", 3, log, fail_at=1))
+    c = eng.submit(lambda: _FakeWork("c", 1, log))
+    a.wait()
+    for w in (b, c):
+        with pytest.raises(ProgressEngineError):
+            w.wait()
+
+
 class _SlowHandle(Work):
     """A single-phase work whose handle finishes ``after`` seconds from launch."""
 
