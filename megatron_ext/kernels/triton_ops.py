@@ -1,6 +1,8 @@
 """Host-side launchers of the Triton kernels, with the same signatures and outputs as :mod:`.reference`."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -9,6 +11,7 @@ from . import triton_minmax as _mm
 from . import triton_symmetric as _sym
 from .layout import (cdiv, check_bits_group, check_input, check_int32_offsets, codes_dtype,
                      num_groups, qmax, swizzle_layout)
+from .triton_launch import FastLauncher
 
 # FMA contraction would change fp32 rounding (x*scale + 2^23 in rint, acc + code*scale): keep it off so the GPU
 # results equal the torch reference bit for bit. The interpreter ignores the option.
@@ -16,10 +19,18 @@ _OPTS = {"enable_fp_fusion": False}
 _MINMAX_BLOCK = 2048
 _MAX_GRID_ROWS = 65535  # CUDA's limit on grid axis 1 (dequantize_rows launches a block of rows at a time)
 _FINISH_BLOCK = 1024  # partials reduced per step by the per-chunk finishing program
+_swizzle_quantize = FastLauncher(_sym.swizzle_quantize_kernel)
+_reduce = FastLauncher(_sym.reduce_kernel)
+_partial_minmax = FastLauncher(_mm.partial_minmax_kernel)
+_finish_minmax = FastLauncher(_mm.finish_minmax_kernel)
+_minmax_quantize = FastLauncher(_mm.minmax_quantize_kernel)
+_minmax_dequantize = FastLauncher(_mm.minmax_dequantize_kernel)
 
 
+@functools.lru_cache(maxsize=None)
 def _tile(bits: int, group_size: int) -> tuple[int, int]:
-    """(COLS, GPP): columns of the per-group tile and groups per program (about 4K elements per program)."""
+    """(COLS, GPP): columns of the per-group tile and groups per program (about 4K elements per program); cached,
+    as it runs on every launch (5 us uncached)."""
     cols = triton.next_power_of_2(group_size if bits == 8 else group_size // 2)
     gpp = max(1, min(64, 4096 // cols))
     return cols, triton.next_power_of_2(gpp) if gpp & (gpp - 1) else gpp
@@ -40,9 +51,8 @@ def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: 
     check_int32_offsets(max(_tiled_extent(total_groups, bits, group_size), nodes * rpn * part + gpc * group_size),
                         "quantize")
     grid = (cdiv(total_groups, gpp),)
-    _sym.swizzle_quantize_kernel[grid](x, codes, scales, numel, part, stage, total_groups, gpc,
-                                       NODES=nodes, RPN=rpn, GROUP=group_size, COLS=cols, GPP=gpp,
-                                       BITS=bits, QMAX=qmax(bits), **_OPTS)
+    _swizzle_quantize(grid, x, codes, scales, numel, part, stage, total_groups, gpc,
+                      NODES=nodes, RPN=rpn, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), **_OPTS)
 
 
 def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +96,9 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
     requant = out is None
     dummy = out if out is not None else out_scales
     grid = (cdiv(groups, gpp), rows)
-    _sym.reduce_kernel[grid](chunks, scales, dummy, out_codes if requant else dummy,
-                             out_scales if requant else dummy, groups, numel, chunks.stride(0), scales.stride(0),
-                             *row_strides, K=k, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits),
-                             REQUANT=requant, **_OPTS)
+    _reduce(grid, chunks, scales, dummy, out_codes if requant else dummy, out_scales if requant else dummy, groups,
+            numel, chunks.stride(0), scales.stride(0), *row_strides, K=k, GROUP=group_size, COLS=cols, GPP=gpp,
+            BITS=bits, QMAX=qmax(bits), REQUANT=requant, **_OPTS)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
@@ -157,10 +166,9 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     pmin = torch.empty(nchunks, nblk, dtype=torch.float32, device=x.device)
     pmax = torch.empty_like(pmin)
     mins, maxs, scale, lb = torch.empty(4, nchunks, dtype=torch.float32, device=x.device).unbind()
-    _mm.partial_minmax_kernel[(nchunks * nblk,)](x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
-    _mm.finish_minmax_kernel[(nchunks,)](pmin, pmax, mins, maxs, scale, lb, nblk, BLOCK=_FINISH_BLOCK, **_OPTS)
-    _mm.minmax_quantize_kernel[(nchunks * nblk,)](x, q, scale, lb, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK,
-                                                  **_OPTS)
+    _partial_minmax((nchunks * nblk,), x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
+    _finish_minmax((nchunks,), pmin, pmax, mins, maxs, scale, lb, nblk, BLOCK=_FINISH_BLOCK, **_OPTS)
+    _minmax_quantize((nchunks * nblk,), x, q, scale, lb, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
     return q, mins, maxs
 
 
@@ -170,6 +178,6 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     nchunks, nblk = _minmax_grid(numel, chunk_size)
     out = torch.empty(numel, dtype=dtype, device=q.device)
     if nchunks:
-        _mm.minmax_dequantize_kernel[(nchunks * nblk,)](q, out, mins.float().contiguous(), maxs.float().contiguous(),
-                                                        numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
+        _minmax_dequantize((nchunks * nblk,), q, out, mins.float().contiguous(), maxs.float().contiguous(), numel,
+                           chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
     return out

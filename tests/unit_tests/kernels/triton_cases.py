@@ -244,38 +244,36 @@ def test_dequantize_rows_in_blocks_of_grid_rows(tri, monkeypatch):
 
 
 class _LaunchSpy:
-    """Stands in for a ``@triton.jit`` kernel: counts ``kernel[grid](...)`` launches and forwards them."""
+    """Stands in for a kernel's launcher in ``triton_ops``: counts launches and forwards them."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+    def __init__(self, launcher):
+        self.launcher, self.launches = launcher, 0
 
-    def __getitem__(self, grid):
+    def __call__(self, grid, *args, **kwargs):
         self.launches += 1
-        return self.kernel[grid]
+        return self.launcher(grid, *args, **kwargs)
 
 
 def test_dispatch_selects_triton(tri, monkeypatch):
     """The public functions launch the Triton kernels when forced (CPU tensors run interpreted), and only then; on a GPU
     the Triton and torch paths agree on the same CUDA tensors."""
     from megatron_ext import kernels as K
-    from megatron_ext.kernels import triton_minmax, triton_symmetric
+    from megatron_ext.kernels import triton_ops
     spies = {}
-    for mod, name in ((triton_symmetric, "swizzle_quantize_kernel"), (triton_symmetric, "reduce_kernel"),
-                      (triton_minmax, "partial_minmax_kernel"), (triton_minmax, "minmax_quantize_kernel"),
-                      (triton_minmax, "minmax_dequantize_kernel")):
-        spies[name] = _LaunchSpy(getattr(mod, name))
-        monkeypatch.setattr(mod, name, spies[name])
+    for name in ("swizzle_quantize", "reduce", "partial_minmax", "minmax_quantize", "minmax_dequantize"):
+        spies[name] = _LaunchSpy(getattr(triton_ops, "_" + name))
+        monkeypatch.setattr(triton_ops, "_" + name, spies[name])
     x = _data(300, torch.float32, 1).to(DEVICE)  # the public functions dispatch on the tensors' device
     codes, scales = ref.quantize_symmetric(x, bits=4, group_size=32)
     chunks, sc2 = codes[:64].view(2, 32), scales[:4].view(2, 2)
     q, mins, maxs = ref.quantize_minmax_uint8(x, 100)
-    ops = [("swizzle_quantize_kernel", lambda: K.quantize_symmetric(x, bits=4, group_size=32)),
-           ("swizzle_quantize_kernel", lambda: K.swizzle_quantize(x, 4, 32, 2, 2, 1)),
-           ("reduce_kernel", lambda: K.dequantize_symmetric(codes, scales, bits=4, group_size=32, numel=300)),
-           ("reduce_kernel", lambda: K.dequantize_reduce_quantize(chunks, sc2, 4, 32)),
-           ("reduce_kernel", lambda: K.dequantize_reduce(chunks, sc2, bits=4, group_size=32)),
-           ("minmax_quantize_kernel", lambda: K.quantize_minmax_uint8(x, 100)),
-           ("minmax_dequantize_kernel", lambda: K.dequantize_minmax_uint8(q, mins, maxs, 100, 300))]
+    ops = [("swizzle_quantize", lambda: K.quantize_symmetric(x, bits=4, group_size=32)),
+           ("swizzle_quantize", lambda: K.swizzle_quantize(x, 4, 32, 2, 2, 1)),
+           ("reduce", lambda: K.dequantize_symmetric(codes, scales, bits=4, group_size=32, numel=300)),
+           ("reduce", lambda: K.dequantize_reduce_quantize(chunks, sc2, 4, 32)),
+           ("reduce", lambda: K.dequantize_reduce(chunks, sc2, bits=4, group_size=32)),
+           ("minmax_quantize", lambda: K.quantize_minmax_uint8(x, 100)),
+           ("minmax_dequantize", lambda: K.dequantize_minmax_uint8(q, mins, maxs, 100, 300))]
     for kernel, call in ops:
         with K.use_backend("torch"):
             want = call()
