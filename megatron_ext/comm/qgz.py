@@ -47,7 +47,7 @@ import torch.distributed as dist
 from .backend import BackendOptions, CompletedWork, GradReduce, Work, register_grad_reduce
 from .ledger import CommLedger
 from .topology import Topology
-from .wire import pack_rows, round_up, row_bytes, unpack_rows
+from .wire import empty_rows, round_up, row_bytes, unpack_rows
 
 
 def qgz_geometry(n: int, stages: int, group_size: int) -> Tuple[int, int, int, int, int]:
@@ -123,6 +123,7 @@ class _QgzWork(Work):
 
     def __init__(self, backend: QgzGradReduce, bucket: torch.Tensor, out_shard: torch.Tensor) -> None:
         from megatron_ext.kernels import swizzle_quantize
+        from megatron_ext.kernels.layout import codes_dtype, swizzle_layout
 
         topo = backend.topology
         opts = backend.options
@@ -134,24 +135,32 @@ class _QgzWork(Work):
         self.N, self.D, self.P, self.n = N, D, P, n
         self.S, self.sub, self.G, self.g, self.sub_pad = S, sub, G, g, sub_pad
 
-        # 1. swizzle + quantize: codes[s, b*N + a] = sub-slice s of partition a*D + b, padded to sub_pad elements.
-        codes, scales = swizzle_quantize(bucket.contiguous(), bits, g, N, D, S)
-        if codes.shape[-1] != sub_pad * bits // 8 or scales.shape[-1] != G:
-            raise RuntimeError(f"qgz: kernel layout {tuple(codes.shape)}/{tuple(scales.shape)} disagrees with the "
-                               f"geometry (sub_pad={sub_pad}, groups={G}) for shard {n}, stages {S}, group {g}")
-        self.code_dtype = codes.dtype
+        # 1. swizzle + quantize: slot b*N + a of stage s = sub-slice s of partition a*D + b, padded to sub_pad
+        # elements, written straight into the rows of the first hop (row b' of stage s: slots b'N .. b'N + N-1 for
+        # local peer b'; with one rank per node row a': slot a' for node a').
+        lay = swizzle_layout(bucket.numel(), bits, g, N, D, S)
+        if lay.chunk_bytes != sub_pad * bits // 8 or lay.chunk_groups != G:
+            raise RuntimeError(f"qgz: kernel layout ({lay.chunk_bytes} bytes, {lay.chunk_groups} groups a chunk) "
+                               f"disagrees with the geometry (sub_pad={sub_pad}, groups={G}) for shard {n}, stages "
+                               f"{S}, group {g}")
+        self.code_dtype = codes_dtype(bits)
+        R = D if D > 1 else N   # rows per stage
+        W = N * D
+        send_all, codes, scales = empty_rows(S * R, W // R * lay.chunk_bytes, W // R * G, self.code_dtype,
+                                             bucket.device)
+        swizzle_quantize(bucket.contiguous(), bits, g, N, D, S, out=(codes, scales))
 
         self._intra: List[Optional[Tuple[object, torch.Tensor]]] = [None] * S
         self._inter: List[Tuple[int, object, torch.Tensor]] = []
         for s in range(S):
+            send = send_all[s * R:(s + 1) * R]
             if D > 1:   # 2. intra-node all-to-all: row b' (N sub-slices) to local peer b'
-                send = pack_rows(codes[s], scales[s], D)
                 recv = torch.empty_like(send)
                 self.ledger.record("qgz_intra_all_to_all", intra=(D - 1) * send.shape[1])
                 h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=topo.intra_group, async_op=True)
                 self._intra[s] = (h, recv)
             else:       # one rank per node: the inter-node hop is the first hop
-                self._launch_inter(s, pack_rows(codes[s], scales[s], N))
+                self._launch_inter(s, send)
         self._phase = self._INTRA if D > 1 else self._INTER
 
     def _launch_inter(self, s: int, send: torch.Tensor) -> None:
@@ -179,9 +188,11 @@ class _QgzWork(Work):
             if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
                 self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
                 continue
-            # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums)
-            c2, sc2 = dequantize_reduce_quantize(c, sc, bits, g)
-            self._launch_inter(s, pack_rows(c2, sc2, N))
+            # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums), written
+            # straight into the inter-node hop's rows (row a' for node a')
+            send, c2, sc2 = empty_rows(N, sub_pad * bits // 8, self.G, self.code_dtype, recv.device)
+            dequantize_reduce_quantize(c, sc, bits, g, out=(c2, sc2))
+            self._launch_inter(s, send)
 
     def _complete_inter(self) -> None:
         from megatron_ext.kernels import dequantize_reduce

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .backend import ParamGather, TorchWork, Work, register_param_gather
-from .wire import pack_rows, row_bytes, unpack_rows
+from .wire import empty_rows, row_bytes, unpack_rows
 
 QWZ_BITS = 8
 
@@ -58,6 +58,7 @@ def quantized_all_gather(topo, ledger, shard: torch.Tensor, out_bucket: torch.Te
     """Block-quantize ``shard`` (``bits`` 4 or 8), all-gather codes and scales in one collective, and decode every
     rank's row -- the owner's too -- into ``out_bucket``: identical values on every rank (see the module note)."""
     from megatron_ext.kernels import dequantize_rows, quantize_symmetric
+    from megatron_ext.kernels.layout import codes_dtype
 
     from .plain import local_gather
 
@@ -66,15 +67,17 @@ def quantized_all_gather(topo, ledger, shard: torch.Tensor, out_bucket: torch.Te
         return done
     n = shard.numel()
     group = gather_group(n, group_size, bits)
-    codes, scales = quantize_symmetric(shard.contiguous(), bits=bits, group_size=group)
-    row = pack_rows(codes, scales, 1).view(-1)
-    num_scales = scales.numel()
+    num_scales = -(-n // group)
+    cb = num_scales * group * bits // 8
+    # quantized straight into the row this rank sends
+    row, codes, scales = empty_rows(1, cb, num_scales, codes_dtype(bits), shard.device)
+    quantize_symmetric(shard.contiguous(), bits=bits, group_size=group, out=(codes, scales))
+    row = row.view(-1)
     recv = torch.empty(topo.size * row.numel(), dtype=torch.uint8, device=row.device)
     intra, inter = topo.peers()
     ledger.record_pairwise(name, row.numel(), intra, inter)
     handle = _all_gather(recv, row, group=topo.group, async_op=True)
     P = topo.size
-    cb = codes.numel() * codes.element_size()
 
     def epilogue() -> None:
         # One decode of all P rows (per-bucket overhead: one kernel, not P), read where they lie in the received

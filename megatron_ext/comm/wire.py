@@ -14,18 +14,27 @@ def row_bytes(code_bytes: int, groups: int) -> int:
     return round_up(code_bytes, 4) + 4 * groups
 
 
+def empty_rows(rows: int, code_bytes: int, groups: int, codes_dtype: torch.dtype, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(buffer [rows, row] uint8, codes [rows, code_bytes], scales [rows, groups] fp32)``: rows to quantize into
+    (the quantizing kernels' ``out=``, in place on CUDA), the last two views of the first. The padding between codes
+    and scales is zeroed, so no uninitialised byte goes on the wire."""
+    cb_pad = round_up(code_bytes, 4)
+    buf = torch.empty(rows, cb_pad + 4 * groups, dtype=torch.uint8, device=device)
+    if cb_pad > code_bytes:
+        buf[:, code_bytes:cb_pad].zero_()
+    codes, scales = unpack_rows(buf, rows, code_bytes, codes_dtype)
+    return buf, codes, scales
+
+
 def pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
     """``[rows, row]`` uint8: row ``i`` holds the ``i``-th equal part of ``codes`` and of ``scales``."""
     c = codes.reshape(rows, -1).view(torch.uint8)
-    s = scales.reshape(rows, -1).to(torch.float32).view(torch.uint8)
-    cb = c.shape[1]
-    cb_pad = round_up(cb, 4)
-    out = torch.empty(rows, cb_pad + s.shape[1], dtype=torch.uint8, device=codes.device)
-    out[:, :cb].copy_(c)
-    if cb_pad > cb:
-        out[:, cb:cb_pad].zero_()
-    out[:, cb_pad:].copy_(s)
-    return out
+    s = scales.reshape(rows, -1).to(torch.float32)
+    buf, cv, sv = empty_rows(rows, c.shape[1], s.shape[1], torch.uint8, codes.device)
+    cv.copy_(c)
+    sv.copy_(s)
+    return buf
 
 
 def unpack_rows(buf: torch.Tensor, rows: int, code_bytes: int, codes_dtype: torch.dtype, groups: int = -1):

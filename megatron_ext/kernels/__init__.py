@@ -40,14 +40,19 @@ def _impl(device_type: str):
     return _ref
 
 
-def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise symmetric INT8/INT4 quantization of the flattened ``x`` (fp32/fp16/bf16, contiguous).
 
     Returns ``(codes, scales)``: ``codes`` 1-D, ``ceil(numel/group_size) * group_size * bits/8`` bytes (int8 for 8 bit,
     packed uint8 for 4 bit); ``scales`` 1-D fp32, one per group. Small groups keep outliers from flattening every
     other value to zero (seed 000 Fig. 2).
+
+    ``out=(codes [R, bytes/R], scales [R, groups/R])``: the same bytes written into ``R`` rows instead (equal parts
+    of whole groups; each row contiguous, rows at any stride), and ``out`` returned. This is how a backend writes the
+    ``[codes | scales]`` rows it sends (:mod:`megatron_ext.comm.wire`): in place on CUDA, by a copy elsewhere.
     """
-    return _impl(x.device.type).quantize_symmetric(x, bits=bits, group_size=group_size)
+    return _impl(x.device.type).quantize_symmetric(x, bits=bits, group_size=group_size, out=out)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
@@ -88,25 +93,28 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
-                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     pipeline_stages: int = 1, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """qgZ tensor-slice reordering fused with symmetric quantization (seed 000 eq. 1-2, Algorithm 2).
 
     Returns ``codes [S, W, chunk_bytes]`` and ``scales [S, W, chunk_groups]`` (fp32) where ``codes[s, b*N + a]`` is
     stage chunk ``s`` of partition ``a*D + b``; sizes from :func:`swizzle_layout`. See [Note: qgZ swizzle layout] in
-    :mod:`.layout` for how the qgZ backend splits and sends it.
+    :mod:`.layout` for how the qgZ backend splits and sends it. ``out``: rows, as in :func:`quantize_symmetric`.
     """
-    return _impl(x.device.type).swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages)
+    return _impl(x.device.type).swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages, out)
 
 
-def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, *,
+                               out: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused intra-node qgZ step: dequantize ``k`` received chunks, sum in fp32, requantize.
 
     ``chunks`` is ``[k, nbytes]`` (codes of equal-length chunks, whole groups), ``scales`` ``[k, groups]`` fp32;
     each row contiguous, the rows at any stride (the rows of a received buffer, read in place on CUDA).
     Returns ``(codes [nbytes], scales [groups])`` of the sum; one pass over memory instead of three (seed 000 4.2).
+    ``out``: rows, as in :func:`quantize_symmetric`.
     """
-    return _impl(chunks.device.type).dequantize_reduce_quantize(chunks, scales, bits, group_size)
+    return _impl(chunks.device.type).dequantize_reduce_quantize(chunks, scales, bits, group_size, out)
 
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,

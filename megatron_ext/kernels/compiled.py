@@ -289,17 +289,20 @@ def _quantize_into(flat: torch.Tensor, numel: int, bits: int, group_size: int, c
                            flat.dtype)
 
 
-def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
     if not (_wanted(numel) or _native(x)):  # x alone: the codes and scales below are allocated on its device
-        return _ref.quantize_symmetric(x, bits=bits, group_size=group_size)
+        return _ref.quantize_symmetric(x, bits=bits, group_size=group_size, out=out)
     groups = num_groups(numel, group_size)
+    if out is not None:
+        _ref.check_out_rows(out, bits, groups * group_size * bits // 8, groups, x.device)
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
     _quantize_into(x.view(-1), numel, bits, group_size, codes, scales)
-    return codes, scales
+    return _ref.into_rows(codes, scales, out)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
@@ -332,17 +335,20 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, gro
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
-                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     pipeline_stages: int = 1, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
     if not (_wanted(x.numel()) or _native(x)):
-        return _ref.swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages)
+        return _ref.swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages, out)
+    if out is not None:
+        _ref.check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, x.device)
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
     for s, j, start, stop in _ref._swizzle_chunks(lay):  # every stage chunk is contiguous in x: straight into its slot
         _quantize_into(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
-    return codes, scales
+    return _ref.into_rows(codes, scales, out)
 
 
 def _reduce_partial_group(chunks3: torch.Tensor, scales: torch.Tensor, g0: int, bits: int, group_size: int,
@@ -354,16 +360,19 @@ def _reduce_partial_group(chunks3: torch.Tensor, scales: torch.Tensor, g0: int, 
     return tmp.view(-1)
 
 
-def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                               out: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
+    if out is not None:
+        _ref.check_out_rows(out, bits, chunks.shape[1], groups, chunks.device)
     # hand-written (native.py says why); at every size unless MX_KERNELS_COMPILE=0: it compiles once per machine,
     # not per shape, and runs 10x faster than eager on qgZ's 100k-element stage chunks
     if (bits == 4 and k <= native.MAX_K and chunks.device.type == scales.device.type == "cpu"
             and compile_mode() != "0" and native.available()):
-        return native.int4_reduce_quantize(chunks, scales, group_size)
+        return _ref.into_rows(*native.int4_reduce_quantize(chunks, scales, group_size), out)
     if not _wanted(groups * group_size):
-        return _ref.dequantize_reduce_quantize(chunks, scales, bits, group_size)
+        return _ref.dequantize_reduce_quantize(chunks, scales, bits, group_size, out)
     chunks, scales = chunks.contiguous(), scales.contiguous()   # rows of a received buffer: Inductor's loops read flat
     bpg = group_size * bits // 8
     codes = torch.empty(groups, bpg, dtype=chunks.dtype, device=chunks.device)
@@ -373,7 +382,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     absmax = _run("dequantize_reduce_quantize", _reduce_quantize_core, groups, ((ch3, 1), (scales, 1), (codes, 0)),
                   ch3, scales, codes, bits)
     _absmax_scales(absmax, bits, out_scales)
-    return codes.view(-1), out_scales
+    return _ref.into_rows(codes.view(-1), out_scales, out)
 
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,

@@ -159,6 +159,14 @@ class SwizzleLayout:
     def scales_shape(self) -> tuple[int, int, int]:
         return (self.stages, self.world, self.chunk_groups)
 
+    @property
+    def total_groups(self) -> int:
+        return self.stages * self.world * self.chunk_groups
+
+    @property
+    def total_code_bytes(self) -> int:
+        return self.stages * self.world * self.chunk_bytes
+
     def stage_valid_numel(self, stage: int) -> int:
         """Real (unpadded) elements of stage chunk ``stage`` in every partition."""
         return max(0, min(self.stage_numel, self.partition_numel - stage * self.stage_numel))

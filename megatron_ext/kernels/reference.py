@@ -103,15 +103,18 @@ def _quantize_padded(flat: torch.Tensor, numel: int, bits: int, group_size: int,
         _quantize_groups(tail.view(-1, g), bits, scales[full:], codes[full * bpg:])
 
 
-def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
     groups = num_groups(numel, group_size)
+    if out is not None:
+        check_out_rows(out, bits, groups * group_size * bits // 8, groups, x.device)
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
     _quantize_padded(x.view(-1), numel, bits, group_size, codes, scales)
-    return codes, scales
+    return into_rows(codes, scales, out)
 
 
 def _dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -185,6 +188,41 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
     return rows, groups, n
 
 
+def check_out_rows(out: tuple[torch.Tensor, torch.Tensor], bits: int, code_bytes: int, groups: int,
+                   device: torch.device) -> tuple[int, int]:
+    """Validate a quantizing op's ``out=(codes [R, code_bytes/R], scales [R, groups/R] fp32)`` (every backend):
+    the result split into R equal parts of whole groups, one per row, each row contiguous, rows at any stride (the
+    ``[codes | scales]`` rows a backend sends, written in place). Returns ``(R, groups per row)``."""
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise TypeError("out must be a (codes, scales) pair of tensors")
+    oc, os_ = out
+    check_codes(oc, bits, "out codes", rows=True)
+    check_rows(os_, "out scales")
+    if os_.dtype != torch.float32:
+        raise TypeError(f"out scales must be float32, got {os_.dtype}")
+    if oc.device != device or os_.device != device:
+        raise ValueError(f"out must be on {device}, got {oc.device} and {os_.device}")
+    rows = oc.shape[0]
+    if rows < 1 or os_.shape[0] != rows or rows * oc.shape[1] != code_bytes or rows * os_.shape[1] != groups:
+        raise ValueError(f"out must split {code_bytes} code bytes and {groups} scales into equal rows; got codes "
+                         f"{tuple(oc.shape)} and scales {tuple(os_.shape)}")
+    for t, name in ((oc, "codes"), (os_, "scales")):
+        if rows > 1 and t.stride(0) < t.shape[1]:
+            raise ValueError(f"out {name}' rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+    return rows, os_.shape[1]
+
+
+def into_rows(codes: torch.Tensor, scales: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None):
+    """``(codes, scales)``, or with ``out`` (checked by :func:`check_out_rows`) both copied into its rows and
+    ``out`` returned: the backends that cannot write rows in place give the same bytes through one copy each."""
+    if out is None:
+        return codes, scales
+    oc, os_ = out
+    oc.copy_(codes.view(oc.shape[0], -1))
+    os_.copy_(scales.view(os_.shape[0], -1))
+    return out
+
+
 def dequantize_rows_with(dequantize, codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
                          out: torch.Tensor) -> torch.Tensor:
     """``dequantize_rows`` by one flat ``dequantize`` call: every row holds whole groups, so group boundaries are row
@@ -226,9 +264,12 @@ def swizzle_gather(x: torch.Tensor, lay: SwizzleLayout) -> torch.Tensor:
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
-                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     pipeline_stages: int = 1, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
+    if out is not None:
+        check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, x.device)
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
@@ -239,11 +280,11 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
         # its own) costs more ops than the chunk's data. Every group is quantized alone: the same bits either way.
         _quantize_padded(swizzle_gather(x, lay).view(-1), padded, bits, group_size, codes.view(-1),
                          scales.view(-1))
-        return codes, scales
+        return into_rows(codes, scales, out)
     # Every stage chunk is contiguous in x: quantize it straight into its slot (the reorder costs no extra pass).
     for s, j, start, stop in _swizzle_chunks(lay):
         _quantize_padded(flat[start:stop], stop - start, bits, group_size, codes[s, j], scales[s, j])
-    return codes, scales
+    return into_rows(codes, scales, out)
 
 
 def _swizzle_chunks(lay: SwizzleLayout):
@@ -289,9 +330,12 @@ def _reduce_block(chunks: torch.Tensor, scales: torch.Tensor, bits: int, g0: int
         acc.add_(d)
 
 
-def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                               out: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = check_chunks(chunks, scales, bits, group_size)
+    if out is not None:
+        check_out_rows(out, bits, chunks.shape[1], groups, chunks.device)
     codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
     per_block = max(1, _BLOCK // group_size)
@@ -301,7 +345,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
         acc = torch.empty(e - s, group_size, dtype=torch.float32, device=chunks.device)
         _reduce_block(chunks, scales, bits, s, e, group_size, acc)
         _quantize_groups(acc, bits, out_scales[s:e], codes[s * bpg:e * bpg])
-    return codes, out_scales
+    return into_rows(codes, out_scales, out)
 
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,

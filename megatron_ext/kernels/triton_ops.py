@@ -43,49 +43,83 @@ def _tiled_extent(groups: int, bits: int, group_size: int) -> int:
     return cdiv(groups, gpp) * gpp * group_size + 2 * cols
 
 
+def _row_layout(out: tuple[torch.Tensor, torch.Tensor] | None, bits: int, code_bytes: int, groups: int,
+                device: torch.device) -> tuple[int, int, int]:
+    """(groups per row, code row stride, scale row stride) of a quantizing op's output: ``out``'s rows (checked), or
+    one contiguous row."""
+    if out is None:
+        return max(groups, 1), code_bytes, groups
+    _, gpr = _ref.check_out_rows(out, bits, code_bytes, groups, device)
+    return gpr, out[0].stride(0), out[1].stride(0)
+
+
+def _check_row_offsets(groups: int, bits: int, group_size: int, rows: tuple[int, int, int], what: str) -> None:
+    """Every offset the kernels form for groups stored by rows (masked groups of the last tile included) fits."""
+    cols, gpp = _tile(bits, group_size)
+    gpr, code_stride, scale_stride = rows
+    last_row = (cdiv(groups, gpp) * gpp - 1) // gpr
+    check_int32_offsets(last_row * code_stride + gpr * group_size * bits // 8 + 2 * cols, what)
+    check_int32_offsets(last_row * scale_stride + gpr, what)
+
+
 def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: int, rpn: int, gpc: int,
-                     total_groups: int, bits: int, group_size: int, codes: torch.Tensor, scales: torch.Tensor):
+                     total_groups: int, bits: int, group_size: int, codes: torch.Tensor, scales: torch.Tensor,
+                     rows: tuple[int, int, int]):
     cols, gpp = _tile(bits, group_size)
     # unmasked source offsets p*part + s*stage + e stay below W*part plus one chunk (masked lanes never dereference
     # theirs); output offsets are tiled
     check_int32_offsets(max(_tiled_extent(total_groups, bits, group_size), nodes * rpn * part + gpc * group_size),
                         "quantize")
+    _check_row_offsets(total_groups, bits, group_size, rows, "quantize")
     grid = (cdiv(total_groups, gpp),)
-    _swizzle_quantize(grid, x, codes, scales, numel, part, stage, total_groups, gpc,
+    _swizzle_quantize(grid, x, codes, scales, numel, part, stage, total_groups, gpc, *rows,
                       NODES=nodes, RPN=rpn, GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), **_OPTS)
 
 
-def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     check_bits_group(bits, group_size)
     numel = x.numel()
     groups = num_groups(numel, group_size)
-    codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
-    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    nbytes = groups * group_size * bits // 8
+    rows = _row_layout(out, bits, nbytes, groups, x.device)
+    if out is None:
+        codes = torch.empty(nbytes, dtype=codes_dtype(bits), device=x.device)
+        scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    else:
+        codes, scales = out
     if groups:
         # one "chunk" holding every group: the swizzle kernel degenerates to a plain quantizer
-        _launch_quantize(x, numel, numel, numel, 1, 1, groups, groups, bits, group_size, codes, scales)
+        _launch_quantize(x, numel, numel, numel, 1, 1, groups, groups, bits, group_size, codes, scales, rows)
     return codes, scales
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,
-                     pipeline_stages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     pipeline_stages: int = 1, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
-    codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
-    scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
-    total = lay.stages * lay.world * lay.chunk_groups
+    total = lay.total_groups
+    rows = _row_layout(out, bits, lay.total_code_bytes, total, x.device)
+    if out is None:
+        codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
+        scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
+    else:
+        codes, scales = out
     _launch_quantize(x, lay.numel, lay.partition_numel, lay.stage_numel, nodes, ranks_per_node, lay.chunk_groups,
-                     total, bits, group_size, codes, scales)
+                     total, bits, group_size, codes, scales, rows)
     return codes, scales
 
 
 def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                    out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None,
-                   rows: int = 1, row_strides: tuple[int, int, int] = (0, 0, 0)):
+                   rows: int = 1, row_strides: tuple[int, int, int] = (0, 0, 0),
+                   out_rows: tuple[int, int, int] | None = None):
     """``chunks`` [k, bytes] and ``scales`` [k, groups], each row contiguous and the rows at any stride (chunks
     read in place from a received buffer). ``rows`` > 1: as many independent problems (grid axis 1), problem ``r``
-    reading and writing ``r * row_strides`` (codes, scales, ``out``) further on."""
+    reading and writing ``r * row_strides`` (codes, scales, ``out``) further on. Requantizing (``out`` None):
+    ``out_rows`` = (groups per row, code row stride, scale row stride) of ``out_codes`` / ``out_scales``."""
     k, groups = chunks.shape[0], scales.shape[1]
     cols, gpp = _tile(bits, group_size)
     # chunk i at i * stride(0); masked lanes of the last tile run past its end (_tiled_extent)
@@ -94,11 +128,13 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
     check_int32_offsets((rows - 1) * row_strides[1] + (k - 1) * scales.stride(0) + groups, "dequantize/reduce")
     check_int32_offsets((rows - 1) * row_strides[2] + numel, "dequantize/reduce")
     requant = out is None
+    if requant:
+        _check_row_offsets(groups, bits, group_size, out_rows, "dequantize/reduce")
     dummy = out if out is not None else out_scales
     grid = (cdiv(groups, gpp), rows)
     _reduce(grid, chunks, scales, dummy, out_codes if requant else dummy, out_scales if requant else dummy, groups,
-            numel, chunks.stride(0), scales.stride(0), *row_strides, K=k, GROUP=group_size, COLS=cols, GPP=gpp,
-            BITS=bits, QMAX=qmax(bits), REQUANT=requant, **_OPTS)
+            numel, chunks.stride(0), scales.stride(0), *row_strides, *(out_rows or (1, 0, 0)), K=k,
+            GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=requant, **_OPTS)
 
 
 def dequantize_symmetric(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int, numel: int,
@@ -123,13 +159,19 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, gro
     return out
 
 
-def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                               out: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     _, groups = _ref.check_chunks(chunks, scales, bits, group_size)
-    codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
-    out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
+    out_rows = _row_layout(out, bits, chunks.shape[1], groups, chunks.device)
+    if out is None:
+        codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
+        out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
+    else:
+        codes, out_scales = out
     if groups:
-        _launch_reduce(chunks, scales, bits, group_size, groups * group_size, None, codes, out_scales)
+        _launch_reduce(chunks, scales, bits, group_size, groups * group_size, None, codes, out_scales,
+                       out_rows=out_rows)
     return codes, out_scales
 
 

@@ -88,13 +88,15 @@ def _source(rows, e, numel, part_numel, stage_numel, gpc,
 
 @triton.jit
 def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, stage_numel, total_groups, gpc,
+                            gpr, code_row_stride, scale_row_stride,
                             NODES: tl.constexpr, RPN: tl.constexpr, GROUP: tl.constexpr,
                             COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr):
     """Quantize output groups ``[pid*GPP, pid*GPP+GPP)`` gathered from ``x`` in qgZ slot order.
 
     Plain ``quantize_symmetric`` is the special case NODES = RPN = 1, part_numel = stage_numel = numel.
     ``gpc`` (groups per chunk) is a run-time argument: it changes with every bucket size, and as a constexpr each new
-    size would compile a new kernel.
+    size would compile a new kernel. Output group ``t`` goes to row ``t // gpr`` of codes and scales, rows
+    ``code_row_stride`` / ``scale_row_stride`` apart (wire rows written in place; one row: contiguous output).
     COLS = next power of two of GROUP (8 bit) or GROUP // 2 (4 bit).
     """
     pid = tl.program_id(0)
@@ -102,6 +104,8 @@ def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, sta
     row_ok = rows < total_groups
     cols = tl.arange(0, COLS)
     base = (rows % gpc) * GROUP
+    orow = rows // gpr
+    ogrp = rows - orow * gpr
     if BITS == 8:
         col_ok = cols < GROUP
         e = base[:, None] + cols[None, :]
@@ -111,7 +115,7 @@ def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, sta
         absmax = tl.max(tl.abs(v), axis=1)
         scale, safe = _group_scale(absmax, QMAX)
         q = _codes(v, safe, QMAX)
-        dst = rows[:, None] * GROUP + cols[None, :]
+        dst = (orow * code_row_stride + ogrp * GROUP)[:, None] + cols[None, :]
         tl.store(codes_ptr + dst, q.to(tl.int8), mask=row_ok[:, None] & col_ok[None, :])
     else:
         col_ok = cols < GROUP // 2
@@ -126,20 +130,23 @@ def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, sta
         q0 = _codes(v0, safe, QMAX)
         q1 = _codes(v1, safe, QMAX)
         byte = ((q0 & 15) << 4) | (q1 & 15)
-        dst = rows[:, None] * (GROUP // 2) + cols[None, :]
+        dst = (orow * code_row_stride + ogrp * (GROUP // 2))[:, None] + cols[None, :]
         tl.store(codes_ptr + dst, byte.to(tl.uint8), mask=m2)
-    tl.store(scales_ptr + rows, scale, mask=row_ok)
+    tl.store(scales_ptr + orow * scale_row_stride + ogrp, scale, mask=row_ok)
 
 
 @triton.jit
 def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, groups, numel,
                   chunk_stride, scale_stride, row_stride, scale_row_stride, out_row_stride,
+                  out_gpr, out_code_row_stride, out_scale_row_stride,
                   K: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr,
                   QMAX: tl.constexpr, REQUANT: tl.constexpr):
     """Sum over the ``K`` chunks of ``fl(code * scale)``, in order; chunk ``i`` starts ``i * chunk_stride`` code
     elements (``i * scale_stride`` scales) in, so the chunks may be rows of a received byte buffer, read in place.
 
-    REQUANT: quantize the sum into ``out_codes``/``out_scales``; else store its first ``numel`` elements to ``out``.
+    REQUANT: quantize the sum into ``out_codes``/``out_scales`` (group ``t`` in row ``t // out_gpr``, rows
+    ``out_code_row_stride`` / ``out_scale_row_stride`` apart: wire rows written in place); else store its first
+    ``numel`` elements to ``out``.
     Dequantization alone is the case K = 1. K (nodes or ranks per node) is a constexpr so that the loop unrolls and
     the K loads are all in flight before the first is used. Grid axis 1 runs independent problems (rows of a
     gathered buffer): problem ``r`` reads from ``r * row_stride`` / ``r * scale_row_stride`` and writes ``out`` from
@@ -166,8 +173,11 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
             absmax = tl.max(tl.abs(acc), axis=1)
             scale, safe = _group_scale(absmax, QMAX)
             q = _codes(acc, safe, QMAX)
-            tl.store(out_codes_ptr + off, q.to(tl.int8), mask=m2)
-            tl.store(out_scales_ptr + rows, scale, mask=row_ok)
+            orow = rows // out_gpr
+            ogrp = rows - orow * out_gpr
+            dst = (orow * out_code_row_stride + ogrp * GROUP)[:, None] + cols[None, :]
+            tl.store(out_codes_ptr + dst, q.to(tl.int8), mask=m2)
+            tl.store(out_scales_ptr + orow * out_scale_row_stride + ogrp, scale, mask=row_ok)
         else:
             tl.store(out_ptr + off, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=m2 & (off < numel))
     else:
@@ -187,8 +197,11 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
             q0 = _codes(acc0, safe, QMAX)
             q1 = _codes(acc1, safe, QMAX)
             byte = ((q0 & 15) << 4) | (q1 & 15)
-            tl.store(out_codes_ptr + off, byte.to(tl.uint8), mask=m2)
-            tl.store(out_scales_ptr + rows, scale, mask=row_ok)
+            orow = rows // out_gpr
+            ogrp = rows - orow * out_gpr
+            dst = (orow * out_code_row_stride + ogrp * (GROUP // 2))[:, None] + cols[None, :]
+            tl.store(out_codes_ptr + dst, byte.to(tl.uint8), mask=m2)
+            tl.store(out_scales_ptr + orow * out_scale_row_stride + ogrp, scale, mask=row_ok)
         else:
             # interleave the even and odd elements in registers: one contiguous store instead of two stride-2 ones
             # (strided fp32 stores ran at a quarter of the copy bandwidth on an H100)

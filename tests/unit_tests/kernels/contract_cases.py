@@ -167,6 +167,70 @@ def run_row_strided_inputs(impl) -> None:
                              out=torch.empty(1, 32).expand(2, 32))
 
 
+def _out_rows(rows: int, code_bytes: int, groups: int, dtype: torch.dtype):
+    """A junk-filled byte buffer and ``(codes [rows, code_bytes/rows], scales [rows, groups/rows])`` views of it,
+    laid out as wire rows with 4 junk bytes before and after each row's data."""
+    cb, g = code_bytes // rows, groups // rows
+    cb_pad = -(-cb // 4) * 4
+    buf = torch.full((rows, 4 + cb_pad + 4 * g + 4), 0xA5, dtype=torch.uint8)
+    return buf, (buf[:, 4:4 + cb].view(dtype), buf[:, 4 + cb_pad:4 + cb_pad + 4 * g].view(torch.float32))
+
+
+def _check_out_rows(buf, out, got, want) -> None:
+    """``got`` (the op's return with ``out``) is ``out``, holding ``want``'s bytes row by row; junk intact."""
+    assert got[0] is out[0] and got[1] is out[1]
+    rows = out[0].shape[0]
+    _same(out[0], want[0].reshape(rows, -1))
+    _same(out[1], want[1].reshape(rows, -1))
+    junk = buf.clone()
+    junk[:, 4:4 + out[0].shape[1]] = 0xA5
+    cb_pad = -(-out[0].shape[1] // 4) * 4
+    junk[:, 4 + cb_pad:4 + cb_pad + 4 * out[1].shape[1]] = 0xA5
+    assert junk.eq(0xA5).all()
+
+
+def run_out_rows(impl) -> None:
+    """The quantizing ops write into ``out`` rows (wire rows: strided, padding and junk around) the bytes they return
+    without ``out``: plain quantization, qgZ's swizzle in its first hop's rows, and its requantization in the second
+    hop's rows; bad ``out`` arguments are clear errors."""
+    g = torch.Generator().manual_seed(5)
+    for bits, n, rows in ((8, 40, (1, 5)), (4, 42, (1, 2, 3)), (4, 16, (1, 2))):
+        x = torch.randn(n, generator=g) * 2
+        want = impl.quantize_symmetric(x, bits=bits, group_size=8)
+        for r in rows:
+            buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
+            _check_out_rows(buf, out, impl.quantize_symmetric(x, bits=bits, group_size=8, out=out), want)
+    for bits in (8, 4):
+        x = torch.randn(50, generator=g)
+        want = impl.swizzle_quantize(x, bits, 8, 2, 2, 2)   # [S=2, W=4, chunk]
+        for r in (4, 8):   # qgZ's rows: N slots for each local peer (S*D rows), or one slot a row
+            buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
+            _check_out_rows(buf, out, impl.swizzle_quantize(x, bits, 8, 2, 2, 2, out=out), want)
+        pieces = [impl.quantize_symmetric(torch.randn(48, generator=g), bits=bits, group_size=8) for _ in range(3)]
+        chunks, scales = torch.stack([c for c, _ in pieces]), torch.stack([s for _, s in pieces])
+        want = impl.dequantize_reduce_quantize(chunks, scales, bits, 8)
+        for r in (1, 2, 6):
+            buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
+            _check_out_rows(buf, out, impl.dequantize_reduce_quantize(chunks, scales, bits, 8, out=out), want)
+    x = torch.randn(40)
+    codes, scales = torch.empty(2, 20, dtype=torch.int8), torch.empty(2, 3)
+    with pytest.raises(ValueError, match=r"split 40 code bytes and 5 scales into equal rows"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=(codes, scales))
+    with pytest.raises(TypeError, match=r"out codes for 8-bit codes must be torch.int8"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=(codes.view(torch.uint8), scales))
+    with pytest.raises(TypeError, match=r"out scales must be float32"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=(torch.empty(1, 40, dtype=torch.int8),
+                                                              torch.empty(1, 5, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"out scales' rows overlap \(row stride 0 < row length 1\)"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=(torch.empty(5, 8, dtype=torch.int8),
+                                                              torch.empty(1, 1).expand(5, 1)))
+    with pytest.raises(ValueError, match=r"out codes must be 2-D with contiguous rows"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=(torch.empty(8, 5, dtype=torch.int8).t(),
+                                                              torch.empty(5, 1)))
+    with pytest.raises(TypeError, match=r"out must be a \(codes, scales\) pair"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=torch.empty(40, dtype=torch.int8))
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), (a, b)

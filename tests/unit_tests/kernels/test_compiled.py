@@ -134,6 +134,7 @@ def test_contract_cases(comp):
     contract_cases.run_requantize_ties(comp)
     contract_cases.run_non_contiguous_rejected(comp)
     contract_cases.run_row_strided_inputs(comp)
+    contract_cases.run_out_rows(comp)
     contract_cases.run_bad_arguments_rejected(comp)
     contract_cases.run_minmax_overflow(comp)
 

@@ -282,5 +282,6 @@ def test_codec_contract_cases(monkeypatch):
         contract_cases.run_swizzle_ties(compiled)
         contract_cases.run_non_contiguous_rejected(compiled)
         contract_cases.run_row_strided_inputs(compiled)
+        contract_cases.run_out_rows(compiled)
         contract_cases.run_bad_arguments_rejected(compiled)
         contract_cases.run_minmax_overflow(compiled)

@@ -332,6 +332,11 @@ def test_row_strided_inputs():
     contract_cases.run_row_strided_inputs(reference)
 
 
+def test_out_rows():
+    """The quantizing ops write wire rows in place (out=): the bytes they return otherwise."""
+    contract_cases.run_out_rows(reference)
+
+
 def test_round_half_to_even_ties():
     """Exact .5 ties, hand-written codes: plain quantize, the fused swizzle and the fused requantize."""
     contract_cases.run_symmetric_ties(reference)

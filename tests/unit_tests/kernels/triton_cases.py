@@ -34,7 +34,15 @@ DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 
 
 def _to_device(t):
-    """``t`` on DEVICE with the same storage layout (size, strides, offset): a strided view stays strided."""
+    """``t`` on DEVICE with the same storage layout (size, strides, offset): a strided view stays strided. A tuple
+    of views of one storage (an ``out=(codes, scales)`` pair of wire rows) becomes views of one device copy."""
+    if isinstance(t, tuple):
+        if not all(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t[0].untyped_storage().data_ptr()
+                   for v in t):
+            return tuple(map(_to_device, t))
+        storage = torch.empty(0, dtype=torch.uint8).set_(t[0].untyped_storage()).to(DEVICE).untyped_storage()
+        return tuple(torch.empty(0, dtype=v.dtype, device=DEVICE).set_(storage, v.storage_offset(), v.size(),
+                                                                         v.stride()) for v in t)
     if not isinstance(t, torch.Tensor):
         return t
     flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
@@ -60,8 +68,13 @@ class _OnDevice:
             torch.cuda.synchronize()
             if "out" in kwargs:   # an op writing into ``out``: copy its whole storage back (what it must not touch too)
                 dst, src = kwargs["out"], dev_kwargs["out"]
-                torch.empty(0, dtype=dst.dtype).set_(dst.untyped_storage()).copy_(
-                    torch.empty(0, dtype=src.dtype, device=src.device).set_(src.untyped_storage()))
+                pair = isinstance(dst, tuple)
+                for d, s in zip(dst, src) if pair else ((dst, src),):
+                    torch.empty(0, dtype=torch.uint8).set_(d.untyped_storage()).copy_(
+                        torch.empty(0, dtype=torch.uint8, device=s.device).set_(s.untyped_storage()))
+                if pair:   # the op returns the out views themselves
+                    assert all(o is v for o, v in zip(out, src))
+                    return dst
                 return dst if out is src else _to_cpu(out)
             return _to_cpu(out)
         return call
@@ -178,6 +191,7 @@ def test_non_contiguous_rejected(tri):
     contract_cases.run_non_contiguous_rejected(tri)  # the same errors as the torch path (test_reference)
     contract_cases.run_row_strided_inputs(tri)
     contract_cases.run_bad_arguments_rejected(tri)
+    contract_cases.run_out_rows(tri)
 
 
 def test_round_half_to_even_ties(tri):
