@@ -28,13 +28,18 @@ def empty_rows(rows: int, code_bytes: int, groups: int, codes_dtype: torch.dtype
 
 
 def pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows, row]`` uint8: row ``i`` holds the ``i``-th equal part of ``codes`` and of ``scales``."""
+    """``[rows, row]`` uint8: row ``i`` holds the ``i``-th equal part of ``codes`` and of ``scales`` (a copy; for
+    codes still to be computed, :func:`empty_rows` and the kernels' ``out=`` write the rows directly)."""
     c = codes.reshape(rows, -1).view(torch.uint8)
-    s = scales.reshape(rows, -1).to(torch.float32)
-    buf, cv, sv = empty_rows(rows, c.shape[1], s.shape[1], torch.uint8, codes.device)
-    cv.copy_(c)
-    sv.copy_(s)
-    return buf
+    s = scales.reshape(rows, -1).to(torch.float32).view(torch.uint8)
+    cb = c.shape[1]
+    cb_pad = round_up(cb, 4)
+    out = torch.empty(rows, cb_pad + s.shape[1], dtype=torch.uint8, device=codes.device)
+    out[:, :cb].copy_(c)
+    if cb_pad > cb:
+        out[:, cb:cb_pad].zero_()
+    out[:, cb_pad:].copy_(s)
+    return out
 
 
 def unpack_rows(buf: torch.Tensor, rows: int, code_bytes: int, codes_dtype: torch.dtype, groups: int = -1):
