@@ -6,13 +6,15 @@ bucket launches two to five kernels on the training thread. Here the first launc
 through the JIT call, which compiles or finds the binary and returns it; later launches with the same signature
 call that binary's launcher directly.
 
-The signature is finer than any specialization Triton makes: every int, float and bool by value, every tensor by
-dtype and 16-byte alignment (Triton specializes pointers on that alignment only), the constexprs and options by
-value, and the current device. So a reused binary is the one the JIT call would have picked. The JIT call is used
-instead whenever Triton's launch hooks or the kernel's pre-run hooks are set (profilers need them), under the
-interpreter (``TRITON_INTERPRET=1``), for a Triton without the compiled-kernel attributes used here, and when
-``MX_TRITON_FAST_LAUNCH=0``. Triton's debug knobs changed after a signature's first launch apply to new signatures
-only.
+The signature is finer than any specialization Triton makes: every int and bool by value, every float by its bits,
+every tensor by dtype and 16-byte alignment (Triton specializes pointers on that alignment only), the constexprs and
+options by value, and the current device. The JIT call is used instead whenever Triton's launch hooks, its
+stages-inspection hook or the kernel's pre-run hooks are set (profilers and tools need them), for a callable grid or
+an argument of another type, under the interpreter (``TRITON_INTERPRET=1``), for a Triton without the
+compiled-kernel attributes used here, and when ``MX_TRITON_FAST_LAUNCH=0`` at import. What the fast path does not
+re-read on every launch, unlike the JIT call: Triton's debug, instrumentation and fp-sanitizer knobs (set at start,
+as they are meant to be, they apply; changed later, only to new signatures) and the check that the globals a kernel
+read at compile time have not changed (these kernels read none).
 """
 from __future__ import annotations
 
@@ -42,17 +44,23 @@ def _hook_set(hook: Any) -> bool:
     return bool(calls) if calls is not None else True
 
 
+class _Unkeyed(Exception):
+    """An argument of a type the signature does not cover: that launch goes through the JIT call."""
+
+
 def _arg_key(a: Any) -> Any:
-    """An int stands for itself (the usual argument, so it is tested first); a bool or float also keeps its type,
-    since 1 == True == 1.0."""
+    """An int stands for itself (the usual argument, so it is tested first); a bool keeps its type (1 == True), a
+    float is keyed by its bits (so that NaN matches itself and -0.0 differs from 0.0)."""
     t = type(a)
     if t is int:
         return a
     if isinstance(a, torch.Tensor):
         return (a.dtype, not a.data_ptr() & 15)
-    if t in (bool, float, type(None)):
+    if t is bool or a is None:
         return (t, a)
-    raise TypeError(f"fast launch: unsupported argument type {t.__name__}")
+    if t is float:
+        return (t, a.hex())
+    raise _Unkeyed(t.__name__)
 
 
 class FastLauncher:
@@ -71,12 +79,15 @@ class FastLauncher:
 
     def __call__(self, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         entry = key = None
-        if self._fast:
+        if self._fast and not callable(grid):
             runtime = _knobs()
             if not (runtime is None or _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
-                    or self.fn.pre_run_hooks):
-                key = (torch._C._cuda_getDevice(), tuple([_arg_key(a) for a in args]), tuple(kwargs.items()))
-                entry = self._compiled.get(key, _MISSING)
+                    or getattr(runtime, "add_stages_inspection_hook", None) is not None or self.fn.pre_run_hooks):
+                try:
+                    key = (torch._C._cuda_getDevice(), tuple([_arg_key(a) for a in args]), tuple(kwargs.items()))
+                    entry = self._compiled.get(key, _MISSING)
+                except (_Unkeyed, TypeError):   # TypeError: an unhashable constexpr or option
+                    pass
         if entry is not None and entry is not _MISSING and entry is not _UNSUPPORTED:
             ck, tail = entry
             g1 = grid[1] if len(grid) > 1 else 1

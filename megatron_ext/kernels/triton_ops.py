@@ -53,13 +53,22 @@ def _row_layout(out: tuple[torch.Tensor, torch.Tensor] | None, bits: int, code_b
     return gpr, out[0].stride(0), out[1].stride(0)
 
 
+def _max_row_offset(last: int, gpr: int, stride: int, unit: int) -> int:
+    """The largest ``(t // gpr) * stride + (t % gpr) * unit`` over groups ``t <= last``: at ``last`` or at the end of
+    the row before it."""
+    r = last // gpr
+    top = r * stride + (last - r * gpr) * unit
+    return max(top, (r - 1) * stride + (gpr - 1) * unit) if r else top
+
+
 def _check_row_offsets(groups: int, bits: int, group_size: int, rows: tuple[int, int, int], what: str) -> None:
-    """Every offset the kernels form for groups stored by rows (masked groups of the last tile included) fits."""
+    """Every offset the kernels form for groups stored by rows (masked groups of the last tile included) fits; with
+    one contiguous row these are the offsets of :func:`_tiled_extent`."""
     cols, gpp = _tile(bits, group_size)
     gpr, code_stride, scale_stride = rows
-    last_row = (cdiv(groups, gpp) * gpp - 1) // gpr
-    check_int32_offsets(last_row * code_stride + gpr * group_size * bits // 8 + 2 * cols, what)
-    check_int32_offsets(last_row * scale_stride + gpr, what)
+    last = cdiv(groups, gpp) * gpp - 1
+    check_int32_offsets(_max_row_offset(last, gpr, code_stride, group_size * bits // 8) + 2 * cols, what)
+    check_int32_offsets(_max_row_offset(last, gpr, scale_stride, 1) + 1, what)
 
 
 def _launch_quantize(x: torch.Tensor, numel: int, part: int, stage: int, nodes: int, rpn: int, gpc: int,

@@ -1,6 +1,7 @@
 """FastLauncher: which launches reuse a compiled binary and which go through the JIT call (a stand-in JIT function
 and binary on CPU; the real kernels' outputs through it are compared with the torch path in triton_cases.py, on a GPU
 when one is present)."""
+import os
 import types
 
 import pytest
@@ -98,6 +99,39 @@ def test_hooks_and_defaults_keep_the_jit_call(launcher):
     assert len(jit.calls) == 6 and not jit.binary.calls
 
 
-def test_unsupported_arguments_are_refused():
-    with pytest.raises(TypeError, match="unsupported argument type list"):
-        triton_launch._arg_key([1])
+@pytest.mark.parametrize("case", ["unkeyed_type", "unhashable_option", "callable_grid", "stages_hook"])
+def test_what_the_signature_cannot_cover_keeps_the_jit_call(launcher, case):
+    fl, jit, hooks = launcher
+    x = torch.zeros(64, dtype=torch.float32)
+    args, kwargs, grid = [x, 1], dict(K=1, BLOCK=1), (1,)
+    if case == "unkeyed_type":
+        args[1] = types.SimpleNamespace()
+    elif case == "unhashable_option":
+        kwargs["extern_libs"] = {"lib": "path"}
+    elif case == "callable_grid":
+        grid = lambda meta: (1,)   # noqa: E731 -- Triton's grid(meta) form
+    else:
+        hooks.add_stages_inspection_hook = print
+    for _ in range(3):
+        fl(grid, *args, **kwargs)
+    assert len(jit.calls) == 3 and not jit.binary.calls
+
+
+def test_floats_are_keyed_by_their_bits(launcher):
+    fl, jit, _ = launcher
+    x = torch.zeros(64, dtype=torch.float32)
+    for v in (float("nan"), float("nan"), 0.0, -0.0, -0.0):
+        fl((1,), x, v, K=1, BLOCK=1)
+    # NaN reuses its binary (NaN != NaN as a value); -0.0 does not share 0.0's
+    assert len(jit.calls) == 3 and len(jit.binary.calls) == 2
+
+
+def test_the_real_kernels_take_the_fast_path_where_triton_compiles():
+    """Outside the interpreter every launcher of triton_ops is armed (a Triton whose JITFunction lacks what the fast
+    path needs would silently disarm it); on CPU nothing is launched here."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("MX_TRITON_FAST_LAUNCH") == "0":
+        pytest.skip("the fast path is off by design here")
+    pytest.importorskip("triton")
+    from megatron_ext.kernels import triton_ops
+    launchers = [v for v in vars(triton_ops).values() if isinstance(v, triton_launch.FastLauncher)]
+    assert len(launchers) == 6 and all(fl._fast for fl in launchers)

@@ -249,6 +249,44 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
         call()
 
 
+def test_a_repeated_launch_runs_the_compiled_binary(tri):
+    """On a GPU the second launch of a signature calls the binary the first one compiled (kernels/triton_launch.py),
+    with the same result; under the interpreter every launch is a JIT call."""
+    from megatron_ext.kernels import triton_ops
+    if DEVICE != "cuda":
+        assert not triton_ops._reduce._fast
+        return
+    codes, scales = ref.quantize_symmetric(_data(8192, torch.float32, 4), bits=4, group_size=64)
+    chunks, sc = codes.view(4, -1), scales.view(4, -1)
+    triton_ops._reduce._compiled.clear()
+    first = tri.dequantize_reduce_quantize(chunks, sc, 4, 64)   # JIT call: compiles or finds the binary
+    entries = list(triton_ops._reduce._compiled.values())
+    assert len(entries) == 1 and isinstance(entries[0], tuple), entries   # the binary, armed for reuse
+    second = tri.dequantize_reduce_quantize(chunks, sc, 4, 64)
+    assert len(triton_ops._reduce._compiled) == 1
+    for a, b in zip(first, second):
+        _same(a, b)
+
+
+def test_int32_offset_guard_counts_the_out_row_stride(tri, monkeypatch):
+    """Rows of ``out`` far apart form larger offsets than the same rows side by side: past the (lowered) int32 limit
+    the launch is refused, below it the op runs."""
+    from megatron_ext.kernels import layout
+    x = torch.randn(4096)
+    codes, scales = ref.quantize_symmetric(x, bits=8, group_size=64)
+    monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)
+    for stride, fits in ((2048, True), (70000, False)):   # bytes between the two rows of codes
+        out = torch.empty(2 * stride, dtype=torch.int8).as_strided((2, 2048), (stride, 1)), torch.empty(2, 32)
+        out2 = out[0][:, :1024], out[1][:, :16]
+        for call in (lambda: tri.quantize_symmetric(x, bits=8, group_size=64, out=out),
+                     lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64, out=out2)):
+            if fits:
+                call()
+            else:
+                with pytest.raises(ValueError, match="int32"):
+                    call()
+
+
 def test_dequantize_rows_in_blocks_of_grid_rows(tri, monkeypatch):
     """More rows than one launch's grid axis 1 may hold (CUDA: 65535; lowered to 2 here): launched in blocks, the
     same bits (run_row_strided_inputs has 3 rows)."""
