@@ -75,13 +75,15 @@ class FastLauncher:
         names = getattr(jit_fn, "arg_names", None)
         self._names: Optional[Sequence[str]] = list(names) if names is not None else None
         from triton.runtime.jit import JITFunction
-        self._fast = _ENABLED and isinstance(jit_fn, JITFunction) and self._names is not None
+        self._runtime = _knobs()   # Triton's runtime knobs (one object; its hooks are read at every launch)
+        self._fast = (_ENABLED and isinstance(jit_fn, JITFunction) and self._names is not None
+                      and self._runtime is not None)
 
     def __call__(self, grid: Tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         entry = key = None
         if self._fast and not callable(grid):
-            runtime = _knobs()
-            if not (runtime is None or _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+            runtime = self._runtime
+            if not (_hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
                     or getattr(runtime, "add_stages_inspection_hook", None) is not None or self.fn.pre_run_hooks):
                 try:
                     key = (torch._C._cuda_getDevice(), tuple([_arg_key(a) for a in args]), tuple(kwargs.items()))
