@@ -7,7 +7,9 @@ like the ops it allocates its output) and to a copy into a preallocated buffer (
 allocation and page-fault cost that fresh multi-MB outputs pay on CPU). Timings are the best of --repeat runs
 after one warm-up, interleaved with the copies, so that a shared machine's load hits both alike, each after reading
 a buffer of twice the last-level cache (:class:`CacheFlush`: inputs come from memory, not from the cache); on a GPU
-they are medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call).
+they are medians timed with CUDA events by ``triton.testing.do_bench`` (L2 cleared before each call), and up to
+4M elements each GPU row also reports its host time per call (``host_us_per_call``: kernel launches, allocations and
+argument checks, what the training thread pays per call).
 On CPU two paths run, timed in the same interleaved loop: the eager torch reference (backend ``torch``) and the same
 math compiled by ``torch.compile`` (backend ``compiled``, the default CPU path); with CUDA available the Triton path
 runs on the GPU too. Each compiled or Triton row first checks that its output equals the eager torch path's on the
@@ -44,6 +46,7 @@ DEFAULT_SIZES = "1M,4M,16M,64M,256M"
 # issues 3 and 14: fraction of the clone bandwidth each (device, backend) should reach
 GOALS = {("cpu", "torch"): 0.30, ("cpu", "compiled"): 0.50, ("cuda", "triton"): 0.80}
 MEMORY_HEADROOM = 0.8  # run a size only if its estimated peak fits in this fraction of the available memory
+HOST_TIMED_NUMEL = 4 << 20  # GPU sizes whose host time per call is measured too (above, the device time dominates)
 
 
 def parse_size(text: str) -> int:
@@ -69,6 +72,7 @@ class Row:
     meets_goal: bool | None
     matches_torch: bool | None = None  # compiled/Triton rows: output bit-identical to the torch path, same inputs
     first_call_seconds: float | None = None  # compiled rows: the first call (compile, or load from Inductor's cache)
+    host_us_per_call: float | None = None  # GPU rows up to HOST_TIMED_NUMEL: host time of one call (host_us_per_call)
 
 
 def judge(device: str, backend: str, ratio: float) -> tuple[float | None, bool | None]:
@@ -119,6 +123,21 @@ def time_cuda(fn: Callable[[], object]) -> float:
     the L2 cache before every call, so a small size is not timed out of the cache)."""
     from triton.testing import do_bench
     return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def host_us_per_call(fn: Callable[[], object], sync: Callable[[], None], calls: int = 50, rounds: int = 3) -> float:
+    """Host microseconds of one call launched back to back with others, never waited for: what the training thread
+    pays per kernel call on a GPU (argument checks, allocations, the launch itself). The least of ``rounds`` means
+    over ``calls`` calls, ``sync`` between rounds."""
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    sync()
+    return best * 1e6
 
 
 def same_outputs(a: object, b: object) -> bool:
@@ -259,9 +278,12 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
                     matches[b] = same_outputs(fn(), want)
                     del want
             clone, copy_, copied = copy_fns(nbytes, device)
+            host = {}
             if device == "cuda":  # event-timed medians; the host clock would time launch latency at small sizes
                 times = {b: time_cuda(fn) for b, fn in fns.items()}
                 tc, tp = time_cuda(clone), time_cuda(copy_)
+                if numel <= HOST_TIMED_NUMEL:
+                    host = {b: host_us_per_call(fn, torch.cuda.synchronize) for b, fn in fns.items()}
             else:
                 for f in (*fns.values(), clone, copy_):  # warm-up: first-touch page faults, Triton compilation
                     time_once(f, device)
@@ -276,12 +298,13 @@ def run(sizes: list[int], device: str, dtype: torch.dtype, repeat: int, **geom) 
             for b, t in times.items():
                 gb = nbytes / t / 1e9
                 rows.append(Row(name, device, b, numel, nbytes, t, gb, cp, gb / cp, pp, gb / pp,
-                                *judge(device, b, gb / cp), matches.get(b), first.get(b)))
+                                *judge(device, b, gb / cp), matches.get(b), first.get(b), host.get(b)))
                 check = "" if b not in matches else f"  {'== torch' if matches[b] else '!= TORCH'}"
                 compiled = "" if b not in first else f"  first call {first[b]:.2f} s"
+                hosted = "" if b not in host else f"  host {host[b]:.1f} us/call"
                 print(f"{name:42s} {device:4s} {b:8s} {_size(numel):>5s} {t * 1e3:9.3f} ms "
                       f"{gb:7.2f} GB/s  clone {cp:7.2f} GB/s {100 * gb / cp:5.0f}%  copy_ {pp:7.2f} GB/s "
-                      f"{100 * gb / pp:5.0f}%{check}{compiled}", flush=True)
+                      f"{100 * gb / pp:5.0f}%{check}{compiled}{hosted}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -296,14 +319,15 @@ def format_table(rows: list[Row]) -> list[str]:
     goals = ", ".join(f"{b} on {d.upper()} >= {100 * g:.0f}%" for (d, b), g in GOALS.items())
     lines = [f"Goals (issues 3 and 14), as a share of copy bandwidth (clone of the same bytes): {goals}.", "",
              "| op | device | backend | elements | ms | GB/s | clone GB/s | % of clone | goal | copy_ GB/s "
-             "| % of copy_ | = torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of copy_ | = torch | host us/call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "n/a" if r.goal is None else f"{'meets' if r.meets_goal else 'MISSES'} >= {100 * r.goal:.0f}%"
         same = "-" if r.matches_torch is None else ("yes" if r.matches_torch else "NO")
         lines.append(f"| {r.op} | {r.device} | {r.backend} | {_size(r.numel)} | {r.seconds * 1e3:.3f} | "
                      f"{r.gbps:.2f} | {r.copy_gbps:.2f} | {100 * r.ratio:.0f}% | {mark} | {r.copy_prealloc_gbps:.2f} | "
-                     f"{100 * r.ratio_prealloc:.0f}% | {same} |")
+                     f"{100 * r.ratio_prealloc:.0f}% | {same} | "
+                     f"{'-' if r.host_us_per_call is None else f'{r.host_us_per_call:.1f}'} |")
     return lines
 
 

@@ -76,6 +76,16 @@ def test_smoke_run_writes_table_and_json(bench, tmp_path, capsys, monkeypatch):
             assert r["matches_torch"] is None and r["first_call_seconds"] is None
         else:
             assert r["matches_torch"] is True and r["first_call_seconds"] > 0
+        assert r["host_us_per_call"] is None   # measured on GPUs only (on CPU a call's host time is the op's time)
+
+
+def test_host_time_per_call_runs_the_calls_back_to_back_between_syncs(bench):
+    """``calls`` calls per round with no sync among them, a sync before each round and at the end; the result is a
+    per-call mean in microseconds (the smallest round's)."""
+    log = []
+    us = bench.host_us_per_call(lambda: log.append("call"), lambda: log.append("sync"), calls=4, rounds=3)
+    assert log == (["sync"] + ["call"] * 4) * 3 + ["sync"]
+    assert 0 < us < 1e6
 
 
 def test_same_outputs_compares_every_bit(bench):
