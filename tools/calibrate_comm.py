@@ -306,14 +306,17 @@ def measure_reduce_kernels(device) -> tuple[float, float]:
 
 
 def codec_hop(x, out) -> None:
-    """The codec calls of one quantized hop: quantize ``x``, pack its wire row, decode the rows in place into
-    ``out`` ([1, x.numel()])."""
-    from megatron_ext.comm.wire import pack_rows, unpack_rows
+    """The codec calls of one quantized hop, as qwZ makes them: quantize ``x`` straight into its wire row, decode the
+    rows in place into ``out`` ([1, x.numel()])."""
+    import torch
+
+    from megatron_ext.comm.wire import empty_rows
     from megatron_ext.kernels import dequantize_rows, quantize_symmetric
 
-    codes, scales = quantize_symmetric(x, bits=8, group_size=2048)
-    c, s = unpack_rows(pack_rows(codes, scales, 1), 1, codes.numel(), codes.dtype)
-    dequantize_rows(c, s, bits=8, group_size=2048, out=out)
+    groups = -(-x.numel() // 2048)
+    _, codes, scales = empty_rows(1, groups * 2048, groups, torch.int8, x.device)
+    quantize_symmetric(x, bits=8, group_size=2048, out=(codes, scales))
+    dequantize_rows(codes, scales, bits=8, group_size=2048, out=out)
 
 
 def measure_codec_host(device) -> float:
@@ -322,19 +325,14 @@ def measure_codec_host(device) -> float:
     kernel_bytes_per_s)."""
     import torch
 
+    from bench_kernels import host_us_per_call
+
     if device.type != "cuda":
         return 0.0
     x = torch.randn(1 << 20, device=device)
     out = torch.empty(1, x.numel(), device=device)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            codec_hop(x, out)
-        best = min(best, (time.perf_counter() - t0) / 20)
-    torch.cuda.synchronize(device)
-    return _max_over_ranks(best)
+    us = host_us_per_call(lambda: codec_hop(x, out), lambda: torch.cuda.synchronize(device), calls=20, rounds=5)
+    return _max_over_ranks(us * 1e-6)
 
 
 def measure_optimizer(device) -> float:
