@@ -20,7 +20,7 @@ Prints a table and writes JSON.
 Goals, judged on the ratio to the clone: the eager torch path on CPU >= 30% of copy bandwidth (issue 3), the compiled
 CPU path >= 50% (issue 14), Triton on a GPU >= 80% (issue 3); the table marks each row. Default sizes 1M..256M
 elements on every device. A size whose estimated peak memory
-(:func:`estimate_peak_bytes`: 16.5 bytes per fp32 element + 256 MiB, 4.4 GiB at 256M; peak RSS measured at 64M
+(:func:`estimate_peak_bytes`: 17.5 bytes per fp32 element + 256 MiB, 4.6 GiB at 256M; peak RSS measured at 64M
 was within the estimate) exceeds 80% of the memory available now is skipped with a message and listed in the JSON.
 
     python tools/bench_kernels.py                          # 1M..256M elements
@@ -184,6 +184,13 @@ def build_ops(numel: int, dtype: torch.dtype, device: str, group: int, nodes: in
     ops.append(("quantize_minmax_uint8", lambda: K.quantize_minmax_uint8(x, chunk), numel * esize + numel + mm))
     ops.append(("dequantize_minmax_uint8",
                 lambda: K.dequantize_minmax_uint8(q, mins, maxs, chunk, numel, dtype), numel + mm + numel * esize))
+    # ByteGrad's leader: the N received rows (numel / N codes each) decoded, summed and averaged into fp32
+    per = numel // nodes
+    rows = [K.quantize_minmax_uint8(x[a * per:(a + 1) * per], chunk) for a in range(nodes)]
+    rq, rmin, rmax = (torch.stack(t) for t in zip(*rows))
+    ops.append((f"dequantize_minmax_reduce(k={nodes})",
+                lambda: K.dequantize_minmax_reduce(rq, rmin, rmax, chunk, per, factor=1.0 / (nodes * rpn)),
+                rq.numel() + 8 * rmin.numel() + per * 4))
     return ops
 
 
@@ -197,12 +204,12 @@ def chunk_numel(numel: int, k: int, group: int) -> int:
 
 
 def estimate_peak_bytes(numel: int, dtype: torch.dtype, group: int, nodes: int, rpn: int) -> int:
-    """Peak bytes one size needs: what :func:`build_ops` keeps (x; INT8, INT4, 2 x k-chunk INT4 and min-max codes)
-    plus the largest row: its copy buffers (src + dst = the op's bytes moved) and its output (the clone's, half the
+    """Peak bytes one size needs: what :func:`build_ops` keeps (x; INT8, INT4, 2 x k-chunk INT4 and 2 x min-max codes:
+    the whole tensor's and ByteGrad's rows) plus the largest row: its copy buffers (src + dst = the op's bytes moved) and its output (the clone's, half the
     bytes moved, is smaller). The largest rows are dequantize_int8 (reads codes, writes ``dtype``) and the fp32
     output of dequantize_reduce over the smaller k. Per-block temporaries of the torch path are a few MiB."""
     esize = torch.tensor([], dtype=dtype).element_size()
-    kept = numel * esize + numel + numel // 2 + numel + numel
+    kept = numel * esize + numel + numel // 2 + numel + numel + numel
     per = chunk_numel(numel, min(nodes, rpn), group)
     largest_row = max(numel + 2 * numel * esize, min(nodes, rpn) * per // 2 + 2 * 4 * per)
     return kept + largest_row + (256 << 20)

@@ -183,21 +183,22 @@ class ByteGradGradReduce(GradReduce):
             st["recv"] = recv
             return [dist.all_to_all_single(recv.view(-1), rows.view(-1), group=leader_group, async_op=True)]
 
-        def average() -> torch.Tensor:
-            """Leader: this node's block of the bucket, summed over all P ranks and averaged (fp32)."""
-            recv = st.pop("recv")
-            # node 0's version is the sum's start: 0 + d == d bit for bit, since d = (q + lb) / scale is never
-            # -0.0: q + lb is a whole number (+0.0 when zero) and a non-zero one is at least 1 against scale <= 2.55e9
-            acc = _decompress(recv[0], L, c)
-            for a in range(1, nodes):
-                acc.add_(_decompress(recv[a], L, c))
-            return acc.mul_(1.0 / P)   # the one and only averaging (sum over all P ranks / P)
+        def average(dtype: torch.dtype) -> torch.Tensor:
+            """Leader: this node's block of the bucket, summed over all P ranks and averaged, as ``dtype``: the
+            ``nodes`` received rows decoded where they lie, summed in fp32 in node order and multiplied by 1/P (the
+            one and only averaging) in one kernel."""
+            from megatron_ext.kernels import dequantize_minmax_reduce
+
+            chunks = -(-L // c)
+            q, minmax = unpack_rows(st.pop("recv"), nodes, L, torch.uint8, 2 * chunks)
+            return dequantize_minmax_reduce(q, minmax[:, :chunks], minmax[:, chunks:], c, L, factor=1.0 / P,
+                                            dtype=dtype)
 
         # -- reduce-scatter: the node's averaged block is its ranks' shards; scatter them inside the node --------
         def scatter_phase() -> List:
             n = out_shard.numel()
             if leader:
-                block = average().to(bucket.dtype)
+                block = average(bucket.dtype)
                 if D == 1:
                     st["result"] = block
                     return []
@@ -216,7 +217,7 @@ class ByteGradGradReduce(GradReduce):
         def gather_phase() -> List:
             if not leader:
                 return []
-            row = _compress(average(), c)
+            row = _compress(average(torch.float32), c)
             gathered = torch.empty(nodes, row.numel(), dtype=torch.uint8, device=row.device)
             ledger.record("bytegrad_inter_all_gather", intra=leader_peers_intra * row.numel(),
                           inter=leader_peers_inter * row.numel())

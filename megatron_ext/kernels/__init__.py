@@ -23,6 +23,7 @@ from .layout import SwizzleLayout, codes_dtype, num_groups, swizzle_layout, swiz
 
 __all__ = [
     "quantize_symmetric", "dequantize_symmetric", "quantize_minmax_uint8", "dequantize_minmax_uint8",
+    "dequantize_minmax_reduce",
     "dequantize_rows", "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce",
     "SwizzleLayout", "swizzle_layout", "swizzle_permutation", "num_groups", "codes_dtype",
     "use_backend", "select_backend", "triton_available", "BACKENDS",
@@ -51,6 +52,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
     ``out=(codes [R, bytes/R], scales [R, groups/R])``: the same bytes written into ``R`` rows instead (equal parts
     of whole groups; each row contiguous, rows at any stride), and ``out`` returned. This is how a backend writes the
     ``[codes | scales]`` rows it sends (:mod:`megatron_ext.comm.wire`): in place on CUDA, by a copy elsewhere.
+    An ``out`` whose memory meets the input's is refused (every backend; so is ``dequantize_rows``'s).
     """
     return _impl(x.device.type).quantize_symmetric(x, bits=bits, group_size=group_size, out=out)
 
@@ -90,6 +92,19 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_minmax_uint8`: ``(q + lb) / scale`` in fp32, cast to ``dtype``."""
     return _impl(q.device.type).dequantize_minmax_uint8(q, mins, maxs, chunk_size, numel, dtype)
+
+
+def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ByteGrad's decode-and-average in one pass: the ``k`` min-max rows decoded as :func:`dequantize_minmax_uint8`
+    does, summed in fp32 in row order (``(d_0 + d_1) + d_2 ...``), times ``fl32(factor)``, cast to ``dtype``.
+
+    ``q`` is ``[k, >= numel]`` uint8, ``mins``/``maxs`` ``[k, >= ceil(numel / chunk_size)]`` fp32; each row
+    contiguous, the rows at any stride (the rows of a received ``[q | pad | mins | maxs]`` buffer, read in place).
+    Returns ``numel`` elements: one kernel on CUDA instead of ``2k + 2``, one pass over memory on CPU.
+    """
+    return _impl(q.device.type).dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor,
+                                                          dtype=dtype)
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,

@@ -298,7 +298,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
         return _ref.quantize_symmetric(x, bits=bits, group_size=group_size, out=out)
     groups = num_groups(numel, group_size)
     if out is not None:
-        _ref.check_out_rows(out, bits, groups * group_size * bits // 8, groups, x.device)
+        _ref.check_out_rows(out, bits, groups * group_size * bits // 8, groups, (x,))
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
     _quantize_into(x.view(-1), numel, bits, group_size, codes, scales)
@@ -342,7 +342,7 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     if not (_wanted(x.numel()) or _native(x)):
         return _ref.swizzle_quantize(x, bits, group_size, nodes, ranks_per_node, pipeline_stages, out)
     if out is not None:
-        _ref.check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, x.device)
+        _ref.check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, (x,))
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
@@ -365,7 +365,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
     if out is not None:
-        _ref.check_out_rows(out, bits, chunks.shape[1], groups, chunks.device)
+        _ref.check_out_rows(out, bits, chunks.shape[1], groups, (chunks, scales))
     # hand-written (native.py says why); at every size unless MX_KERNELS_COMPILE=0: it compiles once per machine,
     # not per shape, and runs 10x faster than eager on qgZ's 100k-element stage chunks
     if (bits == 4 and k <= native.MAX_K and chunks.device.type == scales.device.type == "cpu"
@@ -484,3 +484,20 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
             _minmax_dequantize_core(flat[rows * piece:numel].view(1, -1), rs[rows:], rl[rows:],
                                     out[rows * piece:].view(1, -1))
     return out
+
+
+def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One native pass where the C serves; elsewhere the reference's composition over this module's per-row
+    decode (same bits: the sum, the factor and the cast are the same eager ops)."""
+    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    if _native(q, mins, maxs):
+        nchunks = cdiv(numel, chunk_size)
+        scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [k, chunks], contiguous
+        out = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor)
+        return out if dtype == torch.float32 else out.to(dtype)
+    acc = dequantize_minmax_uint8(q[0], mins[0], maxs[0], chunk_size, numel)
+    for a in range(1, k):
+        acc.add_(dequantize_minmax_uint8(q[a], mins[a], maxs[a], chunk_size, numel))
+    acc.mul_(factor)
+    return acc if dtype == torch.float32 else acc.to(dtype)

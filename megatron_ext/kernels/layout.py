@@ -98,6 +98,26 @@ def check_minmax_codes(q: torch.Tensor, name: str = "q") -> None:
     check_contiguous(q, name)
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of memory ``t`` can touch (its strides' bounding span; empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_disjoint(outs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], name: str = "out") -> None:
+    """Refuse outputs whose memory span meets an input's: the kernels write one group's result while other programs
+    (or later blocks) still read the input, so an aliased ``out`` would silently corrupt both."""
+    for o in outs:
+        a0, a1 = _byte_span(o)
+        for t in inputs:
+            b0, b1 = _byte_span(t)
+            if a0 < b1 and b0 < a1 and o.device == t.device:
+                raise ValueError(f"{name} overlaps the op's input (bytes [{a0:#x}, {a1:#x}) and [{b0:#x}, {b1:#x})): "
+                                 "the result cannot be written over what the op reads; pass separate memory")
+
+
 # Triton kernels index with int32 (program ids, aranges and the offsets built from them): an offset >= 2^31 would
 # wrap around silently and read or write the wrong memory. Every Triton launcher checks its extent first.
 INT32_OFFSET_LIMIT = 1 << 31

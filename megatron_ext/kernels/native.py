@@ -4,8 +4,9 @@
   its instruction mix; on AVX-512 the C decodes a nibble with one vector permute over the group's 16 possible
   values, on AVX2 by arithmetic (shifts, a conversion and the table's multiply).
 * The fp32 codecs (``csrc/codec.c``: symmetric quantize / dequantize, the k-chunk dequantize-reduce, min-max
-  dequantize): on AVX2 Inductor's integer loads go through ATen's slow partial-load path (the file says how); plain
-  loops vectorised by the C compiler run at memory speed, and a call costs microseconds instead of a graph's ~0.25 ms.
+  dequantize and ByteGrad's k-row decode-and-average): on AVX2 Inductor's integer loads go through ATen's slow
+  partial-load path (the file says how); plain loops vectorised by the C compiler run at memory speed, and a call
+  costs microseconds instead of a graph's ~0.25 ms.
 
 Built on first use with the system C compiler (``CC``, else ``cc``; the one Inductor needs anyway) for this CPU
 (``-march=native``), both sources into one library, cached in ``MX_KERNELS_CACHE`` (default
@@ -98,6 +99,7 @@ def library(variant: str = "native") -> ctypes.CDLL | None:
         "mx_quantize": ([ptr, i64, i64, i64, int_, ptr, ptr, int_], None),
         "mx_dequantize_reduce": ([ptr, i64, ptr, i64, int_, i64, i64, int_, ptr, int_], None),
         "mx_dequantize_minmax": ([ptr, ptr, ptr, i64, i64, ptr, int_], None),
+        "mx_dequantize_minmax_reduce": ([ptr, i64, ptr, ptr, i64, int_, i64, i64, ctypes.c_float, ptr, int_], None),
         "mx_isa": ([], int_),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -183,4 +185,17 @@ def dequantize_minmax(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, ch
     if numel:
         _lib(variant).mx_dequantize_minmax(q.data_ptr(), scale.data_ptr(), lb.data_ptr(), numel, chunk_size,
                                            out.data_ptr(), _threads(numel, threads))
+    return out
+
+
+def dequantize_minmax_reduce(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk_size: int, numel: int,
+                             factor: float, *, threads: int | None = None, variant: str = "native") -> torch.Tensor:
+    """ByteGrad's fp32 decode-and-average of ``k`` rows: ``q`` [k, >= numel] (rows contiguous at any row stride, as
+    ``reference.check_minmax_rows`` checks them), each row's chunk ``scale`` and ``lb`` the rows of contiguous
+    [k, chunks] fp32 tensors; the row-order sum times ``fl32(factor)``."""
+    out = torch.empty(numel, dtype=torch.float32)
+    if numel:
+        _lib(variant).mx_dequantize_minmax_reduce(q.data_ptr(), q.stride(0), scale.data_ptr(), lb.data_ptr(),
+                                                  scale.stride(0), q.shape[0], numel, chunk_size, factor,
+                                                  out.data_ptr(), _threads(numel, threads))
     return out

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_input, check_rows,
+from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_disjoint,
+                     check_input, check_rows,
                      check_minmax_codes, codes_dtype, num_groups, qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
@@ -110,7 +111,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
     numel = x.numel()
     groups = num_groups(numel, group_size)
     if out is not None:
-        check_out_rows(out, bits, groups * group_size * bits // 8, groups, x.device)
+        check_out_rows(out, bits, groups * group_size * bits // 8, groups, (x,))
     codes = torch.empty(groups * group_size * bits // 8, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(groups, dtype=torch.float32, device=x.device)
     _quantize_padded(x.view(-1), numel, bits, group_size, codes, scales)
@@ -181,6 +182,7 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
                          f"{tuple(scales.shape)} and {tuple(out.shape)}")
     if rows > 1 and out.stride(0) < n:
         raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < row length {n})")
+    check_disjoint((out,), (codes, scales))
     if groups * group_size * bits // 8 != codes.shape[1] or n > groups * group_size:
         raise ValueError(f"a row of {groups} groups of {group_size} {bits}-bit codes is "
                          f"{groups * group_size * bits // 8} bytes and decodes to at most {groups * group_size} "
@@ -189,12 +191,14 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
 
 
 def check_out_rows(out: tuple[torch.Tensor, torch.Tensor], bits: int, code_bytes: int, groups: int,
-                   device: torch.device) -> tuple[int, int]:
+                   inputs: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     """Validate a quantizing op's ``out=(codes [R, code_bytes/R], scales [R, groups/R] fp32)`` (every backend):
     the result split into R equal parts of whole groups, one per row, each row contiguous, rows at any stride (the
-    ``[codes | scales]`` rows a backend sends, written in place). Returns ``(R, groups per row)``."""
+    ``[codes | scales]`` rows a backend sends, written in place), on the device of the op's ``inputs`` and clear of
+    their memory. Returns ``(R, groups per row)``."""
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise TypeError("out must be a (codes, scales) pair of tensors")
+    device = inputs[0].device
     oc, os_ = out
     check_codes(oc, bits, "out codes", rows=True)
     check_rows(os_, "out scales")
@@ -209,6 +213,7 @@ def check_out_rows(out: tuple[torch.Tensor, torch.Tensor], bits: int, code_bytes
     for t, name in ((oc, "codes"), (os_, "scales")):
         if rows > 1 and t.stride(0) < t.shape[1]:
             raise ValueError(f"out {name}' rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+    check_disjoint(out, inputs)
     return rows, os_.shape[1]
 
 
@@ -269,7 +274,7 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
     if out is not None:
-        check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, x.device)
+        check_out_rows(out, bits, lay.total_code_bytes, lay.total_groups, (x,))
     codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
     scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
     flat = x.view(-1)
@@ -335,7 +340,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     k, groups = check_chunks(chunks, scales, bits, group_size)
     if out is not None:
-        check_out_rows(out, bits, chunks.shape[1], groups, chunks.device)
+        check_out_rows(out, bits, chunks.shape[1], groups, (chunks, scales))
     codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
     out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
     per_block = max(1, _BLOCK // group_size)
@@ -467,12 +472,64 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     flat = q.view(-1)
     out = torch.empty(numel, dtype=dtype, device=q.device)
     for start, stop, rows, c in _row_blocks(numel, chunk_size):
-        shape = (rows, chunk_size) if rows else (1, stop - start)
-        k = max(rows, 1)
-        dst = out[start:stop].view(shape)
-        y = dst if dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=q.device)
-        y.copy_(flat[start:stop].view(shape))  # (q + lb) / scale in fp32
-        y.add_(lb[c:c + k, None]).div_(scale[c:c + k, None])
+        dst = out[start:stop].view(_block_shape(start, stop, rows, chunk_size))
+        y = dst if dtype == torch.float32 else torch.empty_like(dst, dtype=torch.float32)
+        _decode_minmax_block(flat[start:stop], scale, lb, c, y)
         if y is not dst:
             dst.copy_(y)
+    return out
+
+
+def _block_shape(start: int, stop: int, rows: int, chunk_size: int) -> tuple[int, int]:
+    """The shape a :func:`_row_blocks` block is worked on in: its whole chunks as rows, or one row."""
+    return (rows, chunk_size) if rows else (1, stop - start)
+
+
+def _decode_minmax_block(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk0: int, y: torch.Tensor) -> None:
+    """``y`` (fp32, the block's shape) = ``(q + lb) / scale`` of a block's codes, its rows from chunk ``chunk0``."""
+    k = y.shape[0]
+    y.copy_(q.view(y.shape))
+    y.add_(lb[chunk0:chunk0 + k, None]).div_(scale[chunk0:chunk0 + k, None])
+
+
+def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int) -> int:
+    """Validate ``dequantize_minmax_reduce``'s ``k`` rows (every backend; each row contiguous, the rows at any
+    stride: the rows of a received byte buffer, read where they lie). Returns ``k``."""
+    if q.dtype != torch.uint8:
+        raise TypeError(f"q (min-max codes) must be torch.uint8, got {q.dtype}")
+    check_rows(q, "q")
+    for t, name in ((mins, "mins"), (maxs, "maxs")):
+        check_rows(t, name)
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    k = q.shape[0]
+    if k < 1 or mins.shape[0] != k or maxs.shape[0] != k:
+        raise ValueError(f"q, mins and maxs must hold the same k >= 1 rows; got {tuple(q.shape)}, "
+                         f"{tuple(mins.shape)} and {tuple(maxs.shape)}")
+    if numel < 0 or q.shape[1] < numel or min(mins.shape[1], maxs.shape[1]) < cdiv(numel, chunk_size):
+        raise ValueError(f"{numel} elements need {cdiv(max(numel, 0), chunk_size)} chunks of {chunk_size} per row: "
+                         f"got rows of {q.shape[1]} codes, {mins.shape[1]} mins and {maxs.shape[1]} maxs")
+    return k
+
+
+def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    k = check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    nchunks = cdiv(numel, chunk_size)
+    params = [minmax_params(mins[a, :nchunks], maxs[a, :nchunks]) for a in range(k)]
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    d = None
+    for start, stop, rows, c in _row_blocks(numel, chunk_size):   # a block of every row, summed in cache
+        dst = out[start:stop].view(_block_shape(start, stop, rows, chunk_size))
+        acc = dst if dtype == torch.float32 else torch.empty_like(dst, dtype=torch.float32)
+        _decode_minmax_block(q[0, start:stop], *params[0], c, acc)   # row 0 starts the sum
+        for a in range(1, k):
+            d = torch.empty_like(acc) if d is None or d.shape != acc.shape else d
+            _decode_minmax_block(q[a, start:stop], *params[a], c, d)
+            acc.add_(d)
+        acc.mul_(factor)   # fp32: the block times fl32(factor)
+        if acc is not dst:
+            dst.copy_(acc)
     return out

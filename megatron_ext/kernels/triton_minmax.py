@@ -85,3 +85,24 @@ def minmax_dequantize_kernel(q_ptr, out_ptr, mins_ptr, maxs_ptr, numel, chunk_si
     q = tl.load(q_ptr + c * chunk_size + offs, mask=ok, other=0).to(tl.float32)
     y = tl.math.div_rn(q + lb, tl.full((BLOCK,), 1.0, tl.float32) * scale)
     tl.store(out_ptr + c * chunk_size + offs, to_out_dtype(y, out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def minmax_dequantize_reduce_kernel(q_ptr, q_stride, mins_ptr, mins_stride, maxs_ptr, maxs_stride, out_ptr, numel,
+                                    chunk_size, nblk, k, factor, BLOCK: tl.constexpr):
+    """ByteGrad's decode-and-average: the ``k`` rows' decoded values summed in row order, times ``factor``."""
+    pid = tl.program_id(0)  # 1-D grid of chunks x blocks, as the dequantize kernel
+    c = pid // nblk
+    blk = pid % nblk
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
+    ones = tl.full((BLOCK,), 1.0, tl.float32)
+    scale, lb = _params(tl.load(mins_ptr + c), tl.load(maxs_ptr + c))
+    q = tl.load(q_ptr + c * chunk_size + offs, mask=ok, other=0).to(tl.float32)
+    acc = tl.math.div_rn(q + lb, ones * scale)  # row 0 starts the sum (no 0 + d: d may be -0.0 for a bad row)
+    for a in range(1, k):
+        scale, lb = _params(tl.load(mins_ptr + a * mins_stride + c), tl.load(maxs_ptr + a * maxs_stride + c))
+        q = tl.load(q_ptr + a * q_stride + c * chunk_size + offs, mask=ok, other=0).to(tl.float32)
+        acc = acc + tl.math.div_rn(q + lb, ones * scale)
+    acc = acc * factor
+    tl.store(out_ptr + c * chunk_size + offs, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=ok)

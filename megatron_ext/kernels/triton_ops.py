@@ -25,6 +25,7 @@ _partial_minmax = FastLauncher(_mm.partial_minmax_kernel)
 _finish_minmax = FastLauncher(_mm.finish_minmax_kernel)
 _minmax_quantize = FastLauncher(_mm.minmax_quantize_kernel)
 _minmax_dequantize = FastLauncher(_mm.minmax_dequantize_kernel)
+_minmax_dequantize_reduce = FastLauncher(_mm.minmax_dequantize_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,12 +45,12 @@ def _tiled_extent(groups: int, bits: int, group_size: int) -> int:
 
 
 def _row_layout(out: tuple[torch.Tensor, torch.Tensor] | None, bits: int, code_bytes: int, groups: int,
-                device: torch.device) -> tuple[int, int, int]:
+                inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, int]:
     """(groups per row, code row stride, scale row stride) of a quantizing op's output: ``out``'s rows (checked), or
     one contiguous row."""
     if out is None:
         return max(groups, 1), code_bytes, groups
-    _, gpr = _ref.check_out_rows(out, bits, code_bytes, groups, device)
+    _, gpr = _ref.check_out_rows(out, bits, code_bytes, groups, inputs)
     return gpr, out[0].stride(0), out[1].stride(0)
 
 
@@ -92,7 +93,7 @@ def quantize_symmetric(x: torch.Tensor, *, bits: int, group_size: int,
     numel = x.numel()
     groups = num_groups(numel, group_size)
     nbytes = groups * group_size * bits // 8
-    rows = _row_layout(out, bits, nbytes, groups, x.device)
+    rows = _row_layout(out, bits, nbytes, groups, (x,))
     if out is None:
         codes = torch.empty(nbytes, dtype=codes_dtype(bits), device=x.device)
         scales = torch.empty(groups, dtype=torch.float32, device=x.device)
@@ -110,7 +111,7 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
     check_input(x)
     lay = swizzle_layout(x.numel(), bits, group_size, nodes, ranks_per_node, pipeline_stages)
     total = lay.total_groups
-    rows = _row_layout(out, bits, lay.total_code_bytes, total, x.device)
+    rows = _row_layout(out, bits, lay.total_code_bytes, total, (x,))
     if out is None:
         codes = torch.empty(lay.codes_shape, dtype=codes_dtype(bits), device=x.device)
         scales = torch.empty(lay.scales_shape, dtype=torch.float32, device=x.device)
@@ -172,7 +173,7 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
                                out: tuple[torch.Tensor, torch.Tensor] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     _, groups = _ref.check_chunks(chunks, scales, bits, group_size)
-    out_rows = _row_layout(out, bits, chunks.shape[1], groups, chunks.device)
+    out_rows = _row_layout(out, bits, chunks.shape[1], groups, (chunks, scales))
     if out is None:
         codes = torch.empty(chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
         out_scales = torch.empty(groups, dtype=torch.float32, device=chunks.device)
@@ -231,4 +232,19 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     if nchunks:
         _minmax_dequantize((nchunks * nblk,), q, out, mins.float().contiguous(), maxs.float().contiguous(), numel,
                            chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    return out
+
+
+def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    nchunks, nblk = _minmax_grid(numel, chunk_size)
+    last = k - 1
+    check_int32_offsets(max(last * q.stride(0) + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
+                            last * mins.stride(0) + nchunks, last * maxs.stride(0) + nchunks),
+                        "min-max decode-and-average")
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    if nchunks:
+        _minmax_dequantize_reduce((nchunks * nblk,), q, q.stride(0), mins, mins.stride(0), maxs, maxs.stride(0), out,
+                                  numel, chunk_size, nblk, k, float(factor), BLOCK=_MINMAX_BLOCK, **_OPTS)
     return out

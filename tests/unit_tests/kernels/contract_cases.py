@@ -261,3 +261,68 @@ def run_minmax_overflow(impl) -> None:
     y = impl.dequantize_minmax_uint8(q, mins, maxs, 4, 16)
     assert y[:8].tolist() == [float("inf")] * 4 + [float("-inf")] * 4
     assert torch.allclose(y[8:], x[8:], rtol=1e-6)
+
+
+def run_minmax_reduce(impl) -> None:
+    """ByteGrad's decode-and-average reads the ``[q | pad | mins | maxs]`` rows of a received buffer in place and
+    gives the bits of its definition: each row decoded alone, summed in row order, times fl32(factor), cast. Rows
+    longer than ``numel``, a partial last chunk, an overflowing (inf) chunk, one row; bad arguments are clear errors."""
+    g = torch.Generator().manual_seed(11)
+    for k, length, numel, chunk in ((3, 83, 80, 7), (2, 40, 40, 16), (1, 9, 5, 4), (2, 12, 0, 4)):
+        nc = -(-length // chunk)
+        rows = []
+        for a in range(k):
+            x = torch.randn(length, generator=g) * (a + 1) + a
+            if a == 1:
+                x[:chunk] = 2e29   # a constant chunk whose max * scale overflows: it decodes to inf
+            rows.append(impl.quantize_minmax_uint8(x, chunk))
+        off = -(-length // 4) * 4
+        buf = torch.full((k, 4 + off + 8 * nc), 0xA5, dtype=torch.uint8)
+        for a, (q, mins, maxs) in enumerate(rows):
+            buf[a, 4:4 + length] = q
+            buf[a, 4 + off:] = torch.cat([mins, maxs]).view(torch.uint8)
+        q, mm = buf[:, 4:4 + length], buf[:, 4 + off:].view(torch.float32)
+        assert not q.is_contiguous() or k == 1
+        for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (0.125, torch.bfloat16)):
+            want = impl.dequantize_minmax_uint8(*rows[0], chunk, numel)
+            for a in range(1, k):
+                want = want + impl.dequantize_minmax_uint8(*rows[a], chunk, numel)
+            want = (want * factor).to(dtype)
+            _same(impl.dequantize_minmax_reduce(q, mm[:, :nc], mm[:, nc:], chunk, numel, factor=factor, dtype=dtype),
+                  want)
+    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
+    q2, mins2, maxs2 = torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs])
+    with pytest.raises(ValueError, match=r"same k >= 1 rows"):
+        impl.dequantize_minmax_reduce(q2, mins2[:1], maxs2, 16, 64)
+    with pytest.raises(ValueError, match=r"65 elements need 5 chunks of 16 per row: got rows of 64 codes"):
+        impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 65)
+    with pytest.raises(ValueError, match=r"64 elements need 4 chunks of 16 per row: got rows of 64 codes, 4 mins "
+                                         r"and 3 maxs"):
+        impl.dequantize_minmax_reduce(q2, mins2, maxs2[:, :3], 16, 64)
+    with pytest.raises(ValueError, match=r"chunk_size must be positive"):
+        impl.dequantize_minmax_reduce(q2, mins2, maxs2, 0, 64)
+    with pytest.raises(TypeError, match=r"mins must be float32"):
+        impl.dequantize_minmax_reduce(q2, mins2.double(), maxs2, 16, 64)
+    with pytest.raises(ValueError, match=r"q must be 2-D with contiguous rows"):
+        impl.dequantize_minmax_reduce(q2.t().contiguous().t(), mins2, maxs2, 16, 64)
+
+
+def run_out_aliasing_rejected(impl) -> None:
+    """An ``out`` laid over the op's own input is refused before any write (the kernels would overwrite what other
+    programs still read): plain quantization, qgZ's swizzle and requantization, qwZ's row decode."""
+    x = torch.randn(64)
+    over_x = (x.view(torch.int8)[:64].view(1, 64), x[40:48].view(1, 8))   # codes and scales in x's own bytes
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.quantize_symmetric(x, bits=8, group_size=8, out=over_x)
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.swizzle_quantize(x, 8, 8, 2, 2, 1, out=over_x)
+    codes, scales = impl.quantize_symmetric(x, bits=8, group_size=8)
+    chunks, sc = codes.view(2, 32), scales.view(2, 4)
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):   # the result over the second chunk
+        impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(chunks[1:], torch.empty(1, 4)))
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), sc[:1]))
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.dequantize_rows(chunks, sc, bits=8, group_size=8, out=sc.view(-1)[:4].view(2, 2))
+    # the same shapes in separate memory run
+    impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), torch.empty(1, 4)))

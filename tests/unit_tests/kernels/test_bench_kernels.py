@@ -21,9 +21,9 @@ def bench():
 def test_default_sweep_is_1M_to_256M_and_fits_a_24GiB_machine(bench):
     sizes = [bench.parse_size(s) for s in bench.DEFAULT_SIZES.split(",")]
     assert sizes[0] == 1 << 20 and sizes[-1] == 256 << 20
-    # 256M fp32 with the default geometry: 4 GiB of input, 16.5 bytes per element + 256 MiB in all
+    # 256M fp32 with the default geometry: 4 GiB of input, 17.5 bytes per element + 256 MiB in all
     need = bench.estimate_peak_bytes(256 << 20, torch.float32, 2048, 2, 4)
-    assert need == int(16.5 * (256 << 20)) + (256 << 20)
+    assert need == int(17.5 * (256 << 20)) + (256 << 20)
     run, skipped = bench.sizes_that_fit(sizes, torch.float32, 22 * GIB, 2048, 2, 4)  # 24 GiB, ~22 available
     assert run == sizes and skipped == []
     run, skipped = bench.sizes_that_fit(sizes, torch.float32, 2 * GIB, 2048, 2, 4)  # a small machine skips, loudly
@@ -35,7 +35,7 @@ def test_reduce_ops_take_sizes_below_k_groups(bench):
     """numel < k * group used to fail in x[:per * k].view(k, -1): the chunks are now the zero-padded input."""
     assert bench.chunk_numel(1000, 4, 2048) == 2048 and bench.chunk_numel(8 << 20, 4, 2048) == 2 << 20
     ops = bench.build_ops(1000, torch.float32, "cpu", group=2048, nodes=2, rpn=4, stages=2, chunk=512)
-    assert len(ops) == 9
+    assert len(ops) == 10
     for name, fn, nbytes in ops:
         assert nbytes > 0, name
         fn()
@@ -66,7 +66,7 @@ def test_smoke_run_writes_table_and_json(bench, tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert data["meta"]["goals"] == {"cpu/torch": 0.3, "cpu/compiled": 0.5, "cuda/triton": 0.8}
     assert data["skipped"] == []
-    assert [r["backend"] for r in data["rows"]] == ["torch", "compiled"] * 9
+    assert [r["backend"] for r in data["rows"]] == ["torch", "compiled"] * 10
     for r in data["rows"]:
         assert r["numel"] == 4096 and r["gbps"] > 0 and r["copy_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["copy_gbps"])
@@ -111,5 +111,5 @@ def test_triton_rows_check_their_output_against_torch(tmp_path):
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 9 and all(r["backend"] == "triton" and r["matches_torch"] is True for r in rows), rows
-    assert proc.stdout.count("| yes |") == 9 and "NO |" not in proc.stdout
+    assert len(rows) == 10 and all(r["backend"] == "triton" and r["matches_torch"] is True for r in rows), rows
+    assert proc.stdout.count("| yes |") == 10 and "NO |" not in proc.stdout

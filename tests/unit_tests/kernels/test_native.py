@@ -4,7 +4,7 @@ which also serves every group's last bytes).
 
 INT4 dequantize-reduce-requantize: any k (unrolled up to 8, a loop above), any even group size, split over threads at
 any group. The fp32 codecs: any size (partial last groups, whole padding groups, empty inputs), both bit widths, any
-group size (odd ones too), any k, any thread count; and the compiled path's entry points route fp32 to them.
+group size (odd ones too), any k, any thread count (ByteGrad's k-row decode-and-average too); and the compiled path's entry points route fp32 to them.
 """
 import logging
 import platform
@@ -198,6 +198,23 @@ def test_codec_minmax_dequantize(variant, chunk, numel, offset, threads, seed):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
+@given(k=st.integers(1, 4), chunk=st.sampled_from([1, 7, 48, 2048, 3000]), numel=st.integers(0, 9000),
+       cut=st.integers(0, 40), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_codec_minmax_reduce(variant, k, chunk, numel, cut, threads, seed):
+    """ByteGrad's decode-and-average over k rows of a strided buffer: threads split mid-chunk and mid-block (blocks
+    of 2048 inside chunks of 3000), rows longer than numel."""
+    rows = [ref.quantize_minmax_uint8(_data(numel + cut, seed + a) * (a + 1), chunk) for a in range(k)]
+    q = torch.stack([torch.cat([r[0], torch.zeros(5, dtype=torch.uint8)]) for r in rows])[:, :numel + cut]
+    mins, maxs = torch.stack([r[1] for r in rows]), torch.stack([r[2] for r in rows])
+    nchunks = -(-numel // chunk)
+    scale, lb = compiled._minmax_params(mins[:, :nchunks], maxs[:, :nchunks])
+    factor = 1.0 / (k * 3)
+    _same((native.dequantize_minmax_reduce(q, scale, lb, chunk, numel, factor, threads=threads, variant=variant),),
+          (ref.dequantize_minmax_reduce(q, mins, maxs, chunk, numel, factor=factor),))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_codec_ties_and_subnormal_scales(variant):
     """Half-to-even ties (contract_cases' hand-written codes) and subnormal scales, where the clamp bites."""
     for bits, xs, group, want_codes, want_scales in (
@@ -285,3 +302,5 @@ def test_codec_contract_cases(monkeypatch):
         contract_cases.run_out_rows(compiled)
         contract_cases.run_bad_arguments_rejected(compiled)
         contract_cases.run_minmax_overflow(compiled)
+        contract_cases.run_minmax_reduce(compiled)
+        contract_cases.run_out_aliasing_rejected(compiled)

@@ -346,6 +346,8 @@ def test_round_half_to_even_ties():
 
 def test_minmax_overflowing_constant_chunk():
     contract_cases.run_minmax_overflow(reference)
+    contract_cases.run_minmax_reduce(reference)
+    contract_cases.run_out_aliasing_rejected(reference)
 
 
 def test_int32_offset_guard():

@@ -204,6 +204,9 @@ def test_round_half_to_even_ties(tri):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, interpreting max*scale -> inf and inf - inf
 def test_minmax_overflowing_constant_chunk(tri):
     contract_cases.run_minmax_overflow(tri)
+    contract_cases.run_minmax_reduce(tri)
+    if DEVICE != "cuda":   # the device copies of an input and of an out over it would no longer share memory
+        contract_cases.run_out_aliasing_rejected(tri)
 
 
 def test_production_group_size_2048(tri):
@@ -238,6 +241,7 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
              lambda: tri.dequantize_reduce(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64),
              lambda: tri.quantize_minmax_uint8(x, 1024),
              lambda: tri.dequantize_minmax_uint8(q, mins, maxs, 1024, 4096),
+             lambda: tri.dequantize_minmax_reduce(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024, 2048),
              lambda: tri.dequantize_rows(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64,
                                          out=torch.empty(2, 2048))]
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 4000)
