@@ -186,7 +186,9 @@ class ByteGradGradReduce(GradReduce):
         def average(dtype: torch.dtype) -> torch.Tensor:
             """Leader: this node's block of the bucket, summed over all P ranks and averaged, as ``dtype``: the
             ``nodes`` received rows decoded where they lie, summed in fp32 in node order and multiplied by 1/P (the
-            one and only averaging) in one kernel."""
+            one and only averaging) in one kernel. The sum starts at node 0's version, which equals starting at
+            zeros bit for bit (0 + d == d): d = (q + lb) / scale is never -0.0, since q + lb is a whole number (+0.0
+            when zero) and a non-zero one is at least 1 against scale <= 2.55e9."""
             from megatron_ext.kernels import dequantize_minmax_reduce
 
             chunks = -(-L // c)

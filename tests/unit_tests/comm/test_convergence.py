@@ -1,4 +1,4 @@
-"""Convergence of the quantized backends: a small megatron-core GPT trained for 200 steps on real text with
+"""Convergence of the quantized backends: a small megatron-core GPT trained for 150 steps on real text with
 pretrain_gpt, DP=4 on 2 simulated nodes, reaches a final loss within 2% of the plain backend's with qwZ, qgZ (INT4
 and INT8), ByteGrad and their combinations (the issue's criterion; seed 000 Table 5: +2.1% with all of ZeRO++ on).
 
@@ -14,10 +14,12 @@ Quantization groups of 128 elements (``--quant-group-size``), about one row of t
 DeepSpeed's qgZ likewise uses one group per row (``max(shape)`` groups per tensor). With the default 2048 a group
 spans 32 rows, small rows share a scale with the largest, and INT4 gradients cost this tiny GPT +2.3%.
 
-Measured (final loss vs plain, seed 1234 / seed 4321): qwZ -0.00 / +0.03%, qgZ INT4 +0.36 / +0.50%, qgZ INT8
-+0.00 / -0.00%, ByteGrad +0.21 / +0.22%, qwZ+qgZ INT4 +0.45 / +0.46%, qwZ+qgZ INT8 +0.03 / +0.02%, qwZ+ByteGrad
-+0.18 / +0.17%: the 2% criterion has a margin of 4x. The whole module (6 runs of 200 steps in one gloo world of 4
-ranks; ``TESTED`` says which) takes about 2.3 minutes of wall time on 2 cores.
+Measured at 150 steps (final loss vs plain, seed 1234 / seed 4321): qwZ -0.02 / +0.03%, qgZ INT4 +0.59 / +0.35%,
+qgZ INT8 +0.00 / -0.01%, ByteGrad -0.06 / -0.30%, qwZ+qgZ INT4 +0.59 / +0.34%, qwZ+qgZ INT8 +0.02 / +0.04%,
+qwZ+ByteGrad -0.05 / -0.28%: the 2% criterion has a margin of 3.4x; plain's final loss, 5.13 / 5.12 from 6.24,
+clears the learning check (1.0 below the first) by 0.1. At 200 steps (the suite's budget cut them) the same runs
+gave +0.36 / +0.50% for qgZ INT4 and at most +0.46% for any combination. The whole module (6 runs in one gloo
+world of 4 ranks; ``TESTED`` says which) takes about 1.8 minutes of wall time on 2 cores.
 """
 from __future__ import annotations
 
@@ -31,11 +33,10 @@ from megatron_ext.comm.combos import COMBOS
 from unit_tests.dist_harness import run_distributed
 from unit_tests.training.conftest import text_dataset  # noqa: F401 - the real-text dataset fixture, reused
 
-STEPS, FINAL_WINDOW, TOLERANCE = 200, 20, 0.02
-# Every backend alone and the headline pairing, for the suite's 10-minute budget (a run is about 23 s). Left out:
-# qwZ + qgZ INT8 and qwZ + ByteGrad, whose halves all run here alone (qwZ -0.00 / +0.03%, qgZ INT8 +0.00 / -0.00%,
-# ByteGrad +0.21 / +0.22%) and whose pairing runs at INT4; tools/bench_convergence.py runs all eight (qwZ + qgZ
-# INT8 +0.03 / +0.02%, qwZ + ByteGrad +0.18 / +0.17%, in the module note).
+STEPS, FINAL_WINDOW, TOLERANCE = 150, 20, 0.02
+# Every backend alone and the headline pairing, for the suite's 10-minute budget (a run is about 17 s). Left out:
+# qwZ + qgZ INT8 and qwZ + ByteGrad, whose halves all run here alone and whose pairing runs at INT4;
+# tools/bench_convergence.py runs all eight (both pairings measured at 150 steps in the module note).
 TESTED = [label for label in COMBOS if label not in ("qwZ+qgZ INT8", "qwZ+ByteGrad")]
 QUANT_GROUP = 128
 

@@ -1,7 +1,8 @@
 """The progress engine (megatron_ext/comm/progress.py): the FIFO rule in one process with fake works (order under
 random delays, errors surfacing at wait, the CUDA stream seam), and the ODO at DP=4 on 2 simulated nodes: 50 steps
-with random delays injected into the engine thread give bit-identical weights to the undelayed engine and to the
-synchronous path, for every hierarchical backend and a plan with replicas (chained works), and never hang."""
+with random delays injected into the engine thread give bit-identical weights to the synchronous path (no engine,
+no delays), for every hierarchical backend and a plan with replicas (chained works), and never hang; the engine
+without delays is the inline engine's cases here and the backends' own tests with the engine on."""
 from __future__ import annotations
 
 import random
@@ -455,15 +456,15 @@ def _train(gr: str, pg: str, plan: str, stages, engine: bool, delays: bool, step
 
 
 def _all_variants(cases=CASES, steps: int = STEPS, rpn: int = RPN, inline: bool = True):
-    """Per case: the synchronous path, the engine, the engine under random delays and (``inline``) CUDA's inline
-    engine, here on gloo."""
+    """Per case: the synchronous path, the engine under random delays and (``inline``) CUDA's inline engine, here on
+    gloo. (The engine without delays ran here too until the suite's time budget: one timing among those the delays
+    produce, and run undelayed by the backends' tests with the engine on.)"""
     W.capture_logs()
     out = {}
     for gr, pg, plan, stages in cases:
         key = f"{gr}+{pg}/{plan}/stages={stages}"
-        # auto stages differ with and without the engine: compare the delayed engine with the undelayed one
+        # auto stages: one stage with the engine and this many buckets (asserted in _train), so sync runs one
         out[key] = {"sync": _train(gr, pg, plan, 1 if stages is None else stages, False, False, steps, rpn),
-                    "engine": _train(gr, pg, plan, stages, True, False, steps, rpn),
                     "delayed": _train(gr, pg, plan, stages, True, True, steps, rpn)}
         if inline and (gr, pg, plan, stages) in INLINE_CASES:
             out[key]["inline"] = _train(gr, pg, plan, stages, True, False, steps, rpn, inline=True)
@@ -477,7 +478,7 @@ def test_random_engine_delays_give_the_same_weights_and_never_hang():
 
 
 def test_dp8_engine_and_delays_match_the_synchronous_path():
-    """2 nodes x 4 ranks: the engine (with and without random delays) gives the synchronous path's weights (the
+    """2 nodes x 4 ranks: the engine under random delays gives the synchronous path's weights (the
     inline engine runs these backends at DP 4 above; skipped here for the suite's time)."""
     cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2)]
     _check_same_weights(run_distributed(_all_variants, 8, cases, 10, 4, inline=False, timeout=600))
@@ -495,6 +496,6 @@ def _check_same_weights(res) -> None:
     for key in res[0]:
         ref = res[0][key]["sync"]
         for rank, out in enumerate(res):
-            assert set(out[key]) >= {"sync", "engine", "delayed"}
+            assert set(out[key]) >= {"sync", "delayed"}
             for variant, weights in out[key].items():
                 assert torch.equal(weights, ref), (key, rank, variant)
