@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .backend import BackendOptions, CompletedWork, GradReduce, StagedWork, Work, register_grad_reduce
 from .ledger import CommLedger
 from .topology import Topology
-from .wire import pack_rows, row_bytes, unpack_rows
+from .wire import empty_rows, row_bytes, unpack_rows
 
 
 def bytegrad_row_bytes(chunk_numel: int, minmax_chunk: int) -> int:
@@ -82,17 +82,23 @@ def _compress(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
-    """The rows ``[q | pad | mins | maxs]`` of the ``[rows, L]`` tensor ``x``, one per row. When ``c`` divides ``L``
-    no (min, max) chunk straddles two rows, so all rows are quantized by one call (3 kernel launches instead of 3
-    per row) and decode to the values row-by-row calls give: the codes, scales and offsets are the same; a
-    chunk's min of 0 may keep either sign, which no decoded value depends on. Otherwise row by row."""
+    """The rows ``[q | pad | mins | maxs]`` of the ``[rows, L]`` tensor ``x``, one per row, quantized straight into
+    the rows (in place on CUDA). When ``c`` divides ``L`` no (min, max) chunk straddles two rows, so all rows are
+    quantized by one call (3 kernel launches instead of 3 per row) and decode to the values row-by-row calls give:
+    the codes, scales and offsets are the same; a chunk's min of 0 may keep either sign, which no decoded value
+    depends on. Otherwise row by row."""
     from megatron_ext.kernels import quantize_minmax_uint8
 
     rows, L = x.shape
+    k = -(-L // c)
+    buf, q, minmax = empty_rows(rows, L, 2 * k, torch.uint8, x.device)
+    x = x.contiguous()
     if rows > 1 and (L % c or x.numel() > _ONE_CALL_NUMEL):
-        return torch.stack([_compress_rows(r.reshape(1, L), c)[0] for r in x])
-    q, mins, maxs = quantize_minmax_uint8(x.contiguous().view(-1), c)
-    return pack_rows(q, torch.stack([mins.view(rows, -1), maxs.view(rows, -1)], 1), rows)
+        for r in range(rows):
+            quantize_minmax_uint8(x[r], c, out=(q[r:r + 1], minmax[r:r + 1, :k], minmax[r:r + 1, k:]))
+    else:
+        quantize_minmax_uint8(x.view(-1), c, out=(q, minmax[:, :k], minmax[:, k:]))
+    return buf
 
 
 def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

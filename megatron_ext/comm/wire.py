@@ -1,5 +1,6 @@
 """The byte rows quantized backends put on the wire: ``[codes | zero pad to 4 bytes | fp32 scales]``, one row per
-destination (qgZ's all-to-alls) or per rank (qwZ's all-gather), so codes and scales travel in one collective."""
+destination (qgZ's and ByteGrad's all-to-alls; ByteGrad's "scales" are a chunk's mins then maxs) or per rank (qwZ's
+all-gather), so codes and scales travel in one collective."""
 from __future__ import annotations
 
 import torch
@@ -25,21 +26,6 @@ def empty_rows(rows: int, code_bytes: int, groups: int, codes_dtype: torch.dtype
         buf[:, code_bytes:cb_pad].zero_()
     codes, scales = unpack_rows(buf, rows, code_bytes, codes_dtype)
     return buf, codes, scales
-
-
-def pack_rows(codes: torch.Tensor, scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows, row]`` uint8: row ``i`` holds the ``i``-th equal part of ``codes`` and of ``scales`` (a copy; for
-    codes still to be computed, :func:`empty_rows` and the kernels' ``out=`` write the rows directly)."""
-    c = codes.reshape(rows, -1).view(torch.uint8)
-    s = scales.reshape(rows, -1).to(torch.float32).view(torch.uint8)
-    cb = c.shape[1]
-    cb_pad = round_up(cb, 4)
-    out = torch.empty(rows, cb_pad + s.shape[1], dtype=torch.uint8, device=codes.device)
-    out[:, :cb].copy_(c)
-    if cb_pad > cb:
-        out[:, cb:cb_pad].zero_()
-    out[:, cb_pad:].copy_(s)
-    return out
 
 
 def unpack_rows(buf: torch.Tensor, rows: int, code_bytes: int, codes_dtype: torch.dtype, groups: int = -1):

@@ -73,7 +73,9 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, gro
     return _impl(codes.device.type).dequantize_rows(codes, scales, bits=bits, group_size=group_size, out=out)
 
 
-def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int, *,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ByteGrad min-max UINT8 quantization, one (min, max) per ``chunk_size`` elements.
 
     Returns ``(q, mins, maxs)``: ``q`` uint8 with ``numel`` codes (no padding), ``mins``/``maxs`` fp32, one per chunk
@@ -84,8 +86,12 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     with ``|x| > FLT_MAX / 2.55e9 ~ 1.33e29`` (the 1e-7 makes ``scale = 2.55e9``) -- has ``lb = +-inf``; its codes are
     0 and it dequantizes to ``+-inf`` (the sign of ``max``): the overflow stays visible (an fp16 run's loss scaler
     skips the step; the gradient norm becomes inf) instead of turning into a silently wrong finite value.
+
+    ``out=(q [R, n], mins [R, n / chunk_size], maxs [R, n / chunk_size])``: the same values written into ``R`` rows of
+    whole chunks instead (each row contiguous, rows at any stride; one row may end in a partial chunk), and ``out``
+    returned: ByteGrad's ``[q | pad | mins | maxs]`` rows, in place on CUDA, by a copy elsewhere.
     """
-    return _impl(x.device.type).quantize_minmax_uint8(x, chunk_size)
+    return _impl(x.device.type).quantize_minmax_uint8(x, chunk_size, out=out)
 
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,

@@ -422,14 +422,18 @@ def _row_params(scale: torch.Tensor, lb: torch.Tensor, rows: int, per_chunk: int
     return tuple(t.repeat_interleave(per_chunk)[:rows] for t in (scale, lb))
 
 
-def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_input(x)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     numel = x.numel()
     piece = _piece(chunk_size)
     if not _wanted(numel) or piece is None:
-        return _ref.quantize_minmax_uint8(x, chunk_size)
+        return _ref.quantize_minmax_uint8(x, chunk_size, out)
+    if out is not None:
+        _ref.check_minmax_out_rows(out, x, chunk_size)
     flat = x.view(-1)
     rows, per_chunk = numel // piece, chunk_size // piece
     nchunks = cdiv(numel, chunk_size)
@@ -457,7 +461,7 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
     if numel > rows * piece:
         with torch.no_grad():
             _minmax_quantize_core(flat[rows * piece:].view(1, -1), rs[rows:], rl[rows:], q[rows * piece:].view(1, -1))
-    return q, mins, maxs
+    return _ref.into_minmax_rows(q, mins, maxs, out)
 
 
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,

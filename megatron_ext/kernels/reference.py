@@ -421,10 +421,56 @@ def _row_blocks(numel: int, chunk_size: int):
             yield s, min(c1, s + _BLOCK), 0, c
 
 
-def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def check_minmax_out_rows(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor, chunk_size: int
+                          ) -> tuple[int, int, int]:
+    """Validate ``quantize_minmax_uint8``'s ``out=(q [R, n], mins [R, chunks], maxs [R, chunks])`` (every backend):
+    the ``numel`` codes split into R rows of whole chunks (a single row may end in a partial chunk), each row
+    contiguous, rows at any stride (the ``[q | pad | mins | maxs]`` rows ByteGrad sends, written in place), on
+    ``x``'s device and clear of its memory. Returns ``(R, elements per row, chunks per row)``."""
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise TypeError("out must be a (q, mins, maxs) triple of tensors")
+    q, mins, maxs = out
+    if q.dtype != torch.uint8:
+        raise TypeError(f"out q (min-max codes) must be torch.uint8, got {q.dtype}")
+    for t, name in ((q, "q"), (mins, "mins"), (maxs, "maxs")):
+        check_rows(t, f"out {name}")
+        if name != "q" and t.dtype != torch.float32:
+            raise TypeError(f"out {name} must be float32, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"out must be on {x.device}, got {t.device}")
+    rows, n = q.shape
+    per = cdiv(n, chunk_size)
+    if (rows < 1 or rows * n != x.numel() or (rows > 1 and n % chunk_size)
+            or tuple(mins.shape) != (rows, per) or tuple(maxs.shape) != (rows, per)):
+        raise ValueError(f"out must split {x.numel()} codes into equal rows of whole {chunk_size}-element chunks (one "
+                         f"row may end in a partial chunk), with a min and a max per chunk; got q {tuple(q.shape)}, "
+                         f"mins {tuple(mins.shape)} and maxs {tuple(maxs.shape)}")
+    for t, name in ((q, "q"), (mins, "mins"), (maxs, "maxs")):
+        if rows > 1 and t.stride(0) < t.shape[1]:
+            raise ValueError(f"out {name}' rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+    check_disjoint(out, (x,))
+    return rows, n, per
+
+
+def into_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor,
+                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None):
+    """``(q, mins, maxs)``, or with ``out`` (checked by :func:`check_minmax_out_rows`) each copied into its rows and
+    ``out`` returned."""
+    if out is None:
+        return q, mins, maxs
+    for src, dst in zip((q, mins, maxs), out):
+        dst.copy_(src.view(dst.shape))
+    return out
+
+
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_input(x)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if out is not None:
+        check_minmax_out_rows(out, x, chunk_size)
     numel = x.numel()
     flat = x.view(-1)
     mins, maxs = _chunk_minmax(flat, numel, chunk_size)
@@ -450,7 +496,7 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tenso
         if not exact:  # nan (inf - inf: an overflowing chunk, see quantize_minmax_uint8's docstring) -> code 0
             y.nan_to_num_(nan=0.0).clamp_(0.0, 255.0)
         q[start:stop].view(shape).copy_(y)
-    return q, mins, maxs
+    return into_minmax_rows(q, mins, maxs, out)
 
 
 def check_minmax_dequantize_args(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,

@@ -38,8 +38,10 @@ def _params(mn, mx):
 
 
 @triton.jit
-def finish_minmax_kernel(pmin_ptr, pmax_ptr, mins_ptr, maxs_ptr, scale_ptr, lb_ptr, nblk, BLOCK: tl.constexpr):
-    """One program per chunk: reduce its ``nblk`` partial minima / maxima, store (min, max, scale, lb)."""
+def finish_minmax_kernel(pmin_ptr, pmax_ptr, mins_ptr, maxs_ptr, scale_ptr, lb_ptr, nblk, cpr, mins_stride,
+                         maxs_stride, BLOCK: tl.constexpr):
+    """One program per chunk: reduce its ``nblk`` partial minima / maxima, store (min, max, scale, lb); chunk ``c``'s
+    min and max go to row ``c // cpr`` of the output rows (``cpr`` chunks a row), at column ``c % cpr``."""
     c = tl.program_id(0)
     lo = tl.full((BLOCK,), float("inf"), tl.float32)
     hi = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -51,14 +53,16 @@ def finish_minmax_kernel(pmin_ptr, pmax_ptr, mins_ptr, maxs_ptr, scale_ptr, lb_p
     mn = tl.min(lo, axis=0)
     mx = tl.max(hi, axis=0)
     scale, lb = _params(mn, mx)
-    tl.store(mins_ptr + c, mn)
-    tl.store(maxs_ptr + c, mx)
+    tl.store(mins_ptr + (c // cpr) * mins_stride + c % cpr, mn)
+    tl.store(maxs_ptr + (c // cpr) * maxs_stride + c % cpr, mx)
     tl.store(scale_ptr + c, scale)
     tl.store(lb_ptr + c, lb)
 
 
 @triton.jit
-def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
+def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, nblk, cpr, q_stride,
+                           BLOCK: tl.constexpr):
+    """Chunk ``c``'s codes go to row ``c // cpr`` of the output rows (``cpr`` chunks a row, rows ``q_stride`` apart)."""
     pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
     c = pid // nblk
     blk = pid % nblk
@@ -71,7 +75,7 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, n
     y = tl.minimum(rint(v * scale), ub) - lb
     y = tl.where(y == y, y, 0.0)  # nan (inf - inf, an overflowing chunk) -> code 0, as the reference
     y = tl.minimum(tl.maximum(y, 0.0), 255.0)
-    tl.store(q_ptr + c * chunk_size + offs, y.to(tl.uint8), mask=ok)
+    tl.store(q_ptr + (c // cpr) * q_stride + (c % cpr) * chunk_size + offs, y.to(tl.uint8), mask=ok)
 
 
 @triton.jit

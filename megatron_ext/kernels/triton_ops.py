@@ -205,22 +205,35 @@ def _minmax_grid(numel: int, chunk_size: int) -> tuple[int, int]:
     return nchunks, nblk
 
 
-def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_input(x)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     numel = x.numel()
-    q = torch.empty(numel, dtype=torch.uint8, device=x.device)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
+    if out is None:
+        q = torch.empty(numel, dtype=torch.uint8, device=x.device)
+        mins, maxs, scale, lb = torch.empty(4, nchunks, dtype=torch.float32, device=x.device).unbind()
+        cpr, strides = max(nchunks, 1), (0, 0, 0)
+    else:
+        rows, n, cpr = _ref.check_minmax_out_rows(out, x, chunk_size)
+        q, mins, maxs = out
+        strides = (q.stride(0), mins.stride(0), maxs.stride(0))
+        last = rows - 1
+        check_int32_offsets(max(last * strides[0] + n + _MINMAX_BLOCK, last * strides[1] + cpr,
+                                last * strides[2] + cpr), "min-max quantization into rows")
+        scale, lb = torch.empty(2, nchunks, dtype=torch.float32, device=x.device).unbind()
     if nchunks == 0:
-        empty = torch.empty(0, dtype=torch.float32, device=x.device)
-        return q, empty, empty.clone()
+        return q, mins, maxs
     pmin = torch.empty(nchunks, nblk, dtype=torch.float32, device=x.device)
     pmax = torch.empty_like(pmin)
-    mins, maxs, scale, lb = torch.empty(4, nchunks, dtype=torch.float32, device=x.device).unbind()
     _partial_minmax((nchunks * nblk,), x, pmin, pmax, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK)
-    _finish_minmax((nchunks,), pmin, pmax, mins, maxs, scale, lb, nblk, BLOCK=_FINISH_BLOCK, **_OPTS)
-    _minmax_quantize((nchunks * nblk,), x, q, scale, lb, numel, chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    _finish_minmax((nchunks,), pmin, pmax, mins, maxs, scale, lb, nblk, max(cpr, 1), strides[1], strides[2],
+                   BLOCK=_FINISH_BLOCK, **_OPTS)
+    _minmax_quantize((nchunks * nblk,), x, q, scale, lb, numel, chunk_size, nblk, max(cpr, 1), strides[0],
+                     BLOCK=_MINMAX_BLOCK, **_OPTS)
     return q, mins, maxs
 
 

@@ -326,3 +326,43 @@ def run_out_aliasing_rejected(impl) -> None:
         impl.dequantize_rows(chunks, sc, bits=8, group_size=8, out=sc.view(-1)[:4].view(2, 2))
     # the same shapes in separate memory run
     impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), torch.empty(1, 4)))
+
+
+def run_minmax_out_rows(impl) -> None:
+    """ByteGrad's quantizer writes into ``out`` rows (``[q | pad | mins | maxs]`` wire rows: strided, junk around)
+    the values it returns without ``out``: rows of whole chunks, or one row ending in a partial chunk; bad ``out``
+    arguments are clear errors."""
+    g = torch.Generator().manual_seed(13)
+    for numel, chunk, rows in ((96, 16, (1, 2, 3, 6)), (90, 40, (1,)), (64, 64, (1,))):
+        x = torch.randn(numel, generator=g) * 3 + 1
+        want = impl.quantize_minmax_uint8(x, chunk)
+        for r in rows:
+            n = numel // r
+            per = -(-n // chunk)
+            off = 4 + -(-n // 4) * 4
+            buf = torch.full((r, off + 8 * per + 4), 0xA5, dtype=torch.uint8)
+            out = (buf[:, 4:4 + n], buf[:, off:off + 4 * per].view(torch.float32),
+                   buf[:, off + 4 * per:off + 8 * per].view(torch.float32))
+            got = impl.quantize_minmax_uint8(x, chunk, out=out)
+            assert all(a is b for a, b in zip(got, out))
+            for a, b in zip(out, want):
+                _same(a, b.reshape(a.shape))
+            junk = buf.clone()
+            junk[:, 4:4 + n] = 0xA5
+            junk[:, off:off + 8 * per] = 0xA5
+            assert junk.eq(0xA5).all()
+    x = torch.randn(96)
+    with pytest.raises(ValueError, match=r"out must split 96 codes into equal rows of whole 40-element chunks"):
+        impl.quantize_minmax_uint8(x, 40, out=(torch.empty(2, 48, dtype=torch.uint8), torch.empty(2, 2),
+                                               torch.empty(2, 2)))
+    with pytest.raises(ValueError, match=r"got q \(2, 48\), mins \(2, 2\) and maxs \(2, 3\)"):
+        impl.quantize_minmax_uint8(x, 16, out=(torch.empty(2, 48, dtype=torch.uint8), torch.empty(2, 2),
+                                               torch.empty(2, 3)))
+    with pytest.raises(TypeError, match=r"out mins must be float32"):
+        impl.quantize_minmax_uint8(x, 16, out=(torch.empty(2, 48, dtype=torch.uint8), torch.empty(2, 3).double(),
+                                               torch.empty(2, 3)))
+    with pytest.raises(TypeError, match=r"out must be a \(q, mins, maxs\) triple"):
+        impl.quantize_minmax_uint8(x, 16, out=(torch.empty(96, dtype=torch.uint8), torch.empty(6)))
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.quantize_minmax_uint8(x, 16, out=(x.view(torch.uint8)[:96].view(1, 96), torch.empty(1, 6),
+                                               torch.empty(1, 6)))

@@ -205,6 +205,7 @@ def test_round_half_to_even_ties(tri):
 def test_minmax_overflowing_constant_chunk(tri):
     contract_cases.run_minmax_overflow(tri)
     contract_cases.run_minmax_reduce(tri)
+    contract_cases.run_minmax_out_rows(tri)
     if DEVICE != "cuda":   # the device copies of an input and of an out over it would no longer share memory
         contract_cases.run_out_aliasing_rejected(tri)
 
@@ -282,8 +283,10 @@ def test_int32_offset_guard_counts_the_out_row_stride(tri, monkeypatch):
     for stride, fits in ((2048, True), (70000, False)):   # bytes between the two rows of codes
         out = torch.empty(2 * stride, dtype=torch.int8).as_strided((2, 2048), (stride, 1)), torch.empty(2, 32)
         out2 = out[0][:, :1024], out[1][:, :16]
+        out3 = out[0].view(torch.uint8), torch.empty(2, 2), torch.empty(2, 2)   # ByteGrad: 2 chunks of 1024 a row
         for call in (lambda: tri.quantize_symmetric(x, bits=8, group_size=64, out=out),
-                     lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64, out=out2)):
+                     lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64, out=out2),
+                     lambda: tri.quantize_minmax_uint8(x, 1024, out=out3)):
             if fits:
                 call()
             else:
