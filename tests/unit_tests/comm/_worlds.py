@@ -291,3 +291,36 @@ def qwz_bound(x: torch.Tensor, P: int, n: int, group_size: int) -> torch.Tensor:
     j = torch.arange(P * n)
     ids = (j // n) * (-(-n // g)) + (j % n) // g
     return group_reduce(x, ids, "absmax") / 127 / 2
+
+
+def kernels_both_ways(ranks_per_node: int, n: int, seed: int, options: Dict) -> Dict:
+    """Rank body: the quantized backends end to end (qgZ INT4 / INT8 at 1 and 2 stages, ByteGrad's reduce-scatter
+    and all-reduce, qwZ's all-gather), once with every kernel on the Triton launchers and once on the reference;
+    both results per case. The Triton launchers write the wire rows in place and decode received rows where they
+    lie (the CUDA path), the reference copies: the same bytes must come out."""
+    from megatron_ext.comm import BackendOptions, CommLedger, Topology, build_grad_reduce, build_param_gather
+    from megatron_ext.kernels import use_backend
+
+    capture_logs()
+    topo = Topology(ranks_per_node=ranks_per_node)
+    P, r = topo.size, topo.rank
+    bucket = make_bucket(seed, r, P * n)
+    cases = [(f"qgz{bits}/stages={s}", "qgz", {"qgz_bits": bits, "qgz_pipeline_stages": s})
+             for bits in (4, 8) for s in (1, 2)] + [("bytegrad", "bytegrad", {})]
+    out: Dict = {}
+    for kernels in ("triton", "torch"):
+        with use_backend(kernels):
+            for label, name, extra in cases:
+                shard = torch.full((n,), float("nan"))
+                build_grad_reduce(name, topo, CommLedger(), BackendOptions(**{**options, **extra})).reduce_scatter(
+                    bucket.clone(), shard).wait()
+                out[(label, kernels)] = shard
+            ar = bucket.clone()
+            build_grad_reduce("bytegrad", topo, CommLedger(), BackendOptions(**options)).all_reduce(ar).wait()
+            out[("bytegrad all_reduce", kernels)] = ar
+            buf = torch.full((P * n,), float("nan"))
+            buf[r * n:(r + 1) * n].copy_(bucket[r * n:(r + 1) * n])
+            build_param_gather("qwz", topo, CommLedger(), BackendOptions(**options)).all_gather(
+                buf[r * n:(r + 1) * n], buf).wait()
+            out[("qwz", kernels)] = buf
+    return out

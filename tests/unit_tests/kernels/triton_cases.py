@@ -294,6 +294,23 @@ def test_int32_offset_guard_counts_the_out_row_stride(tri, monkeypatch):
                     call()
 
 
+def test_backends_end_to_end_through_the_triton_launchers(tri):
+    """qgZ, ByteGrad and qwZ at DP 4 on 2 simulated nodes with every kernel on the Triton launchers give the bytes of
+    the reference path: the in-place wire rows (quantized into the rows sent, decoded where received) through the
+    backends' own code. Interpreted on CPU ranks here; the ranks are CPU processes, so a GPU run skips it."""
+    if DEVICE == "cuda":
+        pytest.skip("the ranks are gloo CPU processes")
+    from unit_tests.comm._worlds import kernels_both_ways
+    from unit_tests.dist_harness import run_distributed
+    opts = dict(quant_group_size=32, bytegrad_chunk_size=32)   # ByteGrad: both rows in one call
+    for rank, res in enumerate(run_distributed(kernels_both_ways, 4, 2, 64, 7, opts, timeout=300)):
+        labels = {label for label, _ in res}
+        assert len(labels) == 7
+        for label in labels:
+            a, b = res[(label, "triton")], res[(label, "torch")]
+            assert not torch.isnan(b).any() and torch.equal(a.view(torch.int32), b.view(torch.int32)), (rank, label)
+
+
 def test_dequantize_rows_in_blocks_of_grid_rows(tri, monkeypatch):
     """More rows than one launch's grid axis 1 may hold (CUDA: 65535; lowered to 2 here): launched in blocks, the
     same bits (run_row_strided_inputs has 3 rows)."""
