@@ -72,7 +72,8 @@ def bytegrad_bytes(n: int, nodes: int, ranks_per_node: int, elem_size: int, minm
     return (D - 1) * (B if all_reduce else n) * elem_size, rounds * (N - 1) * row
 
 
-# rows compressed by one call up to this many elements (the Triton kernels index with int32; above, row by row)
+# row buffers quantized or decoded by one call up to this many bytes (the Triton kernels index with int32;
+# above, row by row)
 _ONE_CALL_NUMEL = 1 << 30
 
 
@@ -93,7 +94,7 @@ def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
     k = -(-L // c)
     buf, q, minmax = empty_rows(rows, L, 2 * k, torch.uint8, x.device)
     x = x.contiguous()
-    if rows > 1 and (L % c or x.numel() > _ONE_CALL_NUMEL):
+    if rows > 1 and (L % c or buf.numel() > _ONE_CALL_NUMEL):   # the offsets run over the whole row buffer
         for r in range(rows):
             quantize_minmax_uint8(x[r], c, out=(q[r:r + 1], minmax[r:r + 1, :k], minmax[r:r + 1, k:]))
     else:
@@ -107,6 +108,25 @@ def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.fl
     k = -(-L // c)
     q, minmax = unpack_rows(row, 1, L, torch.uint8, 2 * k)
     return dequantize_minmax_uint8(q[0], minmax[0, :k], minmax[0, k:], c, L, dtype)
+
+
+def _decode_average(recv: torch.Tensor, L: int, c: int, P: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[nodes, row]`` received rows decoded where they lie, summed in fp32 in node order and multiplied by 1/P
+    (the one and only averaging), as ``dtype``: one kernel. The sum starts at node 0's version, which equals starting
+    at zeros bit for bit (0 + d == d): d = (q + lb) / scale is never -0.0, since q + lb is a whole number (+0.0 when
+    zero) and a non-zero one is at least 1 against scale <= 2.55e9."""
+    from megatron_ext.kernels import dequantize_minmax_reduce
+
+    nodes, chunks = recv.shape[0], -(-L // c)
+    q, minmax = unpack_rows(recv, nodes, L, torch.uint8, 2 * chunks)
+    mins, maxs = minmax[:, :chunks], minmax[:, chunks:]
+    if recv.numel() <= _ONE_CALL_NUMEL:
+        return dequantize_minmax_reduce(q, mins, maxs, c, L, factor=1.0 / P, dtype=dtype)
+    # offsets over the whole buffer would pass int32 (Triton): one row a call, summed as the kernel sums
+    acc = dequantize_minmax_reduce(q[:1], mins[:1], maxs[:1], c, L)
+    for a in range(1, nodes):
+        acc.add_(dequantize_minmax_reduce(q[a:a + 1], mins[a:a + 1], maxs[a:a + 1], c, L))
+    return acc.mul_(1.0 / P).to(dtype)
 
 
 @register_grad_reduce("bytegrad")
@@ -190,17 +210,8 @@ class ByteGradGradReduce(GradReduce):
             return [dist.all_to_all_single(recv.view(-1), rows.view(-1), group=leader_group, async_op=True)]
 
         def average(dtype: torch.dtype) -> torch.Tensor:
-            """Leader: this node's block of the bucket, summed over all P ranks and averaged, as ``dtype``: the
-            ``nodes`` received rows decoded where they lie, summed in fp32 in node order and multiplied by 1/P (the
-            one and only averaging) in one kernel. The sum starts at node 0's version, which equals starting at
-            zeros bit for bit (0 + d == d): d = (q + lb) / scale is never -0.0, since q + lb is a whole number (+0.0
-            when zero) and a non-zero one is at least 1 against scale <= 2.55e9."""
-            from megatron_ext.kernels import dequantize_minmax_reduce
-
-            chunks = -(-L // c)
-            q, minmax = unpack_rows(st.pop("recv"), nodes, L, torch.uint8, 2 * chunks)
-            return dequantize_minmax_reduce(q, minmax[:, :chunks], minmax[:, chunks:], c, L, factor=1.0 / P,
-                                            dtype=dtype)
+            """Leader: this node's block of the bucket, summed over all P ranks and averaged, as ``dtype``."""
+            return _decode_average(st.pop("recv"), L, c, P, dtype)
 
         # -- reduce-scatter: the node's averaged block is its ranks' shards; scatter them inside the node --------
         def scatter_phase() -> List:

@@ -87,9 +87,9 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int, *,
     0 and it dequantizes to ``+-inf`` (the sign of ``max``): the overflow stays visible (an fp16 run's loss scaler
     skips the step; the gradient norm becomes inf) instead of turning into a silently wrong finite value.
 
-    ``out=(q [R, n], mins [R, n / chunk_size], maxs [R, n / chunk_size])``: the same values written into ``R`` rows of
-    whole chunks instead (each row contiguous, rows at any stride; one row may end in a partial chunk), and ``out``
-    returned: ByteGrad's ``[q | pad | mins | maxs]`` rows, in place on CUDA, by a copy elsewhere.
+    ``out=(q [R, n], mins [R, ceil(n / chunk_size)], maxs [R, ceil(n / chunk_size)])``: the same values written into
+    ``R`` rows of whole chunks instead (each row contiguous, rows at any stride; a single row may end in a partial
+    chunk), and ``out`` returned: ByteGrad's ``[q | pad | mins | maxs]`` rows, in place on CUDA, by a copy elsewhere.
     """
     return _impl(x.device.type).quantize_minmax_uint8(x, chunk_size, out=out)
 
@@ -107,7 +107,8 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
 
     ``q`` is ``[k, >= numel]`` uint8, ``mins``/``maxs`` ``[k, >= ceil(numel / chunk_size)]`` fp32; each row
     contiguous, the rows at any stride (the rows of a received ``[q | pad | mins | maxs]`` buffer, read in place).
-    Returns ``numel`` elements: one kernel on CUDA instead of ``2k + 2``, one pass over memory on CPU.
+    Returns ``numel`` elements: one kernel on CUDA instead of ``2k + 1`` (``2k`` for fp32: k decodes, k - 1 adds,
+    the multiply and the cast), one pass over memory on CPU.
     """
     return _impl(q.device.type).dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor,
                                                           dtype=dtype)

@@ -494,7 +494,7 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One native pass where the C serves; elsewhere the reference's composition over this module's per-row
     decode (same bits: the sum, the factor and the cast are the same eager ops)."""
-    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
     if _native(q, mins, maxs):
         nchunks = cdiv(numel, chunk_size)
         scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [k, chunks], contiguous

@@ -538,7 +538,8 @@ def _decode_minmax_block(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor,
     y.add_(lb[chunk0:chunk0 + k, None]).div_(scale[chunk0:chunk0 + k, None])
 
 
-def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int) -> int:
+def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                      dtype: torch.dtype = torch.float32) -> int:
     """Validate ``dequantize_minmax_reduce``'s ``k`` rows (every backend; each row contiguous, the rows at any
     stride: the rows of a received byte buffer, read where they lie). Returns ``k``."""
     if q.dtype != torch.uint8:
@@ -548,6 +549,10 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
         check_rows(t, name)
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     k = q.shape[0]
@@ -562,7 +567,7 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k = check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    k = check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
     nchunks = cdiv(numel, chunk_size)
     params = [minmax_params(mins[a, :nchunks], maxs[a, :nchunks]) for a in range(k)]
     out = torch.empty(numel, dtype=dtype, device=q.device)

@@ -250,7 +250,7 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel)
+    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
     last = k - 1
     check_int32_offsets(max(last * q.stride(0) + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,

@@ -24,10 +24,12 @@ def rint(y):
 
 @triton.jit
 def to_out_dtype(y, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE with round-to-nearest-even; bf16 by hand (the interpreter's bf16 cast truncates)."""
+    """fp32 -> DTYPE with round-to-nearest-even; bf16 by hand (the interpreter's bf16 cast truncates). A NaN becomes
+    0xFFFF, the NaN torch's CPU cast gives (the rounding add alone would carry CUDA's 0x7FFFFFFF into -0.0)."""
     if DTYPE == tl.bfloat16:
         u = y.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        u = tl.where(y != y, 0xFFFF, u)
         return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return y.to(DTYPE)

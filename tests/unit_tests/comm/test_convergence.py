@@ -17,7 +17,7 @@ spans 32 rows, small rows share a scale with the largest, and INT4 gradients cos
 Measured at 150 steps (final loss vs plain, seed 1234 / seed 4321): qwZ -0.02 / +0.03%, qgZ INT4 +0.59 / +0.35%,
 qgZ INT8 +0.00 / -0.01%, ByteGrad -0.06 / -0.30%, qwZ+qgZ INT4 +0.59 / +0.34%, qwZ+qgZ INT8 +0.02 / +0.04%,
 qwZ+ByteGrad -0.05 / -0.28%: the 2% criterion has a margin of 3.4x; plain's final loss, 5.13 / 5.12 from 6.24,
-clears the learning check (1.0 below the first) by 0.1. At 200 steps (the suite's budget cut them) the same runs
+clears the learning check (0.8 below the first) by 0.3. At 200 steps (the suite's budget cut them) the same runs
 gave +0.36 / +0.50% for qgZ INT4 and at most +0.46% for any combination. The whole module (6 runs in one gloo
 world of 4 ranks; ``TESTED`` says which) takes about 1.8 minutes of wall time on 2 cores.
 """
@@ -92,10 +92,12 @@ def _table(losses: dict) -> str:
 
 
 def test_plain_run_learns(losses):
-    """The comparison means something only if the model learns: well below the uniform-guess loss ln(512) ~ 6.2."""
+    """The comparison means something only if the model learns: well below the uniform-guess loss ln(512) ~ 6.2.
+    0.8 below the first loss: the 150-step runs end 1.1 below it (6.24 -> 5.13 / 5.12 on two seeds), and a run that
+    does not learn stays near ln(512); the margin covers another torch's or BLAS's rounding."""
     curve = losses["plain"]
     assert len(curve) == STEPS
-    assert _final(curve) < curve[0] - 1.0, (curve[0], _final(curve))
+    assert _final(curve) < curve[0] - 0.8, (curve[0], _final(curve))
 
 
 @pytest.mark.parametrize("label", [c for c in TESTED if c != "plain"])

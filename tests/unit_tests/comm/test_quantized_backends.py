@@ -300,6 +300,26 @@ def test_qgz_geometry_agrees_with_kernel_layout_for_any_group_size(group_size, s
         assert lay.stage_numel == sub and lay.chunk_numel == sub_pad, (n, lay)
 
 
+def test_bytegrad_large_buffers_go_row_by_row_with_the_same_bits(monkeypatch):
+    """Row buffers past the one-call size (the Triton kernels' int32 offsets; lowered here) are quantized and decoded
+    one row a call: the same wire bytes and the same averaged block, fp32 and bf16, on the torch and compiled paths."""
+    from megatron_ext.comm import bytegrad
+    from megatron_ext.kernels import use_backend
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 96, generator=g) * 3
+    for backend in ("torch", "compiled"):
+        with use_backend(backend):
+            rows = bytegrad._compress_rows(x, 32)
+            want = {dt: bytegrad._decode_average(rows, 96, 32, 6, dt) for dt in (torch.float32, torch.bfloat16)}
+            monkeypatch.setattr(bytegrad, "_ONE_CALL_NUMEL", 64)
+            assert torch.equal(bytegrad._compress_rows(x, 32), rows)
+            for dt, w in want.items():
+                got = bytegrad._decode_average(rows, 96, 32, 6, dt)
+                assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), (backend, dt)
+            monkeypatch.undo()
+
+
 def test_bytegrad_rows_compressed_at_once_equal_row_by_row():
     """ByteGrad's leader compresses all nodes' chunks in one call when the (min, max) chunk divides the row: the same
     codes, the same mins and maxs as values (a min of 0 may keep either sign) and bit-identical decoded values as one
