@@ -205,9 +205,10 @@ def chunk_numel(numel: int, k: int, group: int) -> int:
 
 def estimate_peak_bytes(numel: int, dtype: torch.dtype, group: int, nodes: int, rpn: int) -> int:
     """Peak bytes one size needs: what :func:`build_ops` keeps (x; INT8, INT4, 2 x k-chunk INT4 and 2 x min-max codes:
-    the whole tensor's and ByteGrad's rows) plus the largest row: its copy buffers (src + dst = the op's bytes moved) and its output (the clone's, half the
-    bytes moved, is smaller). The largest rows are dequantize_int8 (reads codes, writes ``dtype``) and the fp32
-    output of dequantize_reduce over the smaller k. Per-block temporaries of the torch path are a few MiB."""
+    the whole tensor's and ByteGrad's rows) plus the largest row: its copy buffers (src + dst = the op's bytes moved)
+    and its output (the clone's, half the bytes moved, is smaller). The largest rows are dequantize_int8 (reads codes,
+    writes ``dtype``) and the fp32 output of dequantize_reduce over the smaller k. Per-block temporaries of the torch
+    path are a few MiB."""
     esize = torch.tensor([], dtype=dtype).element_size()
     kept = numel * esize + numel + numel // 2 + numel + numel + numel
     per = chunk_numel(numel, min(nodes, rpn), group)

@@ -492,16 +492,12 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One native pass where the C serves; elsewhere the reference's composition over this module's per-row
-    decode (same bits: the sum, the factor and the cast are the same eager ops)."""
-    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
-    if _native(q, mins, maxs):
-        nchunks = cdiv(numel, chunk_size)
-        scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [k, chunks], contiguous
-        out = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor)
-        return out if dtype == torch.float32 else out.to(dtype)
-    acc = dequantize_minmax_uint8(q[0], mins[0], maxs[0], chunk_size, numel)
-    for a in range(1, k):
-        acc.add_(dequantize_minmax_uint8(q[a], mins[a], maxs[a], chunk_size, numel))
-    acc.mul_(factor)
-    return acc if dtype == torch.float32 else acc.to(dtype)
+    """One native pass where the C serves; elsewhere the reference's loop over cache blocks (one pass over memory
+    too, its temporaries in cache)."""
+    _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
+    if not _native(q, mins, maxs):
+        return _ref.dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor, dtype=dtype)
+    nchunks = cdiv(numel, chunk_size)
+    scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [k, chunks], contiguous
+    out = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor)
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -3,10 +3,10 @@
 * INT4 dequantize-reduce-requantize (qgZ's intra-node step, ``csrc/int4_reduce.c``): Inductor's loop is bound by
   its instruction mix; on AVX-512 the C decodes a nibble with one vector permute over the group's 16 possible
   values, on AVX2 by arithmetic (shifts, a conversion and the table's multiply).
-* The fp32 codecs (``csrc/codec.c``: symmetric quantize / dequantize, the k-chunk dequantize-reduce, min-max
-  dequantize and ByteGrad's k-row decode-and-average): on AVX2 Inductor's integer loads go through ATen's slow
-  partial-load path (the file says how); plain loops vectorised by the C compiler run at memory speed, and a call
-  costs microseconds instead of a graph's ~0.25 ms.
+* The fp32 codecs (``csrc/codec.c``: symmetric quantize / dequantize, the k-chunk dequantize-reduce, ByteGrad's
+  k-row min-max decode-and-average, whose one row is the min-max dequantize): on AVX2 Inductor's integer loads go
+  through ATen's slow partial-load path (the file says how); plain loops vectorised by the C compiler run at memory
+  speed, and a call costs microseconds instead of a graph's ~0.25 ms.
 
 Built on first use with the system C compiler (``CC``, else ``cc``; the one Inductor needs anyway) for this CPU
 (``-march=native``), both sources into one library, cached in ``MX_KERNELS_CACHE`` (default
@@ -98,7 +98,6 @@ def library(variant: str = "native") -> ctypes.CDLL | None:
         "mx_int4_reduce_quantize": ([ptr, i64, ptr, i64, int_, i64, i64, ptr, ptr, int_], int_),
         "mx_quantize": ([ptr, i64, i64, i64, int_, ptr, ptr, int_], None),
         "mx_dequantize_reduce": ([ptr, i64, ptr, i64, int_, i64, i64, int_, ptr, int_], None),
-        "mx_dequantize_minmax": ([ptr, ptr, ptr, i64, i64, ptr, int_], None),
         "mx_dequantize_minmax_reduce": ([ptr, i64, ptr, ptr, i64, int_, i64, i64, ctypes.c_float, ptr, int_], None),
         "mx_isa": ([], int_),
     }
@@ -180,12 +179,9 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, gro
 def dequantize_minmax(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk_size: int, numel: int, *,
                       threads: int | None = None, variant: str = "native") -> torch.Tensor:
     """ByteGrad's fp32 ``(q + lb) / scale`` of the first ``numel`` codes, with each chunk's contiguous fp32
-    ``scale`` and ``lb``."""
-    out = torch.empty(numel, dtype=torch.float32)
-    if numel:
-        _lib(variant).mx_dequantize_minmax(q.data_ptr(), scale.data_ptr(), lb.data_ptr(), numel, chunk_size,
-                                           out.data_ptr(), _threads(numel, threads))
-    return out
+    ``scale`` and ``lb``: the decode-and-average of one row, times 1."""
+    return dequantize_minmax_reduce(q.view(1, -1), scale.view(1, -1), lb.view(1, -1), chunk_size, numel, 1.0,
+                                    threads=threads, variant=variant)
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk_size: int, numel: int,

@@ -79,23 +79,11 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, n
 
 
 @triton.jit
-def minmax_dequantize_kernel(q_ptr, out_ptr, mins_ptr, maxs_ptr, numel, chunk_size, nblk, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
-    c = pid // nblk
-    blk = pid % nblk
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    ok = (offs < chunk_size) & (c * chunk_size + offs < numel)
-    scale, lb = _params(tl.load(mins_ptr + c), tl.load(maxs_ptr + c))
-    q = tl.load(q_ptr + c * chunk_size + offs, mask=ok, other=0).to(tl.float32)
-    y = tl.math.div_rn(q + lb, tl.full((BLOCK,), 1.0, tl.float32) * scale)
-    tl.store(out_ptr + c * chunk_size + offs, to_out_dtype(y, out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def minmax_dequantize_reduce_kernel(q_ptr, q_stride, mins_ptr, mins_stride, maxs_ptr, maxs_stride, out_ptr, numel,
                                     chunk_size, nblk, k, factor, BLOCK: tl.constexpr):
-    """ByteGrad's decode-and-average: the ``k`` rows' decoded values summed in row order, times ``factor``."""
-    pid = tl.program_id(0)  # 1-D grid of chunks x blocks, as the dequantize kernel
+    """ByteGrad's decode-and-average: the ``k`` rows' decoded values summed in row order, times ``factor`` (one row
+    times 1: the dequantization)."""
+    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
     c = pid // nblk
     blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)

@@ -24,7 +24,6 @@ _reduce = FastLauncher(_sym.reduce_kernel)
 _partial_minmax = FastLauncher(_mm.partial_minmax_kernel)
 _finish_minmax = FastLauncher(_mm.finish_minmax_kernel)
 _minmax_quantize = FastLauncher(_mm.minmax_quantize_kernel)
-_minmax_dequantize = FastLauncher(_mm.minmax_dequantize_kernel)
 _minmax_dequantize_reduce = FastLauncher(_mm.minmax_dequantize_reduce_kernel)
 
 
@@ -242,9 +241,9 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
     _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
     out = torch.empty(numel, dtype=dtype, device=q.device)
-    if nchunks:
-        _minmax_dequantize((nchunks * nblk,), q, out, mins.float().contiguous(), maxs.float().contiguous(), numel,
-                           chunk_size, nblk, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    if nchunks:   # the decode-and-average of one row, times 1
+        _minmax_dequantize_reduce((nchunks * nblk,), q, 0, mins.float().contiguous(), 0, maxs.float().contiguous(), 0,
+                                  out, numel, chunk_size, nblk, 1, 1.0, BLOCK=_MINMAX_BLOCK, **_OPTS)
     return out
 
 

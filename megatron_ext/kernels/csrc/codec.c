@@ -1,5 +1,5 @@
 /* The fp32 CPU codecs: symmetric INT8/INT4 quantize and dequantize, the k-chunk dequantize-reduce, and ByteGrad's
- * min-max UINT8 dequantize and k-row decode-and-average.
+ * min-max UINT8 k-row decode-and-average (k = 1: the dequantize).
  *
  * Why hand-written: Inductor generates the right loops for these, but on AVX2 its loads of integer vectors go
  * through ATen's vec256 partial-load path (a stack buffer filled with ones, a memcpy of the lanes, a 32-byte load
@@ -139,23 +139,8 @@ void mx_dequantize_reduce(const uint8_t *codes, int64_t chunk_stride, const floa
     }
 }
 
-/* ByteGrad: out[i] = fl(fl(q[i] + lb[c]) / scale[c]) for element i of chunk c = i / chunk. */
-void mx_dequantize_minmax(const uint8_t *q, const float *scale, const float *lb, int64_t numel, int64_t chunk,
-                          float *out, int nthreads) {
-#pragma omp parallel num_threads(nthreads)
-    {
-        int64_t a, b;
-        my_range(numel, &a, &b);
-        while (a < b) {
-            const int64_t c = a / chunk, stop = (c + 1) * chunk < b ? (c + 1) * chunk : b;
-            const float l = lb[c], s = scale[c];
-            for (int64_t i = a; i < stop; i++) out[i] = ((float)q[i] + l) / s;
-            a = stop;
-        }
-    }
-}
-
-/* ByteGrad's decode-and-average: out[i] = fl(fl(d_0[i] + d_1[i]) + ...) * factor over k rows, d_a[i] =
+/* ByteGrad's decode-and-average (k = 1, factor 1: the dequantization): out[i] = fl(fl(d_0[i] + d_1[i]) + ...) *
+ * factor over k rows, d_a[i] =
  * fl(fl(q_a[i] + lb_a[c]) / scale_a[c]) for element i of chunk c; row a's codes start at q + a * q_stride, its
  * (scale, lb) at a * param_stride. Blocks of MX_MINMAX_BLOCK elements, within one chunk: one pass per row over a
  * block of out that stays in L1, each a plain loop the compiler vectorises. */

@@ -4,7 +4,8 @@ which also serves every group's last bytes).
 
 INT4 dequantize-reduce-requantize: any k (unrolled up to 8, a loop above), any even group size, split over threads at
 any group. The fp32 codecs: any size (partial last groups, whole padding groups, empty inputs), both bit widths, any
-group size (odd ones too), any k, any thread count (ByteGrad's k-row decode-and-average too); and the compiled path's entry points route fp32 to them.
+group size (odd ones too), any k, any thread count (ByteGrad's k-row decode-and-average too); and the compiled
+path's entry points route fp32 to them.
 """
 import logging
 import platform

@@ -336,7 +336,7 @@ def test_dispatch_selects_triton(tri, monkeypatch):
     from megatron_ext import kernels as K
     from megatron_ext.kernels import triton_ops
     spies = {}
-    for name in ("swizzle_quantize", "reduce", "partial_minmax", "minmax_quantize", "minmax_dequantize"):
+    for name in ("swizzle_quantize", "reduce", "partial_minmax", "minmax_quantize", "minmax_dequantize_reduce"):
         spies[name] = _LaunchSpy(getattr(triton_ops, "_" + name))
         monkeypatch.setattr(triton_ops, "_" + name, spies[name])
     x = _data(300, torch.float32, 1).to(DEVICE)  # the public functions dispatch on the tensors' device
@@ -349,7 +349,9 @@ def test_dispatch_selects_triton(tri, monkeypatch):
            ("reduce", lambda: K.dequantize_reduce_quantize(chunks, sc2, 4, 32)),
            ("reduce", lambda: K.dequantize_reduce(chunks, sc2, bits=4, group_size=32)),
            ("minmax_quantize", lambda: K.quantize_minmax_uint8(x, 100)),
-           ("minmax_dequantize", lambda: K.dequantize_minmax_uint8(q, mins, maxs, 100, 300))]
+           ("minmax_dequantize_reduce", lambda: K.dequantize_minmax_uint8(q, mins, maxs, 100, 300)),
+           ("minmax_dequantize_reduce", lambda: K.dequantize_minmax_reduce(
+               torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs]), 100, 300))]
     for kernel, call in ops:
         with K.use_backend("torch"):
             want = call()
