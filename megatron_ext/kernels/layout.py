@@ -81,6 +81,12 @@ def check_rows(t: torch.Tensor, name: str) -> None:
                          f"{tuple(t.stride())})")
 
 
+def check_rows_apart(t: torch.Tensor, owner: str) -> None:
+    """An output's rows may not overlap one another (``owner``: the possessive that names them, e.g. ``"out's"``)."""
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        raise ValueError(f"{owner} rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+
+
 def check_codes(codes: torch.Tensor, bits: int, name: str = "codes", rows: bool = False) -> None:
     """Codes of ``bits``: flat memory, or with ``rows`` a 2-D tensor of contiguous rows (:func:`check_rows`)."""
     want = torch.int8 if bits == 8 else torch.uint8

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from .layout import (SwizzleLayout, cdiv, check_bits_group, check_codes, check_contiguous, check_disjoint,
-                     check_input, check_rows,
+                     check_input, check_rows, check_rows_apart,
                      check_minmax_codes, codes_dtype, num_groups, qmax, swizzle_layout)
 
 _BLOCK = 1 << 18  # elements per cache block (1 MiB of fp32: one core's L2)
@@ -180,8 +180,7 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
     if scales.shape[0] != rows or out.shape[0] != rows:
         raise ValueError(f"codes, scales and out must have the same rows; got {tuple(codes.shape)}, "
                          f"{tuple(scales.shape)} and {tuple(out.shape)}")
-    if rows > 1 and out.stride(0) < n:
-        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < row length {n})")
+    check_rows_apart(out, "out's")
     check_disjoint((out,), (codes, scales))
     if groups * group_size * bits // 8 != codes.shape[1] or n > groups * group_size:
         raise ValueError(f"a row of {groups} groups of {group_size} {bits}-bit codes is "
@@ -211,8 +210,7 @@ def check_out_rows(out: tuple[torch.Tensor, torch.Tensor], bits: int, code_bytes
         raise ValueError(f"out must split {code_bytes} code bytes and {groups} scales into equal rows; got codes "
                          f"{tuple(oc.shape)} and scales {tuple(os_.shape)}")
     for t, name in ((oc, "codes"), (os_, "scales")):
-        if rows > 1 and t.stride(0) < t.shape[1]:
-            raise ValueError(f"out {name}' rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+        check_rows_apart(t, f"out {name}'")
     check_disjoint(out, inputs)
     return rows, os_.shape[1]
 
@@ -446,8 +444,7 @@ def check_minmax_out_rows(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
                          f"row may end in a partial chunk), with a min and a max per chunk; got q {tuple(q.shape)}, "
                          f"mins {tuple(mins.shape)} and maxs {tuple(maxs.shape)}")
     for t, name in ((q, "q"), (mins, "mins"), (maxs, "maxs")):
-        if rows > 1 and t.stride(0) < t.shape[1]:
-            raise ValueError(f"out {name}' rows overlap (row stride {t.stride(0)} < row length {t.shape[1]})")
+        check_rows_apart(t, f"out {name}'")
     check_disjoint(out, (x,))
     return rows, n, per
 
