@@ -33,20 +33,18 @@ SETTINGS = settings(max_examples=60 if DEVICE == "cuda" else 12, deadline=None, 
 DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
 
 
-def _to_device(t):
-    """``t`` on DEVICE with the same storage layout (size, strides, offset): a strided view stays strided. A tuple
-    of views of one storage (an ``out=(codes, scales)`` pair of wire rows) becomes views of one device copy."""
+def _to_device(t, storages: dict):
+    """``t`` on DEVICE with the same storage layout (size, strides, offset): a strided view stays strided, and
+    tensors that share a CPU storage share one device copy of it (``storages``, one per call): an ``out=(codes,
+    scales)`` pair of wire rows stays one buffer, and an ``out`` aliasing the input still aliases it."""
     if isinstance(t, tuple):
-        if not all(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == t[0].untyped_storage().data_ptr()
-                   for v in t):
-            return tuple(map(_to_device, t))
-        storage = torch.empty(0, dtype=torch.uint8).set_(t[0].untyped_storage()).to(DEVICE).untyped_storage()
-        return tuple(torch.empty(0, dtype=v.dtype, device=DEVICE).set_(storage, v.storage_offset(), v.size(),
-                                                                         v.stride()) for v in t)
+        return tuple(_to_device(v, storages) for v in t)
     if not isinstance(t, torch.Tensor):
         return t
-    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
-    return flat.to(DEVICE).as_strided(t.size(), t.stride(), t.storage_offset())
+    key = t.untyped_storage().data_ptr()
+    if key not in storages:
+        storages[key] = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(DEVICE).untyped_storage()
+    return torch.empty(0, dtype=t.dtype, device=DEVICE).set_(storages[key], t.storage_offset(), t.size(), t.stride())
 
 
 def _to_cpu(out):
@@ -63,8 +61,10 @@ class _OnDevice:
         fn = getattr(self._impl, name)
 
         def call(*args, **kwargs):
-            dev_kwargs = {k: _to_device(v) for k, v in kwargs.items()}
-            out = fn(*map(_to_device, args), **dev_kwargs)
+            storages = {}
+            dev_args = [_to_device(a, storages) for a in args]
+            dev_kwargs = {k: _to_device(v, storages) for k, v in kwargs.items()}
+            out = fn(*dev_args, **dev_kwargs)
             torch.cuda.synchronize()
             if "out" in kwargs:   # an op writing into ``out``: copy its whole storage back (what it must not touch too)
                 dst, src = kwargs["out"], dev_kwargs["out"]
