@@ -24,6 +24,7 @@ step() {  # step NAME CMD...: run CMD, keep its log, remember a failure and go o
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("$name")
 }
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's package, installed or not (tools/ scripts import it)
 nvidia-smi -L
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
