@@ -106,20 +106,26 @@ def check_minmax_codes(q: torch.Tensor, name: str = "q") -> None:
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) bytes of memory ``t`` can touch (its strides' bounding span; empty for no elements)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return 0, 0
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    first = t.data_ptr()
+    if t.is_contiguous():   # the common case, without the Python loop (this runs on every call of the ops)
+        return first, first + n * t.element_size()
+    last = 0
+    for size, stride in zip(t.shape, t.stride()):
+        last += (size - 1) * stride
+    return first, first + (last + 1) * t.element_size()
 
 
 def check_disjoint(outs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], name: str = "out") -> None:
     """Refuse outputs whose memory span meets an input's: the kernels write one group's result while other programs
     (or later blocks) still read the input, so an aliased ``out`` would silently corrupt both."""
+    spans = [(t.device, _byte_span(t)) for t in inputs]
     for o in outs:
         a0, a1 = _byte_span(o)
-        for t in inputs:
-            b0, b1 = _byte_span(t)
-            if a0 < b1 and b0 < a1 and o.device == t.device:
+        for device, (b0, b1) in spans:
+            if a0 < b1 and b0 < a1 and o.device == device:
                 raise ValueError(f"{name} overlaps the op's input (bytes [{a0:#x}, {a1:#x}) and [{b0:#x}, {b1:#x})): "
                                  "the result cannot be written over what the op reads; pass separate memory")
 

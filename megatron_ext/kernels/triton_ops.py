@@ -124,12 +124,13 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
 def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                    out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None,
                    rows: int = 1, row_strides: tuple[int, int, int] = (0, 0, 0),
-                   out_rows: tuple[int, int, int] | None = None):
+                   out_rows: tuple[int, int, int] | None = None, k: int | None = None):
     """``chunks`` [k, bytes] and ``scales`` [k, groups], each row contiguous and the rows at any stride (chunks
     read in place from a received buffer). ``rows`` > 1: as many independent problems (grid axis 1), problem ``r``
     reading and writing ``r * row_strides`` (codes, scales, ``out``) further on. Requantizing (``out`` None):
-    ``out_rows`` = (groups per row, code row stride, scale row stride) of ``out_codes`` / ``out_scales``."""
-    k, groups = chunks.shape[0], scales.shape[1]
+    ``out_rows`` = (groups per row, code row stride, scale row stride) of ``out_codes`` / ``out_scales``. ``k``:
+    the chunks reduced, when fewer than ``chunks`` has rows (the row decode's problems start at its first row)."""
+    k, groups = chunks.shape[0] if k is None else k, scales.shape[1]
     cols, gpp = _tile(bits, group_size)
     # chunk i at i * stride(0); masked lanes of the last tile run past its end (_tiled_extent)
     check_int32_offsets((rows - 1) * row_strides[0] + (k - 1) * chunks.stride(0)
@@ -161,10 +162,13 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, gro
                     out: torch.Tensor) -> torch.Tensor:
     rows, _, n = _ref.check_rows_args(codes, scales, bits, group_size, out)
     strides = (codes.stride(0), scales.stride(0), out.stride(0))
+    if n and rows <= _MAX_GRID_ROWS:   # one launch: the problems are the rows, read and written where they lie
+        _launch_reduce(codes, scales, bits, group_size, n, out, None, None, rows=rows, row_strides=strides, k=1)
+        return out
     for r0 in range(0, rows if n else 0, _MAX_GRID_ROWS):
         r1 = min(rows, r0 + _MAX_GRID_ROWS)
         _launch_reduce(codes[r0:r0 + 1], scales[r0:r0 + 1], bits, group_size, n, out[r0:r1], None, None,
-                       rows=r1 - r0, row_strides=strides)
+                       rows=r1 - r0, row_strides=strides, k=1)
     return out
 
 
