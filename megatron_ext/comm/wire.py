@@ -32,7 +32,8 @@ def unpack_rows(buf: torch.Tensor, rows: int, code_bytes: int, codes_dtype: torc
     """``(codes [rows, code_bytes], scales [rows, groups] fp32)``: views of a received ``[rows, row]`` buffer (no
     copy: the kernels read rows at any stride). A row is a multiple of 4 bytes, so the scales view is aligned.
     ``groups``: scales per row (default: the rest of the row)."""
-    b = buf.view(rows, -1)
+    b = buf if buf.dim() == 2 and buf.shape[0] == rows else buf.view(rows, -1)   # (each view costs host time)
     cb_pad = round_up(code_bytes, 4)
     end = b.shape[1] if groups < 0 else cb_pad + 4 * groups
-    return b[:, :code_bytes].view(codes_dtype), b[:, cb_pad:end].view(torch.float32)
+    codes = b[:, :code_bytes]
+    return codes if codes.dtype == codes_dtype else codes.view(codes_dtype), b[:, cb_pad:end].view(torch.float32)
