@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import timeit
+from collections import Counter
 from typing import Callable, Dict, Iterator, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,18 +31,36 @@ import torch  # noqa: E402
 
 
 @contextlib.contextmanager
-def stubbed_launchers(module) -> Iterator[int]:
-    """Every launcher in ``module`` replaced by a no-op for the ``with`` block (yields how many), then restored."""
+def stubbed_launchers(module) -> Iterator[Counter]:
+    """Every launcher in ``module`` replaced by a no-op that counts its calls (the yielded Counter, by launcher name)
+    for the ``with`` block, then restored."""
     from megatron_ext.kernels.triton_launch import FastLauncher
 
     saved = {n: getattr(module, n) for n in dir(module) if isinstance(getattr(module, n), FastLauncher)}
+    launches: Counter = Counter()
+
+    def stub(name: str) -> Callable[..., None]:
+        def launch(*args, **kwargs) -> None:
+            launches[name] += 1
+        return launch
+
     try:
         for n in saved:
-            setattr(module, n, lambda *args, **kwargs: None)
-        yield len(saved)
+            setattr(module, n, stub(n))
+        yield launches
     finally:
         for n, launcher in saved.items():
             setattr(module, n, launcher)
+
+
+def launches_per_call(calls: List[Tuple[str, Callable[[], object]]], launches: Counter) -> Dict[str, int]:
+    """Triton launches one call of each case makes (what it adds to the Python measured here, on a GPU)."""
+    out = {}
+    for name, fn in calls:
+        launches.clear()
+        fn()
+        out[name] = sum(launches.values())
+    return out
 
 
 def cases(numel: int, group: int, nodes: int, rpn: int, chunk: int) -> List[Tuple[str, Callable[[], object]]]:
@@ -114,19 +133,22 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from megatron_ext.kernels import triton_ops
 
-    with stubbed_launchers(triton_ops) as stubbed:
-        us = measure(cases(a.numel, a.group_size, a.nodes, a.ranks_per_node, a.chunk), a.calls, a.repeat)
+    with stubbed_launchers(triton_ops) as launches:
+        calls = cases(a.numel, a.group_size, a.nodes, a.ranks_per_node, a.chunk)
+        count = launches_per_call(calls, launches)
+        us = measure(calls, a.calls, a.repeat)
     unit = us["torch.empty (the unit)"]
-    print(f"Python host time per call, {stubbed} Triton launchers stubbed; {a.numel} elements, torch {torch.__version__}"
+    print(f"Python host time per call, Triton launchers stubbed; {a.numel} elements, torch {torch.__version__}"
           f", {platform.processor() or platform.machine()}")
-    print(f"{'call':62s} {'us':>8s} {'x empty':>8s}")
+    print(f"{'call':62s} {'us':>8s} {'x empty':>8s} {'launches':>9s}")
     for name, v in us.items():
-        print(f"{name:62s} {v:8.1f} {v / unit:8.1f}")
+        print(f"{name:62s} {v:8.1f} {v / unit:8.1f} {count[name]:9d}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                                 "machine": platform.machine(), "processor": platform.processor(), **vars(a)},
-                       "us_per_call": us, "x_empty": {k: v / unit for k, v in us.items()}}, f, indent=1)
+                       "us_per_call": us, "x_empty": {k: v / unit for k, v in us.items()},
+                       "launches_per_call": count}, f, indent=1)
         print(f"wrote {a.json}")
 
 

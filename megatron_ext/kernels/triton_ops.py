@@ -162,7 +162,7 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, *, bits: int, gro
                     out: torch.Tensor) -> torch.Tensor:
     rows, _, n = _ref.check_rows_args(codes, scales, bits, group_size, out)
     strides = (codes.stride(0), scales.stride(0), out.stride(0))
-    if n and rows <= _MAX_GRID_ROWS:   # one launch: the problems are the rows, read and written where they lie
+    if n and 0 < rows <= _MAX_GRID_ROWS:   # one launch: the problems are the rows, read and written where they lie
         _launch_reduce(codes, scales, bits, group_size, n, out, None, None, rows=rows, row_strides=strides, k=1)
         return out
     for r0 in range(0, rows if n else 0, _MAX_GRID_ROWS):
