@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 
 @contextlib.contextmanager
-def stubbed_launchers(module) -> Iterator[Counter]:
-    """Every launcher in ``module`` replaced by a no-op that counts its calls (the yielded Counter, by launcher name)
-    for the ``with`` block, then restored."""
+def stubbed_launchers(module, count: bool = True) -> Iterator[Counter]:
+    """Every launcher in ``module`` replaced by a no-op for the ``with`` block, then restored. ``count``: the no-op
+    counts its calls (the yielded Counter, by launcher name; the counting costs host time, so timing runs without)."""
     from megatron_ext.kernels.triton_launch import FastLauncher
 
     saved = {n: getattr(module, n) for n in dir(module) if isinstance(getattr(module, n), FastLauncher)}
@@ -42,7 +42,7 @@ def stubbed_launchers(module) -> Iterator[Counter]:
     def stub(name: str) -> Callable[..., None]:
         def launch(*args, **kwargs) -> None:
             launches[name] += 1
-        return launch
+        return launch if count else (lambda *args, **kwargs: None)
 
     try:
         for n in saved:
@@ -133,9 +133,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from megatron_ext.kernels import triton_ops
 
+    calls = cases(a.numel, a.group_size, a.nodes, a.ranks_per_node, a.chunk)
     with stubbed_launchers(triton_ops) as launches:
-        calls = cases(a.numel, a.group_size, a.nodes, a.ranks_per_node, a.chunk)
         count = launches_per_call(calls, launches)
+    with stubbed_launchers(triton_ops, count=False):
         us = measure(calls, a.calls, a.repeat)
     unit = us["torch.empty (the unit)"]
     print(f"Python host time per call, Triton launchers stubbed; {a.numel} elements, torch {torch.__version__}"
