@@ -2,7 +2,10 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch) on every GPU of this machine and prints one verdict line per check:
+# --overlap-param-gather, --ckpt-format torch) on every GPU of this machine and prints one verdict line per check.
+# The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
+# it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
+# the check runs with or without them.
 #   (a) Megatron-LM's own distributed optimizer against the ODO (launch module), and the ODO through the two-line
 #       form (install() + add_args in a copy of pretrain_gpt.py): loss curves within two bf16 ulps (2^-7, see
 #       tools/megatron_lm_verdict.py for why);
@@ -11,6 +14,8 @@
 #   (c) a resume of that checkpoint at another --ddp-bucket-size: within the bf16 tolerance of the uninterrupted run.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
+# MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
+# it; tests/unit_tests/megatron_lm check those commands on CPU (against the checkout where MEGATRON_LM_PATH names one).
 set -uo pipefail
 
 checkout=${1:-}
@@ -20,7 +25,12 @@ if [ -z "$checkout" ] || [ ! -f "$checkout/pretrain_gpt.py" ]; then
   exit 2
 fi
 checkout=$(cd "$checkout" && pwd)
-ngpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+dry=${MX_CHECK_DRY_RUN:-0}
+if [ "$dry" = 1 ]; then
+  ngpu=1
+else
+  ngpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)
+fi
 if [ -z "$ngpu" ] || [ "$ngpu" -lt 1 ]; then
   echo "$0: no CUDA GPU visible to torch: Megatron-LM's initialize_megatron requires CUDA" >&2
   exit 2
@@ -38,11 +48,16 @@ common=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 25
         --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 1023 --seed 1234
         --hidden-dropout 0.0 --attention-dropout 0.0 --no-gradient-accumulation-fusion
         --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ckpt-format torch
-        --transformer-impl local --eval-iters 0 --eval-interval 100000)
+        --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion
+        --eval-iters 0 --eval-interval 100000)
 launch=(python -m torch.distributed.run --standalone --nproc-per-node "$ngpu")
 
-run() {  # run NAME ARGS... : one training run, log in $out/NAME.log
+run() {  # run NAME ARGS... : one training run, log in $out/NAME.log (dry run: print "RUN NAME ARGS...", shell-quoted)
   local name=$1; shift
+  if [ "$dry" = 1 ]; then
+    printf 'RUN %s' "$name"; printf ' %q' "$@"; printf '\n'
+    return
+  fi
   echo "== $name" >&2
   "$@" > "$out/$name.log" 2>&1 || echo "   ($name exited with status $?, see $out/$name.log)" >&2
 }
@@ -60,12 +75,13 @@ run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pret
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
 run odo_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}" \
     --save "$out/ckpt" --save-interval "$half" --exit-interval "$half"
-cp -r "$out/ckpt" "$out/ckpt_bucket"
+[ "$dry" = 1 ] || cp -r "$out/ckpt" "$out/ckpt_bucket"
 run odo_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}" \
-    --load "$out/ckpt" --save "$out/ckpt"
+    --load "$out/ckpt" --save "$out/ckpt" --save-interval "$iters"
 run odo_resume_bucket "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
     "${odo[@]}" --load "$out/ckpt_bucket" --ddp-bucket-size 100000
 
+[ "$dry" = 1 ] && exit 0
 status=0
 verdict() { python "$here/megatron_lm_verdict.py" "$@" | tee -a "$out/verdicts.txt" || status=1; }
 : > "$out/verdicts.txt"

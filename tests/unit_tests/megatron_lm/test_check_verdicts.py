@@ -48,3 +48,35 @@ def test_check_script_refuses_without_a_checkout_or_gpu(tmp_path):
     out = subprocess.run(["bash", str(script), str(tmp_path / "nowhere"), str(tmp_path / "out")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "pretrain_gpt.py" in out.stderr
+
+
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_check_script_commands(tmp_path):
+    """Its runs, from the dry run against a stand-in checkout: the flag rules Megatron-LM's validate_args enforces
+    (--save needs --save-interval: a resume without it failed on the first GPU run) and what each check compares."""
+    from .check_script import dry_runs
+
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text(
+        "from megatron.training import pretrain\n"
+        "pretrain(extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None)\n")
+    runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
+    assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
+                          "odo_resume_bucket"]
+    for name, argv in runs.items():
+        odo = "--use-overlapped-distributed-optimizer" in argv
+        assert odo == (name != "megatron_dist_opt"), name
+        assert "--use-distributed-optimizer" in argv and _value(argv, "--ckpt-format") == "torch", name
+        assert _value(argv, "--train-iters") == "40", name
+        if "--save" in argv:
+            assert "--save-interval" in argv, f"{name}: --save without --save-interval"
+    assert _value(runs["odo_save"], "--save-interval") == _value(runs["odo_save"], "--exit-interval") == "20"
+    assert _value(runs["odo_resume"], "--load") == _value(runs["odo_save"], "--save")
+    assert _value(runs["odo_resume_bucket"], "--ddp-bucket-size") == "100000"
+    assert "--load" in runs["odo_resume_bucket"]
+    two_lines = (tmp_path / "out" / "pretrain_gpt_two_lines.py").read_text()
+    assert "mxlm.install()" in two_lines and "extra_args_provider=mxlm.chain(" in two_lines
