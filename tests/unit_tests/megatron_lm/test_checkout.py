@@ -2,8 +2,8 @@
 megatron-core). Skipped without one: CI has no checkout and nothing may be downloaded at test time. It checks every
 name the plug-in patches or calls (megatron_lm/contract.py), that install() and uninstall() round-trip on the real
 modules, that the plug-in's flag checks run inside the checkout's own parse_args, and that the commands of
-tools/megatron_lm_check.sh pass its validate_args and build a model that runs forward and backward on CPU. The checkout's training
-code needs extra packages (README: ``pip install six regex pydantic``)."""
+tools/megatron_lm_check.sh pass its validate_args and build a model that runs forward and backward on CPU. The
+checkout's training code needs extra packages (README: ``pip install six regex pydantic``)."""
 from __future__ import annotations
 
 import json
