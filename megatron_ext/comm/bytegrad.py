@@ -32,6 +32,11 @@ gradients, and twice that for the all-reduce.
 
 One node (``N == 1``): there is no inter-node hop; ByteGrad runs in its flat (non-hierarchical) form, every rank
 a leader of a one-rank "node" (logged once per job). One rank per node (``D == 1``): the intra-node steps vanish.
+
+Copies: the bucket is cloned only where the intra-node reduce writes into it (``D > 1``); otherwise step 2 reads it
+where it lies. Results are written where they end up: the averaged block into ``out_shard`` at ``D == 1`` (and the
+scatter receives into it), and in the all-reduce the gathered rows decode straight into the bucket, which the
+broadcast then fills in place on the other ranks (:func:`_decode_rows`).
 """
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ def bytegrad_bytes(n: int, nodes: int, ranks_per_node: int, elem_size: int, minm
 
 # row buffers quantized or decoded by one call up to this many bytes (the Triton kernels index with int32;
 # above, row by row)
-_ONE_CALL_NUMEL = 1 << 30
+_ONE_CALL_BYTES = 1 << 30
 
 
 def _compress(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -94,7 +99,7 @@ def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
     k = -(-L // c)
     buf, q, minmax = empty_rows(rows, L, 2 * k, torch.uint8, x.device)
     x = x.contiguous()
-    if rows > 1 and (L % c or buf.numel() > _ONE_CALL_NUMEL):   # the offsets run over the whole row buffer
+    if rows > 1 and (L % c or buf.numel() > _ONE_CALL_BYTES):   # the offsets run over the whole row buffer
         for r in range(rows):
             quantize_minmax_uint8(x[r], c, out=(q[r:r + 1], minmax[r:r + 1, :k], minmax[r:r + 1, k:]))
     else:
@@ -102,31 +107,40 @@ def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
     return buf
 
 
-def _decompress(row: torch.Tensor, L: int, c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    from megatron_ext.kernels import dequantize_minmax_uint8
+def _decode_rows(rows: torch.Tensor, L: int, c: int, out: torch.Tensor) -> torch.Tensor:
+    """Each of the ``[nodes, row]`` gathered rows decoded where it lies into its ``L`` elements of ``out`` (``nodes *
+    L`` contiguous elements): no temporaries, no copies. A one-row decode-and-average with factor 1 is the plain
+    decode, bit for bit."""
+    from megatron_ext.kernels import dequantize_minmax_reduce
 
-    k = -(-L // c)
-    q, minmax = unpack_rows(row, 1, L, torch.uint8, 2 * k)
-    return dequantize_minmax_uint8(q[0], minmax[0, :k], minmax[0, k:], c, L, dtype)
+    nodes, chunks = rows.shape[0], -(-L // c)
+    q, minmax = unpack_rows(rows, nodes, L, torch.uint8, 2 * chunks)
+    flat = out.view(-1)
+    for a in range(nodes):
+        dequantize_minmax_reduce(q[a:a + 1], minmax[a:a + 1, :chunks], minmax[a:a + 1, chunks:], c, L,
+                                 dtype=out.dtype, out=flat[a * L:(a + 1) * L])
+    return out
 
 
-def _decode_average(recv: torch.Tensor, L: int, c: int, P: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_average(recv: torch.Tensor, L: int, c: int, P: int, dtype: torch.dtype,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``[nodes, row]`` received rows decoded where they lie, summed in fp32 in node order and multiplied by 1/P
-    (the one and only averaging), as ``dtype``: one kernel. The sum starts at node 0's version, which equals starting
-    at zeros bit for bit (0 + d == d): d = (q + lb) / scale is never -0.0, since q + lb is a whole number (+0.0 when
-    zero) and a non-zero one is at least 1 against scale <= 2.55e9."""
+    (the one and only averaging), as ``dtype`` (into ``out`` when given): one kernel. The sum starts at node 0's
+    version, which equals starting at zeros bit for bit (0 + d == d): d = (q + lb) / scale is never -0.0, since
+    q + lb is a whole number (+0.0 when zero) and a non-zero one is at least 1 against scale <= 2.55e9."""
     from megatron_ext.kernels import dequantize_minmax_reduce
 
     nodes, chunks = recv.shape[0], -(-L // c)
     q, minmax = unpack_rows(recv, nodes, L, torch.uint8, 2 * chunks)
     mins, maxs = minmax[:, :chunks], minmax[:, chunks:]
-    if recv.numel() <= _ONE_CALL_NUMEL:
-        return dequantize_minmax_reduce(q, mins, maxs, c, L, factor=1.0 / P, dtype=dtype)
+    if recv.numel() <= _ONE_CALL_BYTES:
+        return dequantize_minmax_reduce(q, mins, maxs, c, L, factor=1.0 / P, dtype=dtype, out=out)
     # offsets over the whole buffer would pass int32 (Triton): one row a call, summed as the kernel sums
     acc = dequantize_minmax_reduce(q[:1], mins[:1], maxs[:1], c, L)
     for a in range(1, nodes):
         acc.add_(dequantize_minmax_reduce(q[a:a + 1], mins[a:a + 1], maxs[a:a + 1], c, L))
-    return acc.mul_(1.0 / P).to(dtype)
+    acc.mul_(1.0 / P)
+    return acc.to(dtype) if out is None else out.copy_(acc.view(out.shape))
 
 
 @register_grad_reduce("bytegrad")
@@ -191,10 +205,10 @@ class ByteGradGradReduce(GradReduce):
         st: dict = {}
 
         def reduce_phase() -> List:
-            work = bucket.clone()
-            st["work"] = work
-            if D == 1:
+            if D == 1:   # nothing is summed into it: the compression reads the bucket where it lies
+                st["work"] = bucket
                 return []
+            st["work"] = work = bucket.clone()   # the leader's reduce writes the node sum into it
             ledger.record("bytegrad_intra_reduce", intra=0 if leader else bucket.numel() * elem)
             return [dist.reduce(work, dst=leader_global, op=dist.ReduceOp.SUM, group=intra_group, async_op=True)]
 
@@ -216,19 +230,19 @@ class ByteGradGradReduce(GradReduce):
         # -- reduce-scatter: the node's averaged block is its ranks' shards; scatter them inside the node --------
         def scatter_phase() -> List:
             n = out_shard.numel()
+            # this rank's shard lands in out_shard itself where it can (no copy at the end)
+            direct = out_shard.dtype == bucket.dtype and out_shard.is_contiguous()
+            st["result"] = mine = out_shard if direct else torch.empty(n, dtype=bucket.dtype, device=bucket.device)
             if leader:
-                block = average(bucket.dtype)
-                if D == 1:
-                    st["result"] = block
+                if D == 1:   # the node's block is this rank's shard
+                    _decode_average(st.pop("recv"), L, c, P, bucket.dtype, out=mine)
                     return []
-                shards = list(block.view(D, n).unbind(0))
+                shards = list(average(bucket.dtype).view(D, n).unbind(0))
                 # scatter_list in intra-group rank order (group ranks follow the global ranks' order)
                 order = sorted(range(D), key=lambda b: topo.global_rank(topo.node * D + b))
                 ledger.record("bytegrad_intra_scatter", intra=(D - 1) * n * elem)
-                st["result"] = mine = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
                 return [dist.scatter(mine, [shards[b] for b in order], src=leader_global, group=intra_group,
                                      async_op=True)]
-            st["result"] = mine = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
             ledger.record("bytegrad_intra_scatter", intra=0)
             return [dist.scatter(mine, None, src=leader_global, group=intra_group, async_op=True)]
 
@@ -244,13 +258,11 @@ class ByteGradGradReduce(GradReduce):
             return [_all_gather(gathered.view(-1), row, group=leader_group, async_op=True)]
 
         def broadcast_phase() -> List:
+            # the all-reduce is in place: the gathered rows decode (leader) or arrive (others) in the bucket itself,
+            # which nothing reads after the first phase (its clone, or at D == 1 the compression, took its values)
+            result = bucket if bucket.is_contiguous() else torch.empty_like(bucket)
             if leader:
-                gathered = st.pop("gathered")
-                result = torch.empty_like(bucket)
-                for a in range(nodes):
-                    result[a * L:(a + 1) * L].copy_(_decompress(gathered[a], L, c, bucket.dtype))
-            else:
-                result = torch.empty_like(bucket)
+                _decode_rows(st.pop("gathered"), L, c, result)
             st["result"] = result
             if D == 1:
                 return []
@@ -258,7 +270,9 @@ class ByteGradGradReduce(GradReduce):
             return [dist.broadcast(result, src=leader_global, group=intra_group, async_op=True)]
 
         def finish() -> List:
-            (out_shard if out_shard is not None else bucket).copy_(st.pop("result"))
+            result, target = st.pop("result"), (out_shard if out_shard is not None else bucket)
+            if result is not target:
+                target.copy_(result)
             return []
 
         if out_shard is not None:

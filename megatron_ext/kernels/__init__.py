@@ -101,17 +101,20 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """ByteGrad's decode-and-average in one pass: the ``k`` min-max rows decoded as :func:`dequantize_minmax_uint8`
     does, summed in fp32 in row order (``(d_0 + d_1) + d_2 ...``), times ``fl32(factor)``, cast to ``dtype``.
 
     ``q`` is ``[k, >= numel]`` uint8, ``mins``/``maxs`` ``[k, >= ceil(numel / chunk_size)]`` fp32; each row
     contiguous, the rows at any stride (the rows of a received ``[q | pad | mins | maxs]`` buffer, read in place).
     Returns ``numel`` elements: one kernel on CUDA instead of ``2k + 1`` (``2k`` for fp32: k decodes, k - 1 adds,
-    the multiply and the cast), one pass over memory on CPU.
+    the multiply and the cast), one pass over memory on CPU. ``out``: a contiguous ``dtype`` tensor of ``numel``
+    elements to write them into (a slice of the bucket: no copy after), returned; refused where it meets an input.
+    With one row this is the plain decode, :func:`dequantize_minmax_uint8`, for a row read in place.
     """
     return _impl(q.device.type).dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor,
-                                                          dtype=dtype)
+                                                          dtype=dtype, out=out)
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,

@@ -491,13 +491,20 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """One native pass where the C serves; elsewhere the reference's loop over cache blocks (one pass over memory
     too, its temporaries in cache)."""
-    _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
+    _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
     if not _native(q, mins, maxs):
-        return _ref.dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor, dtype=dtype)
+        return _ref.dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor, dtype=dtype, out=out)
     nchunks = cdiv(numel, chunk_size)
     scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [k, chunks], contiguous
-    out = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor)
-    return out if dtype == torch.float32 else out.to(dtype)
+    fp32 = dtype == torch.float32
+    res = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor,
+                                          out=out.view(-1) if fp32 and out is not None else None)
+    if out is None:
+        return res if fp32 else res.to(dtype)
+    if not fp32:
+        out.view(-1).copy_(res)
+    return out

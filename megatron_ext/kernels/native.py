@@ -185,11 +185,13 @@ def dequantize_minmax(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, ch
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor, chunk_size: int, numel: int,
-                             factor: float, *, threads: int | None = None, variant: str = "native") -> torch.Tensor:
+                             factor: float, *, threads: int | None = None, variant: str = "native",
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """ByteGrad's fp32 decode-and-average of ``k`` rows: ``q`` [k, >= numel] (rows contiguous at any row stride, as
     ``reference.check_minmax_rows`` checks them), each row's chunk ``scale`` and ``lb`` the rows of contiguous
-    [k, chunks] fp32 tensors; the row-order sum times ``fl32(factor)``."""
-    out = torch.empty(numel, dtype=torch.float32)
+    [k, chunks] fp32 tensors; the row-order sum times ``fl32(factor)``, into ``out`` (contiguous fp32, ``numel``
+    elements, checked by the caller) when given."""
+    out = torch.empty(numel, dtype=torch.float32) if out is None else out
     if numel:
         _lib(variant).mx_dequantize_minmax_reduce(q.data_ptr(), q.stride(0), scale.data_ptr(), lb.data_ptr(),
                                                   scale.stride(0), q.shape[0], numel, chunk_size, factor,

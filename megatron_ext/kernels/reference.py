@@ -536,9 +536,9 @@ def _decode_minmax_block(q: torch.Tensor, scale: torch.Tensor, lb: torch.Tensor,
 
 
 def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                      dtype: torch.dtype = torch.float32) -> int:
+                      dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> int:
     """Validate ``dequantize_minmax_reduce``'s ``k`` rows (every backend; each row contiguous, the rows at any
-    stride: the rows of a received byte buffer, read where they lie). Returns ``k``."""
+    stride: the rows of a received byte buffer, read where they lie) and its ``out``. Returns ``k``."""
     if q.dtype != torch.uint8:
         raise TypeError(f"q (min-max codes) must be torch.uint8, got {q.dtype}")
     check_rows(q, "q")
@@ -559,15 +559,22 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
     if numel < 0 or q.shape[1] < numel or min(mins.shape[1], maxs.shape[1]) < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(max(numel, 0), chunk_size)} chunks of {chunk_size} per row: "
                          f"got rows of {q.shape[1]} codes, {mins.shape[1]} mins and {maxs.shape[1]} maxs")
+    if out is not None:
+        if out.dtype != dtype or out.device != q.device or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of {numel} elements on {q.device}; got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                             + ("" if out.is_contiguous() else ", not contiguous"))
+        check_disjoint((out,), (q, mins, maxs))
     return k
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k = check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    k = check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
     nchunks = cdiv(numel, chunk_size)
     params = [minmax_params(mins[a, :nchunks], maxs[a, :nchunks]) for a in range(k)]
-    out = torch.empty(numel, dtype=dtype, device=q.device)
+    given, out = out, (torch.empty(numel, dtype=dtype, device=q.device) if out is None else out.view(-1))
     d = None
     for start, stop, rows, c in _row_blocks(numel, chunk_size):   # a block of every row, summed in cache
         dst = out[start:stop].view(_block_shape(start, stop, rows, chunk_size))
@@ -580,4 +587,4 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
         acc.mul_(factor)   # fp32: the block times fl32(factor)
         if acc is not dst:
             dst.copy_(acc)
-    return out
+    return out if given is None else given

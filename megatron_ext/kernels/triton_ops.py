@@ -252,15 +252,16 @@ def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Ten
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype)
+                             *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
     nchunks, nblk = _minmax_grid(numel, chunk_size)
     last = k - 1
     check_int32_offsets(max(last * q.stride(0) + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
                             last * mins.stride(0) + nchunks, last * maxs.stride(0) + nchunks),
                         "min-max decode-and-average")
-    out = torch.empty(numel, dtype=dtype, device=q.device)
+    given, out = out, (torch.empty(numel, dtype=dtype, device=q.device) if out is None else out.view(-1))
     if nchunks:
         _minmax_dequantize_reduce((nchunks * nblk,), q, q.stride(0), mins, mins.stride(0), maxs, maxs.stride(0), out,
                                   numel, chunk_size, nblk, k, float(factor), BLOCK=_MINMAX_BLOCK, **_OPTS)
-    return out
+    return out if given is None else given

@@ -302,7 +302,8 @@ def test_qgz_geometry_agrees_with_kernel_layout_for_any_group_size(group_size, s
 
 def test_bytegrad_large_buffers_go_row_by_row_with_the_same_bits(monkeypatch):
     """Row buffers past the one-call size (the Triton kernels' int32 offsets; lowered here) are quantized and decoded
-    one row a call: the same wire bytes and the same averaged block, fp32 and bf16, on the torch and compiled paths."""
+    one row a call: the same wire bytes and the same averaged block, fp32 and bf16, returned or written into ``out``,
+    on the torch and compiled paths."""
     from megatron_ext.comm import bytegrad
     from megatron_ext.kernels import use_backend
 
@@ -312,21 +313,26 @@ def test_bytegrad_large_buffers_go_row_by_row_with_the_same_bits(monkeypatch):
         with use_backend(backend):
             rows = bytegrad._compress_rows(x, 32)
             want = {dt: bytegrad._decode_average(rows, 96, 32, 6, dt) for dt in (torch.float32, torch.bfloat16)}
-            monkeypatch.setattr(bytegrad, "_ONE_CALL_NUMEL", 64)
+            monkeypatch.setattr(bytegrad, "_ONE_CALL_BYTES", 64)
             assert torch.equal(bytegrad._compress_rows(x, 32), rows)
             for dt, w in want.items():
                 got = bytegrad._decode_average(rows, 96, 32, 6, dt)
                 assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), (backend, dt)
+                out = torch.empty(96, dtype=dt)   # into a given shard, as the reduce-scatter at D == 1 decodes
+                assert bytegrad._decode_average(rows, 96, 32, 6, dt, out=out) is out
+                assert torch.equal(out.view(torch.uint8), w.view(torch.uint8)), (backend, dt)
             monkeypatch.undo()
 
 
 def test_bytegrad_rows_compressed_at_once_equal_row_by_row():
     """ByteGrad's leader compresses all nodes' chunks in one call when the (min, max) chunk divides the row: the same
     codes, the same mins and maxs as values (a min of 0 may keep either sign) and bit-identical decoded values as one
-    call per row (no chunk straddles two rows), on the torch and compiled paths. A decoded value is never -0.0 (the
-    reason is in ``average``), so the node sum may start from node 0's version instead of zeros."""
-    from megatron_ext.comm.bytegrad import _compress_rows, _decompress
-    from megatron_ext.kernels import use_backend
+    call per row (no chunk straddles two rows), on the torch and compiled paths. The all-reduce's decode of the
+    gathered rows straight into the bucket (one-row decode-and-average calls, factor 1) gives the plain decode's bits.
+    A decoded value is never -0.0 (the reason is in ``average``), so the node sum may start from node 0's version
+    instead of zeros."""
+    from megatron_ext.comm.bytegrad import _compress_rows, _decode_rows
+    from megatron_ext.kernels import dequantize_minmax_uint8, use_backend
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 96, generator=g) * 4
@@ -338,12 +344,17 @@ def test_bytegrad_rows_compressed_at_once_equal_row_by_row():
             for c in (32, 96, 48):
                 rows = _compress_rows(x, c)
                 k = 96 // c
+                bucket = torch.full((3 * 96 + 1,), 7.0)
+                _decode_rows(rows, 96, c, bucket[:-1])
+                assert bucket[-1].item() == 7.0
                 for i in range(3):
                     alone = _compress_rows(x[i:i + 1].clone(), c)[0]
                     assert torch.equal(rows[i, :96], alone[:96])     # the codes
                     assert torch.equal(rows[i, 96:].view(torch.float32), alone[96:].view(torch.float32))
-                    d = _decompress(rows[i], 96, c)
-                    assert torch.equal(d.view(torch.int32), _decompress(alone, 96, c).view(torch.int32))
+                    mm = alone[96:].view(torch.float32)
+                    d = bucket[i * 96:(i + 1) * 96]
+                    want = dequantize_minmax_uint8(alone[:96], mm[:k], mm[k:], c, 96)
+                    assert torch.equal(d.view(torch.int32), want.view(torch.int32))
                     assert not torch.any(torch.signbit(d) & (d == 0))
                     assert rows.shape[1] == 96 + 8 * k
             # a chunk that does not divide the row: row by row, each row as its own call

@@ -291,6 +291,12 @@ def run_minmax_reduce(impl) -> None:
                 want = want + impl.dequantize_minmax_uint8(*rows[a], chunk, numel)
             want = (want * factor).to(dtype)
             got = impl.dequantize_minmax_reduce(q, mm[:, :nc], mm[:, nc:], chunk, numel, factor=factor, dtype=dtype)
+            into = torch.full((numel + 3,), 7.0, dtype=dtype)   # out: a slice with neighbours that stay untouched
+            out = into[1:numel + 1]
+            assert impl.dequantize_minmax_reduce(q, mm[:, :nc], mm[:, nc:], chunk, numel, factor=factor, dtype=dtype,
+                                                 out=out) is out
+            _same(out, got)
+            assert into[0].item() == into[numel + 1].item() == into[numel + 2].item() == 7.0
             nan = want.isnan()
             assert nan.any() == (k == 3 and numel > 0)
             if dtype == torch.bfloat16:   # every backend's bf16 NaN is torch's CPU one, 0xFFFF
@@ -313,11 +319,15 @@ def run_minmax_reduce(impl) -> None:
         impl.dequantize_minmax_reduce(q2, mins2.double(), maxs2, 16, 64)
     with pytest.raises(ValueError, match=r"q must be 2-D with contiguous rows"):
         impl.dequantize_minmax_reduce(q2.t().contiguous().t(), mins2, maxs2, 16, 64)
+    for bad, what in ((torch.empty(63), r"\(63,\)"), (torch.empty(64, dtype=torch.bfloat16), "torch.bfloat16"),
+                      (torch.empty(2, 32).t(), "not contiguous")):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of 64 elements.*" + what):
+            impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 64, out=bad)
 
 
 def run_out_aliasing_rejected(impl) -> None:
     """An ``out`` laid over the op's own input is refused before any write (the kernels would overwrite what other
-    programs still read): plain quantization, qgZ's swizzle and requantization, qwZ's row decode."""
+    programs still read): plain quantization, qgZ's swizzle and requantization, qwZ's row decode, ByteGrad's decode."""
     x = torch.randn(64)
     over_x = (x.view(torch.int8)[:64].view(1, 64), x[40:48].view(1, 8))   # codes and scales in x's own bytes
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
@@ -332,6 +342,10 @@ def run_out_aliasing_rejected(impl) -> None:
         impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), sc[:1]))
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
         impl.dequantize_rows(chunks, sc, bits=8, group_size=8, out=sc.view(-1)[:4].view(2, 2))
+    q, mins, maxs = impl.quantize_minmax_uint8(x, 16)   # ByteGrad's decode into its own (min, max) row
+    mm = torch.cat([mins, maxs]).view(1, -1)
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.dequantize_minmax_reduce(q.view(1, -1), mm[:, :4], mm[:, 4:], 16, 8, out=mm.view(-1)[:8])
     # the same shapes in separate memory run
     impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), torch.empty(1, 4)))
 
