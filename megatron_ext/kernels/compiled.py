@@ -27,7 +27,9 @@ only retraces (well under a second per graph instead of seconds).
 When: ``MX_KERNELS_COMPILE`` = ``0`` (always eager), ``1`` (always compiled), unset/``auto`` (compiled from
 ``MIN_NUMEL`` elements: below that the first call's compile costs more than eager loses, and small tensors gain
 little). If compiling fails (no C++ compiler, an unsupported torch), the op logs once and runs its core eagerly
-from then on; eager and compiled give the same bits, so a fallback never changes results.
+from then on; eager and compiled give the same bits, so a fallback never changes results. Under a Python dispatch
+mode (an op counter, ``FlopCounterMode``, a debug mode), which Dynamo refuses to compile under, that call runs
+eagerly and later ones compile again: a counting pass must not leave the op eager for the rest of the process.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import threading
 from typing import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import native
 from . import reference as _ref
@@ -106,7 +109,7 @@ def _run(name: str, core: Callable, rows: int, dynamic: tuple[tuple[torch.Tensor
     A single row runs the same core eagerly (Dynamo would specialise a size-1 dimension into one more graph), and so
     does everything once compiling ``name`` has failed: the core's eager ops give the same bits.
     """
-    if name in _failed or rows < 2:
+    if name in _failed or rows < 2 or _get_current_dispatch_mode() is not None:
         with torch.no_grad():
             return core(*args)
     for t, dim in dynamic:

@@ -193,6 +193,33 @@ def test_compile_failure_falls_back_once(monkeypatch, caplog):
     assert compiled._failed == {"quantize"}
 
 
+def test_dispatch_mode_runs_eager_for_that_call_only(monkeypatch, caplog):
+    """Under a TorchDispatchMode (what an op counter or FlopCounterMode pushes) Dynamo refuses to compile. The call
+    runs the core eagerly -- same bits, no warning -- and the op is not marked failed: outside the mode it compiles
+    again. (It used to fail, log, and leave ByteGrad's quantizer eager for the rest of the process after
+    tools/bucket_overhead.py's op-counting pass.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    compiles = []
+    monkeypatch.setattr(compiled, "_compiled", lambda core: compiles.append(core) or core)
+    monkeypatch.setattr(compiled, "_failed", set())
+    x = _data(64 * 9, torch.float32, 6)
+    want = ref.quantize_symmetric(x, bits=8, group_size=64)
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__), compiled.use_compile("1"):
+        with Count():
+            _same(compiled.quantize_symmetric(x, bits=8, group_size=64), want)
+        assert compiles == [] and Count.n > 0
+        _same(compiled.quantize_symmetric(x, bits=8, group_size=64), want)
+    assert len(compiles) == 1 and not compiled._failed and not caplog.records
+
+
 def test_compile_modes(monkeypatch):
     """MX_KERNELS_COMPILE: 0 runs the reference, auto compiles from MIN_NUMEL elements, bad values are errors."""
     calls = []
