@@ -6,7 +6,8 @@ it sends -- decides whether it can keep up with plain on a fast link (issue 14).
 ``--nodes x --ranks-per-node`` CPU processes on this machine (loopback: an unlimited link), every backend on
 ``--buckets`` buckets of ``--bucket-numel`` elements, launched back to back and then waited for, as the ODO does
 during backward and at the step; the gradient reductions with the progress engine on and off (the weight gathers
-run on the training thread only).
+run on the training thread only). ``all_reduce`` rows: a sharding plan's replica all-reduce (in place, on the whole
+bucket, over the whole world: with ``--ranks-per-node 1`` the replica group of one rank per node).
 
 Reported per bucket and backend: ``collectives`` (torch.distributed calls, counted by wrapping them), ``ops`` (aten
 ops dispatched on the thread that runs the work: kernel launches on a GPU), ``launch_ms`` (host time of the
@@ -34,6 +35,7 @@ sys.path.insert(0, ROOT)
 GRAD = [("plain", "plain", {}), ("qgz INT4", "qgz", {"qgz_bits": 4}), ("qgz INT8", "qgz", {"qgz_bits": 8}),
         ("bytegrad", "bytegrad", {})]
 GATHER = [("plain", "plain"), ("qwz", "qwz")]
+REPLICA = [("plain", "plain"), ("bytegrad", "bytegrad")]
 COLLECTIVES = ("all_to_all_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
                "all_gather_single", "reduce", "broadcast", "all_reduce")
 
@@ -138,7 +140,7 @@ def worker(rank: int, a, store: str, out_path: str) -> None:
     from megatron_ext.comm import BackendOptions, CommLedger, Topology, build_grad_reduce, build_param_gather
 
     topo = Topology(ranks_per_node=a.ranks_per_node)
-    res: Dict = {"reduce_scatter": {}, "all_gather": {}}
+    res: Dict = {"reduce_scatter": {}, "all_gather": {}, "all_reduce": {}}
     for label, name, extra in GRAD:
         opts = BackendOptions(quant_group_size=a.group_size, qgz_pipeline_stages=a.stages, **extra)
         for engine in (False, True):
@@ -150,6 +152,12 @@ def worker(rank: int, a, store: str, out_path: str) -> None:
         r = _measure(topo, lambda t: build_param_gather(name, t, CommLedger(), opts),
                      lambda be, b, s: be.all_gather(s, b), a, False)
         res["all_gather"][label] = {"sync": r}
+    for label, name in REPLICA:
+        opts = BackendOptions(quant_group_size=a.group_size)
+        for engine in (False, True):
+            r = _measure(topo, lambda t: build_grad_reduce(name, t, CommLedger(), opts),
+                         lambda be, b, s: be.all_reduce(b), a, engine)
+            res["all_reduce"].setdefault(label, {})["engine" if engine else "sync"] = r
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(res, f)
