@@ -206,7 +206,7 @@ class ByteGradGradReduce(GradReduce):
 
         def reduce_phase() -> List:
             if D == 1:   # nothing is summed into it: the compression reads the bucket where it lies
-                st["work"] = bucket
+                st["work"] = bucket.contiguous()
                 return []
             st["work"] = work = bucket.clone()   # the leader's reduce writes the node sum into it
             ledger.record("bytegrad_intra_reduce", intra=0 if leader else bucket.numel() * elem)

@@ -69,6 +69,13 @@ def run_all_backends(ranks_per_node: int, n: int, seed: int, options: Dict, dtyp
         assert torch.equal(src, bucket), f"{label} modified its input bucket"
         out["grad"][label] = shard
         out["ledger"][label] = ledger.summary()
+    # ByteGrad's reduce-scatter into the bucket's own shard (it writes results where they end up: at one rank per node
+    # straight into out_shard, with no copy of the bucket to read from)
+    if not grad_cases or any(name == "bytegrad" for _, name, _ in grad_cases):
+        own = bucket.clone()
+        build_grad_reduce("bytegrad", topo, CommLedger(), BackendOptions(**options)).reduce_scatter(
+            own, own[r * n:(r + 1) * n]).wait()
+        out["bytegrad_in_place"] = own[r * n:(r + 1) * n].clone()
     # ByteGrad's all-reduce (a sharding plan's replica reduction): Bagua's whole flow, every rank the whole bucket.
     ledger = CommLedger()
     ar = bucket.clone()

@@ -86,6 +86,9 @@ def test_bytegrad_all_reduce_identical_everywhere_and_within_two_round_bound(nam
     P, rpn, n, opts, dtype = CONFIGS[name]
     got = [r["bytegrad_all_reduce"]["result"] for r in res]
     assert all(torch.equal(g.view(torch.uint8), got[0].view(torch.uint8)) for g in got[1:])
+    # the reduce-scatter into the bucket's own shard gives the bits of the one into separate memory
+    assert all(torch.equal(r["bytegrad_in_place"].view(torch.uint8), r["grad"]["bytegrad"].view(torch.uint8))
+               for r in res)
     exact = sum(xs) / P
     bound = W.bytegrad_bound(xs, P // rpn, rpn, opts.get("bytegrad_chunk_size", 0), all_reduce=True)
     slack = 2 ** -8 * (exact.abs() + bound) if dtype == "bfloat16" else 1e-5 * max(x.abs().max() for x in xs)
