@@ -13,8 +13,8 @@ generalised reordering). Per stage:
    with local index ``b`` on every node;
 3. *dequantize-reduce-requantize*: sum of the ``D`` received chunks in fp32 (the node's partial sum), requantized;
 4. *inter-node all-to-all* (``inter_group``, same local index on every node): node ``a`` receives sub-slice ``a``;
-5. *dequantize-reduce*: sum of the ``N`` node partial sums in fp32, times ``1/P`` -- the only averaging step --
-   written to ``out_shard``.
+5. *dequantize-reduce*: sum of the ``N`` node partial sums in fp32, times ``1/P`` in the same pass -- the only averaging
+   step -- written straight into ``out_shard``.
 
 Stages are pipelined: the intra-node all-to-alls of all stages are launched at once (they overlap the caller's
 backward); the first ``advance()`` (or ``wait()``) then completes them in stage order, launching stage ``s``'s
@@ -170,14 +170,19 @@ class _QgzWork(Work):
         h = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.topo.inter_group, async_op=True)
         self._inter.append((s, h, recv))
 
-    def _finish_stage(self, s: int, total: torch.Tensor) -> None:
+    def _finish_stage(self, s: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """5. dequantize + reduce the stage's contributions straight into the shard, with the one and only
+        averaging (the fp32 sum times 1/P, in the shard's dtype) in the same pass."""
+        from megatron_ext.kernels import dequantize_reduce
+
         lo = s * self.sub
         hi = min(lo + self.sub, self.n)
-        if hi > lo:   # the one and only averaging, in fp32, written in the shard's dtype
-            torch.mul(total[:hi - lo], 1.0 / self.P, out=self.out[lo:hi])
+        if hi > lo:
+            dequantize_reduce(codes, scales, bits=self.bits, group_size=self.g, numel=hi - lo, factor=1.0 / self.P,
+                              dtype=self.out.dtype, out=self.out[lo:hi])
 
     def _complete_intra(self) -> None:
-        from megatron_ext.kernels import dequantize_reduce, dequantize_reduce_quantize
+        from megatron_ext.kernels import dequantize_reduce_quantize
 
         N, D, g, sub_pad, bits = self.N, self.D, self.g, self.sub_pad, self.bits
         for s in range(self.S):
@@ -186,7 +191,7 @@ class _QgzWork(Work):
             h.wait()
             c, sc = unpack_rows(recv, D, N * sub_pad * bits // 8, self.code_dtype)
             if N == 1:   # one-hop form: the intra-node exchange already gathered every contribution
-                self._finish_stage(s, dequantize_reduce(c, sc, bits=bits, group_size=g, dtype=torch.float32))
+                self._finish_stage(s, c, sc)
                 continue
             # 3. dequantize + reduce over the D local contributions + requantize (the node's partial sums), written
             # straight into the inter-node hop's rows (row a' for node a')
@@ -195,14 +200,11 @@ class _QgzWork(Work):
             self._launch_inter(s, send)
 
     def _complete_inter(self) -> None:
-        from megatron_ext.kernels import dequantize_reduce
-
         inter, self._inter = self._inter, []
         for s, h, recv in inter:
             h.wait()
-            # 5. dequantize + reduce over the N node partial sums
-            c, sc = unpack_rows(recv, self.N, self.sub_pad * self.bits // 8, self.code_dtype)
-            self._finish_stage(s, dequantize_reduce(c, sc, bits=self.bits, group_size=self.g, dtype=torch.float32))
+            # over the N node partial sums
+            self._finish_stage(s, *unpack_rows(recv, self.N, self.sub_pad * self.bits // 8, self.code_dtype))
 
     def advance(self) -> None:
         if self._phase == self._INTRA:

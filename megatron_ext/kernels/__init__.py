@@ -143,11 +143,14 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
-                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      numel: int | None = None, dtype: torch.dtype = torch.float32, factor: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Final qgZ step: dequantize ``k`` chunks (``[k, nbytes]``, scales ``[k, groups]``, rows as in
     :func:`dequantize_reduce_quantize`) and sum them in fp32.
 
-    Returns the first ``numel`` (default: all ``groups * group_size``) elements of the sum, cast to ``dtype``.
+    Returns the first ``numel`` (default: all ``groups * group_size``) elements of the sum times ``fl32(factor)``
+    (qgZ's averaging, in the same pass), cast to ``dtype``; written into ``out`` (contiguous, ``numel`` elements of
+    ``dtype``, disjoint from the inputs: a gradient shard) when given.
     """
     return _impl(chunks.device.type).dequantize_reduce(chunks, scales, bits=bits, group_size=group_size,
-                                                       numel=numel, dtype=dtype)
+                                                       numel=numel, dtype=dtype, factor=factor, out=out)

@@ -388,27 +388,52 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     return _ref.into_rows(codes.view(-1), out_scales, out)
 
 
+def _fp32_into(res: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """A native op's fp32 result as the caller asked for it: cast to ``dtype``, or in ``out`` (which it already is
+    when ``out`` is fp32: the op wrote there)."""
+    if out is None:
+        return res if dtype == torch.float32 else res.to(dtype)
+    if dtype != torch.float32:
+        out.view(-1).copy_(res)
+    return out
+
+
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
-                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    k, groups = _ref.check_chunks(chunks, scales, bits, group_size)
+                      numel: int | None = None, dtype: torch.dtype = torch.float32, factor: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    k, groups, numel = _ref.check_reduce_args(chunks, scales, bits, group_size, numel, dtype, out)
     g, bpg = group_size, group_size * bits // 8
-    total = groups * g
-    numel = total if numel is None else numel
-    if numel > total:
-        raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
-    if dtype == torch.float32 and _native(chunks, scales):
-        return native.dequantize_reduce(chunks, scales, bits, group_size, numel)
+    fp32 = dtype == torch.float32
+    # native: the fp32 sum (times factor) in one pass; a cast to 16 bits is a second one, which Inductor's loop below
+    # fuses, so there the native op runs only with a factor (which that loop would need a pass of its own for)
+    if (fp32 or factor != 1.0) and _native(chunks, scales):
+        res = native.dequantize_reduce(chunks, scales, bits, group_size, numel, factor,
+                                       out=out.view(-1) if fp32 and out is not None else None)
+        return _fp32_into(res, dtype, out)
     if not _wanted(numel):
-        return _ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype)
+        return _ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel, dtype=dtype,
+                                      factor=factor, out=out)
+    if factor != 1.0:   # Inductor's fp32 sum, then one pass that multiplies by fl32(factor) and casts (the reference)
+        total = dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel,
+                                  out=out if fp32 else None)
+        dst = out.view(-1) if out is not None else total if fp32 else torch.empty_like(total, dtype=dtype)
+        torch.mul(total, factor, out=dst)
+        return dst if out is None else out
     chunks, scales = chunks.contiguous(), scales.contiguous()
-    out = torch.empty(numel, dtype=dtype, device=chunks.device)
+    # into out where the INT4 pair view can lie over it (it starts at an even element); else through a fresh tensor
+    direct = out is not None and (bits == 8 or out.storage_offset() % 2 == 0)
+    res = out.view(-1) if direct else torch.empty(numel, dtype=dtype, device=chunks.device)
     ch3 = chunks.view(k, groups, bpg)
     full = numel // g
     if full:   # one call over all whole groups (blocks of 2M elements measured no faster: it is one pass)
-        cb, sb, ob = ch3[:, :full], scales[:, :full], _pair_view(out[:full * g].view(full, g), bits)
+        cb, sb, ob = ch3[:, :full], scales[:, :full], _pair_view(res[:full * g].view(full, g), bits)
         _run("dequantize_reduce", _reduce_core, full, ((cb, 1), (sb, 1), (ob, 0)), cb, sb, ob, bits, dtype)
     if numel > full * g:
-        out[full * g:] = _reduce_partial_group(ch3, scales, full, bits, g, dtype)[:numel - full * g]
+        res[full * g:] = _reduce_partial_group(ch3, scales, full, bits, g, dtype)[:numel - full * g]
+    if out is None:
+        return res
+    if not direct:
+        out.view(-1).copy_(res)
     return out
 
 
@@ -506,8 +531,4 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
     fp32 = dtype == torch.float32
     res = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor,
                                           out=out.view(-1) if fp32 and out is not None else None)
-    if out is None:
-        return res if fp32 else res.to(dtype)
-    if not fp32:
-        out.view(-1).copy_(res)
-    return out
+    return _fp32_into(res, dtype, out)

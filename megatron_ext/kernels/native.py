@@ -97,7 +97,7 @@ def library(variant: str = "native") -> ctypes.CDLL | None:
     signatures = {  # name -> (argument types, return type)
         "mx_int4_reduce_quantize": ([ptr, i64, ptr, i64, int_, i64, i64, ptr, ptr, int_], int_),
         "mx_quantize": ([ptr, i64, i64, i64, int_, ptr, ptr, int_], None),
-        "mx_dequantize_reduce": ([ptr, i64, ptr, i64, int_, i64, i64, int_, ptr, int_], None),
+        "mx_dequantize_reduce": ([ptr, i64, ptr, i64, int_, i64, i64, int_, ctypes.c_float, ptr, int_], None),
         "mx_dequantize_minmax_reduce": ([ptr, i64, ptr, ptr, i64, int_, i64, i64, ctypes.c_float, ptr, int_], None),
         "mx_isa": ([], int_),
     }
@@ -163,15 +163,17 @@ def quantize_into(x: torch.Tensor, bits: int, group_size: int, codes: torch.Tens
                                   scales.data_ptr(), _threads(groups * group_size, threads))
 
 
-def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int, *,
-                      threads: int | None = None, variant: str = "native") -> torch.Tensor:
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
+                      factor: float = 1.0, *, threads: int | None = None, variant: str = "native",
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 sum of the first ``numel`` elements of the k >= 1 chunks (``chunks`` [k, bytes] and ``scales``
     [k, groups], rows contiguous at any row stride, as ``reference.check_chunks`` checks them; k = 1 is the
-    dequantization)."""
-    out = torch.empty(numel, dtype=torch.float32)
+    dequantization) times ``fl32(factor)``, into ``out`` (contiguous fp32, ``numel`` elements, checked by the caller)
+    when given."""
+    out = torch.empty(numel, dtype=torch.float32) if out is None else out
     if numel:
         _lib(variant).mx_dequantize_reduce(chunks.data_ptr(), chunks.stride(0), scales.data_ptr(), scales.stride(0),
-                                           chunks.shape[0], numel, group_size, bits, out.data_ptr(),
+                                           chunks.shape[0], numel, group_size, bits, factor, out.data_ptr(),
                                            _threads(numel, threads))
     return out
 

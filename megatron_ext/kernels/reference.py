@@ -351,27 +351,39 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
     return into_rows(codes, out_scales, out)
 
 
-def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
-                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def check_reduce_args(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int | None,
+                      dtype: torch.dtype, out: torch.Tensor | None) -> tuple[int, int, int]:
+    """Validate ``dequantize_reduce``'s arguments (every backend); returns ``(k, groups, numel)``."""
     k, groups = check_chunks(chunks, scales, bits, group_size)
     total = groups * group_size
     numel = total if numel is None else numel
     if numel > total:
         raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
-    out = torch.empty(numel, dtype=dtype, device=chunks.device)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    check_flat_out(out, dtype, numel, (chunks, scales))
+    return k, groups, numel
+
+
+def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
+                      numel: int | None = None, dtype: torch.dtype = torch.float32, factor: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    k, groups, numel = check_reduce_args(chunks, scales, bits, group_size, numel, dtype, out)
+    given, out = out, (torch.empty(numel, dtype=dtype, device=chunks.device) if out is None else out.view(-1))
     per_block = max(1, _BLOCK // group_size)
     for s in range(0, groups, per_block):
         e = min(groups, s + per_block)
         lo, hi = s * group_size, min(numel, e * group_size)
         if hi <= lo:
             break
-        if dtype == torch.float32 and hi - lo == (e - s) * group_size:  # whole groups: sum straight into out
-            _reduce_block(chunks, scales, bits, s, e, group_size, out[lo:hi].view(e - s, group_size))
-            continue
-        acc = torch.empty(e - s, group_size, dtype=torch.float32, device=chunks.device)
-        _reduce_block(chunks, scales, bits, s, e, group_size, acc)
-        out[lo:hi] = acc.view(-1)[:hi - lo]
-    return out
+        whole = dtype == torch.float32 and hi - lo == (e - s) * group_size   # whole groups: sum straight into out
+        acc = (out[lo:hi] if whole else torch.empty((e - s) * group_size, dtype=torch.float32, device=chunks.device))
+        _reduce_block(chunks, scales, bits, s, e, group_size, acc.view(e - s, group_size))
+        if factor != 1.0:
+            acc.mul_(factor)   # fp32: the sum times fl32(factor), then cast
+        if not whole:
+            out[lo:hi] = acc[:hi - lo]
+    return out if given is None else given
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -559,13 +571,21 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
     if numel < 0 or q.shape[1] < numel or min(mins.shape[1], maxs.shape[1]) < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(max(numel, 0), chunk_size)} chunks of {chunk_size} per row: "
                          f"got rows of {q.shape[1]} codes, {mins.shape[1]} mins and {maxs.shape[1]} maxs")
-    if out is not None:
-        if out.dtype != dtype or out.device != q.device or out.numel() != numel or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {dtype} tensor of {numel} elements on {q.device}; got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}"
-                             + ("" if out.is_contiguous() else ", not contiguous"))
-        check_disjoint((out,), (q, mins, maxs))
+    check_flat_out(out, dtype, numel, (q, mins, maxs))
     return k
+
+
+def check_flat_out(out: torch.Tensor | None, dtype: torch.dtype, numel: int, inputs: tuple[torch.Tensor, ...]) -> None:
+    """The ``out`` of the decode-and-sum ops (contiguous, ``numel`` elements of ``dtype``, on the inputs' device, over
+    none of their bytes): every backend writes it in place."""
+    if out is None:
+        return
+    device = inputs[0].device
+    if out.dtype != dtype or out.device != device or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {numel} elements on {device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                         + ("" if out.is_contiguous() else ", not contiguous"))
+    check_disjoint((out,), inputs)
 
 
 def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,

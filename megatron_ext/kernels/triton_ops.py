@@ -124,12 +124,13 @@ def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ra
 def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int, numel: int,
                    out: torch.Tensor | None, out_codes: torch.Tensor | None, out_scales: torch.Tensor | None,
                    rows: int = 1, row_strides: tuple[int, int, int] = (0, 0, 0),
-                   out_rows: tuple[int, int, int] | None = None, k: int | None = None):
+                   out_rows: tuple[int, int, int] | None = None, k: int | None = None, factor: float = 1.0):
     """``chunks`` [k, bytes] and ``scales`` [k, groups], each row contiguous and the rows at any stride (chunks
     read in place from a received buffer). ``rows`` > 1: as many independent problems (grid axis 1), problem ``r``
     reading and writing ``r * row_strides`` (codes, scales, ``out``) further on. Requantizing (``out`` None):
     ``out_rows`` = (groups per row, code row stride, scale row stride) of ``out_codes`` / ``out_scales``. ``k``:
-    the chunks reduced, when fewer than ``chunks`` has rows (the row decode's problems start at its first row)."""
+    the chunks reduced, when fewer than ``chunks`` has rows (the row decode's problems start at its first row).
+    ``factor``: the stored sum is times ``fl32(factor)`` (not requantizing)."""
     k, groups = chunks.shape[0] if k is None else k, scales.shape[1]
     cols, gpp = _tile(bits, group_size)
     # chunk i at i * stride(0); masked lanes of the last tile run past its end (_tiled_extent)
@@ -143,7 +144,7 @@ def _launch_reduce(chunks: torch.Tensor, scales: torch.Tensor, bits: int, group_
     dummy = out if out is not None else out_scales
     grid = (cdiv(groups, gpp), rows)
     _reduce(grid, chunks, scales, dummy, out_codes if requant else dummy, out_scales if requant else dummy, groups,
-            numel, chunks.stride(0), scales.stride(0), *row_strides, *(out_rows or (1, 0, 0)), K=k,
+            numel, float(factor), chunks.stride(0), scales.stride(0), *row_strides, *(out_rows or (1, 0, 0)), K=k,
             GROUP=group_size, COLS=cols, GPP=gpp, BITS=bits, QMAX=qmax(bits), REQUANT=requant, **_OPTS)
 
 
@@ -189,16 +190,13 @@ def dequantize_reduce_quantize(chunks: torch.Tensor, scales: torch.Tensor, bits:
 
 
 def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, group_size: int,
-                      numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    _, groups = _ref.check_chunks(chunks, scales, bits, group_size)
-    total = groups * group_size
-    numel = total if numel is None else numel
-    if numel > total:
-        raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
-    out = torch.empty(numel, dtype=dtype, device=chunks.device)
+                      numel: int | None = None, dtype: torch.dtype = torch.float32, factor: float = 1.0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    _, groups, numel = _ref.check_reduce_args(chunks, scales, bits, group_size, numel, dtype, out)
+    given, out = out, (torch.empty(numel, dtype=dtype, device=chunks.device) if out is None else out.view(-1))
     if numel:
-        _launch_reduce(chunks, scales, bits, group_size, numel, out, None, None)
-    return out
+        _launch_reduce(chunks, scales, bits, group_size, numel, out, None, None, factor=factor)
+    return out if given is None else given
 
 
 def _minmax_grid(numel: int, chunk_size: int) -> tuple[int, int]:

@@ -138,7 +138,7 @@ def swizzle_quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, part_numel, sta
 
 
 @triton.jit
-def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, groups, numel,
+def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, groups, numel, factor,
                   chunk_stride, scale_stride, row_stride, scale_row_stride, out_row_stride,
                   out_gpr, out_code_row_stride, out_scale_row_stride,
                   K: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, GPP: tl.constexpr, BITS: tl.constexpr,
@@ -148,7 +148,7 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
 
     REQUANT: quantize the sum into ``out_codes``/``out_scales`` (group ``t`` in row ``t // out_gpr``, rows
     ``out_code_row_stride`` / ``out_scale_row_stride`` apart: wire rows written in place); else store its first
-    ``numel`` elements to ``out``.
+    ``numel`` elements times ``factor`` (fp32; 1.0 is exact) to ``out``.
     Dequantization alone is the case K = 1. K (nodes or ranks per node) is a constexpr so that the loop unrolls and
     the K loads are all in flight before the first is used. Grid axis 1 runs independent problems (rows of a
     gathered buffer): problem ``r`` reads from ``r * row_stride`` / ``r * scale_row_stride`` and writes ``out`` from
@@ -181,7 +181,7 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
             tl.store(out_codes_ptr + dst, q.to(tl.int8), mask=m2)
             tl.store(out_scales_ptr + orow * out_scale_row_stride + ogrp, scale, mask=row_ok)
         else:
-            tl.store(out_ptr + off, to_out_dtype(acc, out_ptr.dtype.element_ty), mask=m2 & (off < numel))
+            tl.store(out_ptr + off, to_out_dtype(acc * factor, out_ptr.dtype.element_ty), mask=m2 & (off < numel))
     else:
         col_ok = cols < GROUP // 2
         m2 = row_ok[:, None] & col_ok[None, :]
@@ -207,8 +207,8 @@ def reduce_kernel(chunks_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr
         else:
             # interleave the even and odd elements in registers: one contiguous store instead of two stride-2 ones
             # (strided fp32 stores ran at a quarter of the copy bandwidth on an H100)
-            both = tl.reshape(tl.join(to_out_dtype(acc0, out_ptr.dtype.element_ty),
-                                      to_out_dtype(acc1, out_ptr.dtype.element_ty)), (GPP, 2 * COLS))
+            both = tl.reshape(tl.join(to_out_dtype(acc0 * factor, out_ptr.dtype.element_ty),
+                                      to_out_dtype(acc1 * factor, out_ptr.dtype.element_ty)), (GPP, 2 * COLS))
             e = rows[:, None] * GROUP + tl.arange(0, 2 * COLS)[None, :]
             ok = row_ok[:, None] & (tl.arange(0, 2 * COLS) < GROUP)[None, :] & (e < numel)
             tl.store(out_ptr + e, both, mask=ok)

@@ -121,10 +121,11 @@ static inline void decode_group(const uint8_t *c, float s, int64_t n, int bits, 
     }
 }
 
-/* The k chunks' sum (k = 1: the dequantization) of numel elements in groups of g: chunk i's codes start at
- * codes + i * chunk_stride and its scales at scales + i * scale_stride. */
+/* The k chunks' sum (k = 1: the dequantization) of numel elements in groups of g, times factor (qgZ's averaging,
+ * fused into its last decode while the group is in L1; 1: none): chunk i's codes start at codes + i * chunk_stride
+ * and its scales at scales + i * scale_stride. */
 void mx_dequantize_reduce(const uint8_t *codes, int64_t chunk_stride, const float *scales, int64_t scale_stride,
-                          int k, int64_t numel, int64_t g, int bits, float *out, int nthreads) {
+                          int k, int64_t numel, int64_t g, int bits, float factor, float *out, int nthreads) {
     const int64_t groups = (numel + g - 1) / g, bpg = g * bits / 8;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -132,9 +133,11 @@ void mx_dequantize_reduce(const uint8_t *codes, int64_t chunk_stride, const floa
         my_range(groups, &a, &b);
         for (int64_t i = a; i < b; i++) {
             const int64_t n = numel - i * g < g ? numel - i * g : g;
+            float *o = out + i * g;
             for (int c = 0; c < k; c++)
-                decode_group(codes + c * chunk_stride + i * bpg, scales[c * scale_stride + i], n, bits, c > 0,
-                             out + i * g);
+                decode_group(codes + c * chunk_stride + i * bpg, scales[c * scale_stride + i], n, bits, c > 0, o);
+            if (factor != 1.0f)
+                for (int64_t j = 0; j < n; j++) o[j] = o[j] * factor;
         }
     }
 }

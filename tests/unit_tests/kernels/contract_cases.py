@@ -325,6 +325,40 @@ def run_minmax_reduce(impl) -> None:
             impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 64, out=bad)
 
 
+def run_reduce_factor_out(impl) -> None:
+    """qgZ's last step, ``dequantize_reduce`` with ``factor`` and ``out``: the rows of a received buffer, read in
+    place, give the bits of its definition (the fp32 sum, times fl32(factor), cast), written into a slice of a larger
+    tensor (starting at an odd element: INT4's pair writes must not need an even one) whose neighbours stay
+    untouched; a cut last group; bad ``out`` and ``dtype`` are clear errors."""
+    g = torch.Generator().manual_seed(5)
+    for bits, group, n, numel in ((8, 8, 40, 37), (4, 8, 42, 41), (4, 16, 64, 64), (8, 16, 32, 0)):
+        pieces = [impl.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
+                  for _ in range(3)]
+        c, s = _wire_rows(torch.stack([q for q, _ in pieces]), torch.stack([sc for _, sc in pieces]), lead=4)
+        total = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel)
+        for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (1 / 6, torch.bfloat16),
+                              (0.125, torch.float16)):
+            want = (total * factor).to(dtype)
+            got = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel, factor=factor, dtype=dtype)
+            _same(got, want)
+            into = torch.full((numel + 3,), 7.0, dtype=dtype)
+            out = into[1:numel + 1]
+            assert impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel, factor=factor, dtype=dtype,
+                                          out=out) is out
+            _same(out, want)
+            assert into[0].item() == into[numel + 1].item() == into[numel + 2].item() == 7.0
+    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    chunks, sc = codes.view(2, 32), scales.view(2, 4)
+    for bad, what in ((torch.empty(31), r"\(31,\)"), (torch.empty(32, dtype=torch.bfloat16), "torch.bfloat16"),
+                      (torch.empty(2, 16).t(), "not contiguous")):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of 32 elements.*" + what):
+            impl.dequantize_reduce(chunks, sc, bits=8, group_size=8, factor=0.5, out=bad)
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        impl.dequantize_reduce(chunks, sc, bits=8, group_size=8, numel=8, out=sc.view(-1)[:8])
+    with pytest.raises(TypeError, match=r"dtype must be float32, float16 or bfloat16, got torch.int32"):
+        impl.dequantize_reduce(chunks, sc, bits=8, group_size=8, dtype=torch.int32)
+
+
 def run_out_aliasing_rejected(impl) -> None:
     """An ``out`` laid over the op's own input is refused before any write (the kernels would overwrite what other
     programs still read): plain quantization, qgZ's swizzle and requantization, qwZ's row decode, ByteGrad's decode."""

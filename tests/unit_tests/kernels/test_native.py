@@ -178,13 +178,14 @@ def test_codec_quantize_dequantize(variant, bits, group, numel, pad, threads, se
 @pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(k=st.integers(1, 9), bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 6, 64, 2048]),
-       groups=st.integers(1, 9), cut=st.integers(0, 70), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
-def test_codec_dequantize_reduce(variant, k, bits, group, groups, cut, threads, seed):
+       groups=st.integers(1, 9), cut=st.integers(0, 70), threads=st.integers(1, 3), seed=st.integers(0, 2 ** 16),
+       factor=st.sampled_from([1.0, 1 / 3, 0.125, 1 / 48]))
+def test_codec_dequantize_reduce(variant, k, bits, group, groups, cut, threads, seed, factor):
     qs = [ref.quantize_symmetric(_data(groups * group, seed + i), bits=bits, group_size=group) for i in range(k)]
     chunks, scales = torch.stack([c for c, _ in qs]), torch.stack([s for _, s in qs])
     numel = max(0, groups * group - cut)
-    _same((native.dequantize_reduce(chunks, scales, bits, group, numel, threads=threads, variant=variant),),
-          (ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group, numel=numel),))
+    _same((native.dequantize_reduce(chunks, scales, bits, group, numel, factor, threads=threads, variant=variant),),
+          (ref.dequantize_reduce(chunks, scales, bits=bits, group_size=group, numel=numel, factor=factor),))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -304,5 +305,6 @@ def test_codec_contract_cases(monkeypatch):
         contract_cases.run_bad_arguments_rejected(compiled)
         contract_cases.run_minmax_overflow(compiled)
         contract_cases.run_minmax_reduce(compiled)
+        contract_cases.run_reduce_factor_out(compiled)
         contract_cases.run_minmax_out_rows(compiled)
         contract_cases.run_out_aliasing_rejected(compiled)

@@ -351,6 +351,11 @@ def test_minmax_overflowing_constant_chunk():
     contract_cases.run_out_aliasing_rejected(reference)
 
 
+def test_reduce_factor_and_out():
+    """qgZ's last step: the averaging factor and the shard as out."""
+    contract_cases.run_reduce_factor_out(reference)
+
+
 def test_int32_offset_guard():
     """Triton kernels index with int32: the guard admits offsets up to 2^31 - 1 and names the limit beyond."""
     check_int32_offsets(2 ** 31, "quantize")  # largest offset 2^31 - 1: still addressable

@@ -209,6 +209,11 @@ def test_minmax_overflowing_constant_chunk(tri):
     contract_cases.run_out_aliasing_rejected(tri)
 
 
+def test_reduce_factor_and_out(tri):
+    """qgZ's last step: the averaging factor and the shard as out."""
+    contract_cases.run_reduce_factor_out(tri)
+
+
 def test_production_group_size_2048(tri):
     """qwZ/qgZ default group (comm quant_group_size=2048): lengths that are not a multiple of it, every op."""
     g = 2048
