@@ -12,9 +12,15 @@
 #      where the compute stream waits on communication (never in backward but for the buffer pool's handovers).
 #
 #   bash tools/gpu_checks.sh [OUT_DIR]          # writes logs and JSON into OUT_DIR (default: gpu_checks/)
+#   MX_GPU_CHECKS=kernels,resume bash tools/gpu_checks.sh   # only these of: kernels, bench, trace, resume (1-4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_checks}
+CHECKS=${MX_GPU_CHECKS:-kernels,bench,trace,resume}
+for c in ${CHECKS//,/ }; do
+    case $c in kernels|bench|trace|resume) ;; *) echo "MX_GPU_CHECKS: unknown check '$c' (kernels, bench, trace, resume)" >&2; exit 2;; esac
+done
+wanted() { [[ ",$CHECKS," == *",$1,"* ]]; }
 mkdir -p "$OUT"
 failed=()
 step() {  # step NAME CMD...: run CMD, keep its log, remember a failure and go on with the next check
@@ -29,36 +35,40 @@ nvidia-smi -L
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
 XDIST=(); python -c "import xdist" 2>/dev/null && XDIST=(-n 8)  # compiling the kernels' variants dominates: spread it
-step kernels_cuda env MX_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-    "${XDIST[@]}" tests/unit_tests/kernels/triton_cases.py
-step bench_kernels python tools/bench_kernels.py --devices cuda --out "$OUT/bench_kernels_cuda.json"
-step trace_gpu_step python tools/trace_gpu_step.py --engines inline,thread --steps 5 --check --json "$OUT/gpu_trace.json"
+wanted kernels && step kernels_cuda env MX_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning "${XDIST[@]}" tests/unit_tests/kernels/triton_cases.py
+wanted bench && step bench_kernels python tools/bench_kernels.py --devices cuda --out "$OUT/bench_kernels_cuda.json"
+wanted trace && step trace_gpu_step python tools/trace_gpu_step.py --engines inline,thread --steps 5 --check \
+    --json "$OUT/gpu_trace.json"
 
-CKPT=$(mktemp -d)
-GPT=(-m torch.distributed.run --nproc-per-node 1 --standalone -m megatron_ext.training.pretrain_gpt
-     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 --max-position-embeddings 512
-     --micro-batch-size 8 --global-batch-size 32 --bf16
-     --optimizer adam --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40
-     --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 1000 --eval-iters 1 --seed 1234
-     --use-distributed-optimizer --use-overlapped-distributed-optimizer --overlap-grad-reduce
-     --overlap-param-gather --ddp-bucket-size 10000000)
-step train_40 python "${GPT[@]}" --train-iters 40 --save "$CKPT/a" --save-interval 20
-step train_20 python "${GPT[@]}" --train-iters 20 --save "$CKPT/b"
-# the first half ran with --train-iters 20: take this run's (identical lr, longer weight-decay) schedule
-step resume_20_to_40 python "${GPT[@]}" --train-iters 40 --load "$CKPT/b" --save "$CKPT/b" \
-    --override-opt_param-scheduler
-rm -rf "$CKPT"
-# the losses logged at iterations 21..40 by the uninterrupted run and by the resumed one
-losses() {
-    grep -o "iteration *[0-9]*/.*lm loss: [0-9.E+-]*" "$OUT/$1.log" |
-        sed -n 's/iteration *\([0-9]*\)\/.*lm loss: \([0-9.E+-]*\)/\1 \2/p' | awk '$1 > 20'
+resume_check() {  # 3. pretrain_gpt save at 20 and resume: the same losses
+    CKPT=$(mktemp -d)
+    GPT=(-m torch.distributed.run --nproc-per-node 1 --standalone -m megatron_ext.training.pretrain_gpt
+         --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 512 --max-position-embeddings 512
+         --micro-batch-size 8 --global-batch-size 32 --bf16
+         --optimizer adam --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --lr-decay-iters 40
+         --weight-decay 0.1 --clip-grad 1.0 --log-interval 1 --eval-interval 1000 --eval-iters 1 --seed 1234
+         --use-distributed-optimizer --use-overlapped-distributed-optimizer --overlap-grad-reduce
+         --overlap-param-gather --ddp-bucket-size 10000000)
+    step train_40 python "${GPT[@]}" --train-iters 40 --save "$CKPT/a" --save-interval 20
+    step train_20 python "${GPT[@]}" --train-iters 20 --save "$CKPT/b"
+    # the first half ran with --train-iters 20: take this run's (identical lr, longer weight-decay) schedule
+    step resume_20_to_40 python "${GPT[@]}" --train-iters 40 --load "$CKPT/b" --save "$CKPT/b" \
+        --override-opt_param-scheduler
+    rm -rf "$CKPT"
+    # the losses logged at iterations 21..40 by the uninterrupted run and by the resumed one
+    losses() {
+        grep -o "iteration *[0-9]*/.*lm loss: [0-9.E+-]*" "$OUT/$1.log" |
+            sed -n 's/iteration *\([0-9]*\)\/.*lm loss: \([0-9.E+-]*\)/\1 \2/p' | awk '$1 > 20'
+    }
+    if [ -n "$(losses train_40)" ] && [ "$(losses train_40)" = "$(losses resume_20_to_40)" ]; then
+        echo "resume: losses at iterations 21-40 equal the uninterrupted run's"
+    else
+        echo "!! resume: losses differ from the uninterrupted run (or were not logged)"; failed+=(resume_losses)
+        paste <(losses train_40) <(losses resume_20_to_40)
+    fi
 }
-if [ -n "$(losses train_40)" ] && [ "$(losses train_40)" = "$(losses resume_20_to_40)" ]; then
-    echo "resume: losses at iterations 21-40 equal the uninterrupted run's"
-else
-    echo "!! resume: losses differ from the uninterrupted run (or were not logged)"; failed+=(resume_losses)
-    paste <(losses train_40) <(losses resume_20_to_40)
-fi
+wanted resume && resume_check
 
 echo
 [ ${#failed[@]} -eq 0 ] && echo "all GPU checks passed" || { echo "FAILED: ${failed[*]}"; exit 1; }
