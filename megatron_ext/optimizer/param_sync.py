@@ -14,7 +14,9 @@ flight, whatever the module structure:
 3. Reads that bypass attributes (``module.parameters()`` iterated by another module, a stored reference) are found
    once, in the first forward: it waits for everything at the root, while a ``TorchFunctionMode`` audits every op
    and notes each parameter consumed before mechanisms 1 and 2 would have waited for it. Those buckets are waited
-   for at the root's pre-hook from then on (they lose overlap, never correctness).
+   for at the root's pre-hook from then on (they lose overlap, never correctness). The audit stays out of
+   ``torch.compile``'d regions (see ``ParamUseAudit``): such a region gets its weights as arguments, read outside it,
+   and the audited forward computes exactly what the others do.
 
 Anything that writes weights (step, load) or reads them in bulk (state_dict) calls ``wait_all()`` first.
 """
@@ -75,7 +77,15 @@ def guard_parameter_reads(module: torch.nn.Module, bucket_of_param: Dict[int, in
 
 
 class ParamUseAudit(TorchFunctionMode):
-    """Calls ``on_use(bucket)`` for every bucketed parameter an op consumes (the first forward's audit)."""
+    """Calls ``on_use(bucket)`` for every bucketed parameter an op consumes (the first forward's audit).
+
+    Transparent to ``torch.compile``: while Dynamo traces a function under it (Megatron's fused bias-dropout-add and
+    bias-GeLU are compiled), the mode only calls the op. Inspecting the arguments there would be traced too: ``id()``
+    of each tensor becomes an identity guard, so every call recompiles, and once Dynamo's recompile limit is hit the
+    function runs eagerly for the rest of the process. That changed the model's numerics from the first audited
+    forward on (one GPU, bf16: a resumed run, audited at another iteration, then logged other losses). A compiled
+    region's weights come in as its arguments, fetched outside it (by attribute, where mechanism 2 waits for them).
+    """
 
     def __init__(self, bucket_of_param: Dict[int, int], on_use) -> None:
         super().__init__()
@@ -84,6 +94,8 @@ class ParamUseAudit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
         for leaf in tree_leaves((args, kwargs)):
             idx = self.bucket_of_param.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if idx is not None:

@@ -160,6 +160,54 @@ class _NestedBackwardNet(torch.nn.Module):
         return self.last(torch.tanh(self.first(x)))
 
 
+def _bias_gelu(y, b):
+    """Megatron's fused bias-GeLU shape: torch.compile'd and called by every layer. In bf16 its compiled and eager
+    results differ in the last bits, which tells the two apart."""
+    return torch.nn.functional.gelu(y + b) * 1.5
+
+
+class _CompiledLayers(torch.nn.Module):
+    def __init__(self, layers: int, act) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(layers))
+        self.act = act
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(x @ layer.weight.t(), layer.bias)
+        return x
+
+
+def _audit_keeps_compiled_regions_compiled():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        net = _CompiledLayers(6, torch.compile(_bias_gelu)).to(torch.bfloat16)   # more calls than the limit
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        with torch.no_grad():
+            compiled = net(x)
+            net.act = _bias_gelu
+            eager = net(x)
+            net.act = torch.compile(_bias_gelu)
+        torch._dynamo.reset()
+        model = mx.OverlappedDDP(net, mx.OverlapConfig(bucket_size=300, overlap_param_gather=True))
+        with torch.no_grad():   # the first forward is the audit; no step between them: the same weights
+            outs = [model(x) for _ in range(3)]
+        return (model.param_sync.learning, torch.equal(compiled, eager),
+                [(torch.equal(o, compiled), torch.equal(o, eager)) for o in outs])
+
+
+def test_first_forward_audit_leaves_compiled_regions_alone(spawn):
+    """The audit's TorchFunctionMode must not change how a torch.compile'd region runs, in that forward or after:
+    tracing its argument checks made every call recompile, and past Dynamo's recompile limit the region ran eagerly
+    for good. In bf16 compiled and eager GeLU round differently, so a run audited at another iteration (a resumed
+    one) logged other losses."""
+    learning, same_anyway, outs = spawn(_audit_keeps_compiled_regions_compiled, 1)[0]
+    assert not learning
+    assert not same_anyway, "the data must tell compiled and eager apart for this test to mean anything"
+    assert outs == [(True, False)] * 3, outs   # every forward, the audited one too, ran the compiled region
+
+
 def _late_gradient_fails_on_every_rank():
     torch.manual_seed(0)
     net = _NestedBackwardNet()
