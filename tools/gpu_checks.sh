@@ -10,15 +10,19 @@
 #      (dropout on: the CUDA RNG states must come back too).
 #   4. tools/trace_gpu_step.py: a 16-rank fake process group on the one GPU, progress engine inline and on a thread;
 #      where the compute stream waits on communication (never in backward but for the buffer pool's handovers).
+#   5. tools/train_sequence_resume.py: Megatron-LM's train() sequence around the ODO (a bf16 GPT with megatron-core's
+#      compiled fusions), saved at 4 of 8 iterations and resumed: the losses bit for bit (this setting failed on an
+#      H100 before the first-forward audit left compiled regions alone: docs/benchmarks/megatron_lm_check_h100_stop34.txt).
 #
 #   bash tools/gpu_checks.sh [OUT_DIR]          # writes logs and JSON into OUT_DIR (default: gpu_checks/)
-#   MX_GPU_CHECKS=kernels,resume bash tools/gpu_checks.sh   # only these of: kernels, bench, trace, resume (1-4)
+#   MX_GPU_CHECKS=kernels,resume bash tools/gpu_checks.sh   # only these of: kernels, bench, trace, resume, replay
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_checks}
-CHECKS=${MX_GPU_CHECKS:-kernels,bench,trace,resume}
+CHECKS=${MX_GPU_CHECKS:-kernels,bench,trace,resume,replay}
 for c in ${CHECKS//,/ }; do
-    case $c in kernels|bench|trace|resume) ;; *) echo "MX_GPU_CHECKS: unknown check '$c' (kernels, bench, trace, resume)" >&2; exit 2;; esac
+    case $c in kernels|bench|trace|resume|replay) ;;
+        *) echo "MX_GPU_CHECKS: unknown check '$c' (kernels, bench, trace, resume, replay)" >&2; exit 2;; esac
 done
 wanted() { [[ ",$CHECKS," == *",$1,"* ]]; }
 mkdir -p "$OUT"
@@ -69,6 +73,8 @@ resume_check() {  # 3. pretrain_gpt save at 20 and resume: the same losses
     fi
 }
 wanted resume && resume_check
+wanted replay && step train_sequence_resume python tools/train_sequence_resume.py --device cuda --layers 4 \
+    --hidden 256 --seq 256 --vocab 1024 --iters 8 --out "$OUT/replay" --json "$OUT/train_sequence_resume.json"
 
 echo
 [ ${#failed[@]} -eq 0 ] && echo "all GPU checks passed" || { echo "FAILED: ${failed[*]}"; exit 1; }
