@@ -84,6 +84,9 @@ def cases(numel: int, group: int, nodes: int, rpn: int, chunk: int) -> List[Tupl
     chunks = torch.zeros(rpn, sgroups * group // 2, dtype=torch.uint8)
     cscales = torch.ones(rpn, sgroups)
     _, c4, s4 = empty_rows(1, sgroups * group // 2, sgroups, torch.uint8, x.device)
+    # qgZ's last step: the nodes' partial sums decoded, summed and averaged straight into the gradient shard
+    partials, pscales, grad_shard = (torch.zeros(nodes, sgroups * group // 2, dtype=torch.uint8),
+                                     torch.ones(nodes, sgroups), torch.empty(shard))
     # ByteGrad: the leader's rows for ``nodes`` nodes ([q | pad | mins | maxs]) and their decode-and-average
     per_node = numel // nodes
     chunk = min(chunk, per_node)
@@ -103,6 +106,9 @@ def cases(numel: int, group: int, nodes: int, rpn: int, chunk: int) -> List[Tupl
         (f"swizzle_quantize INT4 ({nodes}x{rpn})", lambda: T.swizzle_quantize(x, 4, group, nodes, rpn)),
         (f"dequantize_reduce_quantize INT4, k={rpn}, out=",
          lambda: T.dequantize_reduce_quantize(chunks, cscales, 4, group, out=(c4, s4))),
+        (f"dequantize_reduce INT4, k={nodes}, factor=, out=",
+         lambda: T.dequantize_reduce(partials, pscales, bits=4, group_size=group, numel=shard,
+                                     factor=1.0 / (nodes * rpn), out=grad_shard)),
         (f"quantize_minmax_uint8, {nodes} rows out=", lambda: T.quantize_minmax_uint8(x, chunk, out=mm)),
         (f"dequantize_minmax_reduce, k={nodes}",
          lambda: T.dequantize_minmax_reduce(mm[0], mm[1], mm[2], chunk, per_node, factor=1.0 / nodes)),
