@@ -178,7 +178,7 @@ class _CompiledLayers(torch.nn.Module):
         return x
 
 
-def _audit_keeps_compiled_regions_compiled():
+def _audit_keeps_compiled_regions_compiled(zero3: bool):
     torch._dynamo.reset()
     torch.manual_seed(0)
     with torch._dynamo.config.patch(recompile_limit=3):
@@ -190,19 +190,21 @@ def _audit_keeps_compiled_regions_compiled():
             eager = net(x)
             net.act = torch.compile(_bias_gelu)
         torch._dynamo.reset()
-        model = mx.OverlappedDDP(net, mx.OverlapConfig(bucket_size=300, overlap_param_gather=True))
+        plan = mx.ShardingPlan.zero3() if zero3 else mx.ShardingPlan()   # ZeRO-3: the schedule's first-forward record
+        model = mx.OverlappedDDP(net, mx.OverlapConfig(bucket_size=300, overlap_param_gather=True, sharding=plan))
         with torch.no_grad():   # the first forward is the audit; no step between them: the same weights
             outs = [model(x) for _ in range(3)]
         return (model.param_sync.learning, torch.equal(compiled, eager),
                 [(torch.equal(o, compiled), torch.equal(o, eager)) for o in outs])
 
 
-def test_first_forward_audit_leaves_compiled_regions_alone(spawn):
-    """The audit's TorchFunctionMode must not change how a torch.compile'd region runs, in that forward or after:
-    tracing its argument checks made every call recompile, and past Dynamo's recompile limit the region ran eagerly
-    for good. In bf16 compiled and eager GeLU round differently, so a run audited at another iteration (a resumed
-    one) logged other losses."""
-    learning, same_anyway, outs = spawn(_audit_keeps_compiled_regions_compiled, 1)[0]
+@pytest.mark.parametrize("zero3", [False, True], ids=["zero2", "zero3"])
+def test_first_forward_audit_leaves_compiled_regions_alone(spawn, zero3):
+    """The audit's TorchFunctionMode (ZeRO-3: the schedule's recorder, the same mode) must not change how a
+    torch.compile'd region runs, in that forward or after: tracing its argument checks made every call recompile,
+    and past Dynamo's recompile limit the region ran eagerly for good. In bf16 compiled and eager GeLU round
+    differently, so a run audited at another iteration (a resumed one) logged other losses."""
+    learning, same_anyway, outs = spawn(_audit_keeps_compiled_regions_compiled, 2 if zero3 else 1, zero3)[0]
     assert not learning
     assert not same_anyway, "the data must tell compiled and eager apart for this test to mean anything"
     assert outs == [(True, False)] * 3, outs   # every forward, the audited one too, ran the compiled region
