@@ -359,9 +359,7 @@ def check_reduce_args(chunks: torch.Tensor, scales: torch.Tensor, bits: int, gro
     numel = total if numel is None else numel
     if numel > total:
         raise ValueError(f"numel={numel} exceeds the {total} elements held by each chunk")
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    check_flat_out(out, dtype, numel, (chunks, scales))
+    check_result(dtype, out, numel, (chunks, scales))
     return k, groups, numel
 
 
@@ -560,8 +558,6 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
             raise TypeError(f"{name} must be float32, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     k = q.shape[0]
@@ -571,13 +567,15 @@ def check_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, c
     if numel < 0 or q.shape[1] < numel or min(mins.shape[1], maxs.shape[1]) < cdiv(numel, chunk_size):
         raise ValueError(f"{numel} elements need {cdiv(max(numel, 0), chunk_size)} chunks of {chunk_size} per row: "
                          f"got rows of {q.shape[1]} codes, {mins.shape[1]} mins and {maxs.shape[1]} maxs")
-    check_flat_out(out, dtype, numel, (q, mins, maxs))
+    check_result(dtype, out, numel, (q, mins, maxs))
     return k
 
 
-def check_flat_out(out: torch.Tensor | None, dtype: torch.dtype, numel: int, inputs: tuple[torch.Tensor, ...]) -> None:
-    """The ``out`` of the decode-and-sum ops (contiguous, ``numel`` elements of ``dtype``, on the inputs' device, over
-    none of their bytes): every backend writes it in place."""
+def check_result(dtype: torch.dtype, out: torch.Tensor | None, numel: int, inputs: tuple[torch.Tensor, ...]) -> None:
+    """The result of the decode-and-sum ops: a float ``dtype``, and ``out`` when given (contiguous, ``numel`` elements
+    of ``dtype``, on the inputs' device, over none of their bytes), which every backend writes in place."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if out is None:
         return
     device = inputs[0].device
