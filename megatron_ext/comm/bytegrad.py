@@ -109,16 +109,12 @@ def _compress_rows(x: torch.Tensor, c: int) -> torch.Tensor:
 
 def _decode_rows(rows: torch.Tensor, L: int, c: int, out: torch.Tensor) -> torch.Tensor:
     """Each of the ``[nodes, row]`` gathered rows decoded where it lies into its ``L`` elements of ``out`` (``nodes *
-    L`` contiguous elements): no temporaries, no copies. A one-row decode-and-average with factor 1 is the plain
-    decode, bit for bit."""
-    from megatron_ext.kernels import dequantize_minmax_reduce
+    L`` contiguous elements): one call, no temporaries, no copies."""
+    from megatron_ext.kernels import dequantize_minmax_rows
 
     nodes, chunks = rows.shape[0], -(-L // c)
     q, minmax = unpack_rows(rows, nodes, L, torch.uint8, 2 * chunks)
-    flat = out.view(-1)
-    for a in range(nodes):
-        dequantize_minmax_reduce(q[a:a + 1], minmax[a:a + 1, :chunks], minmax[a:a + 1, chunks:], c, L,
-                                 dtype=out.dtype, out=flat[a * L:(a + 1) * L])
+    dequantize_minmax_rows(q, minmax[:, :chunks], minmax[:, chunks:], c, out=out.view(nodes, L))
     return out
 
 

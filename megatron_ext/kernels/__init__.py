@@ -23,7 +23,7 @@ from .layout import SwizzleLayout, codes_dtype, num_groups, swizzle_layout, swiz
 
 __all__ = [
     "quantize_symmetric", "dequantize_symmetric", "quantize_minmax_uint8", "dequantize_minmax_uint8",
-    "dequantize_minmax_reduce",
+    "dequantize_minmax_reduce", "dequantize_minmax_rows",
     "dequantize_rows", "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce",
     "SwizzleLayout", "swizzle_layout", "swizzle_permutation", "num_groups", "codes_dtype",
     "use_backend", "select_backend", "triton_available", "BACKENDS",
@@ -115,6 +115,16 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
     """
     return _impl(q.device.type).dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor,
                                                           dtype=dtype, out=out)
+
+
+def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
+                           out: torch.Tensor) -> torch.Tensor:
+    """Decode each of ``R`` min-max rows into its row of ``out`` ([R, n] of fp32/fp16/bf16); returns ``out``. ``q``
+    ([R, >= n] uint8), ``mins``/``maxs`` ([R, >= ceil(n / chunk_size)] fp32) and ``out`` have contiguous rows at any
+    stride: ByteGrad's all-gathered ``[q | pad | mins | maxs]`` rows decoded where they lie, straight into the
+    bucket (on CUDA one kernel for all rows instead of one per row). Row ``r`` gets the bits of
+    :func:`dequantize_minmax_uint8` on that row."""
+    return _impl(q.device.type).dequantize_minmax_rows(q, mins, maxs, chunk_size, out=out)
 
 
 def swizzle_quantize(x: torch.Tensor, bits: int, group_size: int, nodes: int, ranks_per_node: int,

@@ -532,3 +532,8 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
     res = native.dequantize_minmax_reduce(q, scale, lb, chunk_size, numel, factor,
                                           out=out.view(-1) if fp32 and out is not None else None)
     return _fp32_into(res, dtype, out)
+
+
+def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
+                           out: torch.Tensor) -> torch.Tensor:
+    return _ref.dequantize_minmax_rows_with(dequantize_minmax_reduce, q, mins, maxs, chunk_size, out)

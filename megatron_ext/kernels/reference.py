@@ -606,3 +606,35 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
         if acc is not dst:
             dst.copy_(acc)
     return out if given is None else given
+
+
+def check_minmax_rows_args(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,
+                           out: torch.Tensor) -> tuple[int, int]:
+    """Validate ``dequantize_minmax_rows``'s arguments (every backend): ``R`` rows of codes, mins and maxs as
+    :func:`check_minmax_rows` takes them and ``out`` ``[R, n]`` (rows contiguous, apart, clear of the inputs).
+    Returns ``(R, n)``."""
+    check_rows(out, "out")
+    if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    if out.shape[0] != q.shape[0]:
+        raise ValueError(f"q and out must have the same rows; got {tuple(q.shape)} and {tuple(out.shape)}")
+    check_rows_apart(out, "out's")
+    rows, n = out.shape
+    check_minmax_rows(q, mins, maxs, chunk_size, n)
+    check_disjoint((out,), (q, mins, maxs))
+    return rows, n
+
+
+def dequantize_minmax_rows_with(reduce, q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,
+                                out: torch.Tensor) -> torch.Tensor:
+    """``dequantize_minmax_rows`` as one ``reduce`` (a backend's ``dequantize_minmax_reduce``) call per row: a
+    row's decode is the one-row decode-and-average with factor 1, bit for bit."""
+    rows, n = check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    for r in range(rows):
+        reduce(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype, out=out[r])
+    return out
+
+
+def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
+                           out: torch.Tensor) -> torch.Tensor:
+    return dequantize_minmax_rows_with(dequantize_minmax_reduce, q, mins, maxs, chunk_size, out)

@@ -79,11 +79,17 @@ def minmax_quantize_kernel(x_ptr, q_ptr, scale_ptr, lb_ptr, numel, chunk_size, n
 
 
 @triton.jit
-def minmax_dequantize_reduce_kernel(q_ptr, q_stride, mins_ptr, mins_stride, maxs_ptr, maxs_stride, out_ptr, numel,
-                                    chunk_size, nblk, k, factor, BLOCK: tl.constexpr):
+def minmax_dequantize_reduce_kernel(q_ptr, q_stride, mins_ptr, mins_stride, maxs_ptr, maxs_stride, out_ptr,
+                                    out_stride, numel, chunk_size, nblk, k, factor, BLOCK: tl.constexpr):
     """ByteGrad's decode-and-average: the ``k`` rows' decoded values summed in row order, times ``factor`` (one row
-    times 1: the dequantization)."""
-    pid = tl.program_id(0)  # 1-D grid of chunks x blocks (a 2-D grid's second axis is capped at 65535 on CUDA)
+    times 1: the dequantization). Grid axis 1 (k = 1): independent rows, row ``r`` read ``r`` strides on and written
+    ``r * out_stride`` on (the row decode)."""
+    pid = tl.program_id(0)  # axis 0: chunks x blocks (axis 1 is capped at 65535 on CUDA)
+    r = tl.program_id(1)
+    q_ptr = q_ptr + r * q_stride
+    mins_ptr = mins_ptr + r * mins_stride
+    maxs_ptr = maxs_ptr + r * maxs_stride
+    out_ptr = out_ptr + r * out_stride
     c = pid // nblk
     blk = pid % nblk
     offs = blk * BLOCK + tl.arange(0, BLOCK)

@@ -238,14 +238,26 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int,
     return q, mins, maxs
 
 
+def _launch_minmax_decode(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                          out: torch.Tensor, k: int, factor: float, rows: int = 1,
+                          strides: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
+    """The min-max decode kernel over ``k`` rows summed (``rows`` 1) or ``rows`` independent one-row problems (``k``
+    1), ``strides`` = row strides of q, mins, maxs and out (a 1-D input passes 0)."""
+    nchunks, nblk = _minmax_grid(numel, chunk_size)
+    last = max(k, rows) - 1
+    check_int32_offsets(max(last * strides[0] + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
+                            last * strides[1] + nchunks, last * strides[2] + nchunks, (rows - 1) * strides[3] + numel),
+                        "min-max decode")
+    if nchunks:
+        _minmax_dequantize_reduce((nchunks * nblk, rows), q, strides[0], mins, strides[1], maxs, strides[2], out,
+                                  strides[3], numel, chunk_size, nblk, k, float(factor), BLOCK=_MINMAX_BLOCK, **_OPTS)
+
+
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
-    nchunks, nblk = _minmax_grid(numel, chunk_size)
     out = torch.empty(numel, dtype=dtype, device=q.device)
-    if nchunks:   # the decode-and-average of one row, times 1
-        _minmax_dequantize_reduce((nchunks * nblk,), q, 0, mins.float().contiguous(), 0, maxs.float().contiguous(), 0,
-                                  out, numel, chunk_size, nblk, 1, 1.0, BLOCK=_MINMAX_BLOCK, **_OPTS)
+    _launch_minmax_decode(q, mins.float().contiguous(), maxs.float().contiguous(), chunk_size, numel, out, 1, 1.0)
     return out
 
 
@@ -253,13 +265,18 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
                              out: torch.Tensor | None = None) -> torch.Tensor:
     k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
-    nchunks, nblk = _minmax_grid(numel, chunk_size)
-    last = k - 1
-    check_int32_offsets(max(last * q.stride(0) + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
-                            last * mins.stride(0) + nchunks, last * maxs.stride(0) + nchunks),
-                        "min-max decode-and-average")
     given, out = out, (torch.empty(numel, dtype=dtype, device=q.device) if out is None else out.view(-1))
-    if nchunks:
-        _minmax_dequantize_reduce((nchunks * nblk,), q, q.stride(0), mins, mins.stride(0), maxs, maxs.stride(0), out,
-                                  numel, chunk_size, nblk, k, float(factor), BLOCK=_MINMAX_BLOCK, **_OPTS)
+    _launch_minmax_decode(q, mins, maxs, chunk_size, numel, out, k, factor,
+                          strides=(q.stride(0), mins.stride(0), maxs.stride(0), 0))
     return out if given is None else given
+
+
+def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
+                           out: torch.Tensor) -> torch.Tensor:
+    rows, n = _ref.check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    strides = (q.stride(0), mins.stride(0), maxs.stride(0), out.stride(0))
+    for r0 in range(0, rows, _MAX_GRID_ROWS):   # one launch for up to 65535 rows, each read and written where it lies
+        r1 = min(rows, r0 + _MAX_GRID_ROWS)
+        _launch_minmax_decode(q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0, rows=r1 - r0,
+                              strides=strides)
+    return out

@@ -325,6 +325,52 @@ def run_minmax_reduce(impl) -> None:
             impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 64, out=bad)
 
 
+def run_minmax_rows(impl) -> None:
+    """ByteGrad's all-gathered rows decoded by one call where they lie (``[q | pad | mins | maxs]`` rows, junk
+    around) into strided ``out`` rows: row ``r`` gets the bits of the plain decode of row ``r`` (a partial last
+    chunk, chunks of several Triton blocks, an overflowing chunk that decodes to inf), and nothing beside the rows
+    is written; bad ``out`` arguments are clear errors."""
+    g = torch.Generator().manual_seed(17)
+    for k, n, chunk in ((3, 83, 7), (2, 40, 16), (1, 5, 4), (2, 4500, 3000), (2, 30, 100)):
+        nc = -(-n // chunk)
+        rows = []
+        for a in range(k):
+            x = torch.randn(n, generator=g) * (a + 1) - a
+            if a == 1:
+                x[:chunk] = -2e29   # a constant chunk whose max * scale overflows: it decodes to -inf
+            rows.append(impl.quantize_minmax_uint8(x, chunk))
+        off = -(-n // 4) * 4
+        buf = torch.full((k, 4 + off + 8 * nc), 0xA5, dtype=torch.uint8)
+        for a, (q, mins, maxs) in enumerate(rows):
+            buf[a, 4:4 + n] = q
+            buf[a, 4 + off:] = torch.cat([mins, maxs]).view(torch.uint8)
+        q, mm = buf[:, 4:4 + n], buf[:, 4 + off:].view(torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            into = torch.full((k, n + 3), 7.0, dtype=dtype)
+            out = into[:, 1:n + 1]
+            assert impl.dequantize_minmax_rows(q, mm[:, :nc], mm[:, nc:], chunk, out=out) is out
+            for a in range(k):
+                _same(out[a], impl.dequantize_minmax_uint8(*rows[a], chunk, n, dtype))
+            assert into[:, 0].eq(7).all() and into[:, n + 1:].eq(7).all()
+            if k > 1:
+                assert out[1, :chunk].eq(float("-inf")).all()
+    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
+    q2, mins2, maxs2 = torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs])
+    with pytest.raises(ValueError, match=r"q and out must have the same rows; got \(2, 64\) and \(3, 64\)"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(3, 64))
+    with pytest.raises(ValueError, match=r"out must be 2-D with contiguous rows"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(64, 2).t())
+    with pytest.raises(ValueError, match=r"out's rows overlap"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(96).as_strided((2, 64), (32, 1)))
+    with pytest.raises(TypeError, match=r"out must be float32, float16 or bfloat16, got torch.int32"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(2, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"65 elements need 5 chunks of 16 per row: got rows of 64 codes"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(2, 65))
+    with pytest.raises(ValueError, match=r"out overlaps the op's input"):
+        wire = torch.empty(2, 64 + 32)
+        impl.dequantize_minmax_rows(q2, wire[:, 64:80], wire[:, 80:], 16, out=wire[:, :64])
+
+
 def run_reduce_factor_out(impl) -> None:
     """qgZ's last step, ``dequantize_reduce`` with ``factor`` and ``out``: the rows of a received buffer, read in
     place, give the bits of its definition (the fp32 sum, times fl32(factor), cast), written into a slice of a larger

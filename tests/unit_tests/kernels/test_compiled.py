@@ -138,6 +138,7 @@ def test_contract_cases(comp):
     contract_cases.run_bad_arguments_rejected(comp)
     contract_cases.run_minmax_overflow(comp)
     contract_cases.run_minmax_reduce(comp)
+    contract_cases.run_minmax_rows(comp)
     contract_cases.run_reduce_factor_out(comp)
     contract_cases.run_minmax_out_rows(comp)
     contract_cases.run_out_aliasing_rejected(comp)

@@ -305,6 +305,7 @@ def test_codec_contract_cases(monkeypatch):
         contract_cases.run_bad_arguments_rejected(compiled)
         contract_cases.run_minmax_overflow(compiled)
         contract_cases.run_minmax_reduce(compiled)
+        contract_cases.run_minmax_rows(compiled)
         contract_cases.run_reduce_factor_out(compiled)
         contract_cases.run_minmax_out_rows(compiled)
         contract_cases.run_out_aliasing_rejected(compiled)

@@ -347,6 +347,7 @@ def test_round_half_to_even_ties():
 def test_minmax_overflowing_constant_chunk():
     contract_cases.run_minmax_overflow(reference)
     contract_cases.run_minmax_reduce(reference)
+    contract_cases.run_minmax_rows(reference)
     contract_cases.run_minmax_out_rows(reference)
     contract_cases.run_out_aliasing_rejected(reference)
 

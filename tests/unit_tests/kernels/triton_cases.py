@@ -205,6 +205,7 @@ def test_round_half_to_even_ties(tri):
 def test_minmax_overflowing_constant_chunk(tri):
     contract_cases.run_minmax_overflow(tri)
     contract_cases.run_minmax_reduce(tri)
+    contract_cases.run_minmax_rows(tri)
     contract_cases.run_minmax_out_rows(tri)
     contract_cases.run_out_aliasing_rejected(tri)
 
