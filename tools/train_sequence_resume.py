@@ -71,13 +71,13 @@ def run_phase(phase: str, ckpt: str, a: argparse.Namespace) -> Logged:
     """One run in this process, with model parallelism initialised (Dynamo's caches reset first, as in a fresh
     process). Returns the logged losses."""
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     import megatron_ext as mx
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
     from megatron_ext.models.gpt import build_gpt_model, gpt_forward_step, synthetic_gpt_batch
 
     torch._dynamo.reset()
@@ -95,9 +95,7 @@ def run_phase(phase: str, ckpt: str, a: argparse.Namespace) -> Logged:
         model.param_sync.learning = False
     opt = MegatronLMOverlappedOptimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0,
                                                         bf16=True), model)
-    gpt.config.no_sync_func = model.no_sync
-    gpt.config.finalize_model_grads_func = finalize_model_grads
-    gpt.config.grad_scale_func = opt.scale_loss
+    attach_to_schedules(model, opt)   # the schedule hooks, as Megatron-LM's train() sets them
     half = a.iters // 2
     start = 0
     if phase == "resume":   # Megatron-LM's order: the model, the common optimizer dict, the parameter state

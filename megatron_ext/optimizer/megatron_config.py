@@ -22,6 +22,21 @@ def model_config(module: torch.nn.Module) -> Optional[Any]:
     return getattr(module, "config", None)
 
 
+def attach_to_schedules(model: torch.nn.Module, optimizer: Any) -> Any:
+    """Point the model config's schedule hooks at the wrapper and optimizer, as Megatron-LM's ``train()`` does:
+    ``no_sync_func`` (no reduction for all but the last micro-batch), ``finalize_model_grads_func`` (megatron-core's,
+    which calls the wrapper's ``finish_grad_sync``) and ``grad_scale_func`` (the loss scale). Returns the config."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model_config(model)
+    if config is None:
+        raise ValueError("model wraps no module with a megatron-core config: the schedules need one")
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return config
+
+
 def per_token_loss(module: torch.nn.Module) -> bool:
     return bool(getattr(model_config(module), "calculate_per_token_loss", False))
 

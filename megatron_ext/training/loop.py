@@ -151,13 +151,11 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
           consumed_train_samples: int, consumed_valid_samples: int,
           save_fn: Optional[Callable[[int, int, int], None]] = None) -> Dict[str, Any]:
     """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position."""
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config = model.module.config if hasattr(model.module, "config") else model.config
-    config.no_sync_func = model.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
+
+    attach_to_schedules(model, optimizer)
     fb = get_forward_backward_func()
     tb = TensorBoard(args.tensorboard_dir if dist.get_rank() == dist.get_world_size() - 1 else None)
     if tb.reason:

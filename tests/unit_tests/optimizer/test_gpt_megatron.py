@@ -12,11 +12,11 @@ VOCAB, SEQ, MBS, STEPS = 64, 16, 2, 3
 
 def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, sharding=None, **model_kw):
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.models.gpt import build_gpt_model, gpt_forward_step, synthetic_gpt_batch
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
 
     Utils.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
@@ -28,10 +28,7 @@ def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, 
         model = mx.OverlappedDDP(gpt, ocfg, dp_group=ps.get_data_parallel_group())
         opt = mx.OverlappedDistributedOptimizer(
             OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0), model)
-        cfg = gpt.config
-        cfg.no_sync_func = model.no_sync
-        cfg.finalize_model_grads_func = finalize_model_grads
-        cfg.grad_scale_func = opt.scale_loss
+        attach_to_schedules(model, opt)
         micro = global_micro_batches // dp
         fwd_bwd = get_forward_backward_func()
         losses = []
@@ -122,11 +119,11 @@ def _per_token_forward_step(data_iterator, model):
 
 def _per_token_grads():
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.models.gpt import build_gpt_model
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
 
     Utils.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
@@ -135,9 +132,7 @@ def _per_token_grads():
         gpt = build_gpt_model(**kw, calculate_per_token_loss=True)
         model = mx.OverlappedDDP(gpt, mx.OverlapConfig(bucket_size=4000), dp_group=ps.get_data_parallel_group())
         opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
-        cfg = gpt.config
-        cfg.no_sync_func, cfg.finalize_model_grads_func = model.no_sync, finalize_model_grads
-        cfg.grad_scale_func = opt.scale_loss
+        attach_to_schedules(model, opt)
         mine = [_per_token_batch(dp_rank * micro + i) for i in range(micro)]
         get_forward_backward_func()(forward_step_func=_per_token_forward_step, data_iterator=iter(mine),
                                     model=[model], num_microbatches=micro, seq_length=SEQ, micro_batch_size=MBS,
@@ -193,3 +188,11 @@ def test_zero3_gpt_matches_zero2_through_megatron_schedules(spawn, case):
     torch.testing.assert_close(torch.tensor(z3), torch.tensor(z2), rtol=1e-6, atol=1e-6)
     if tied:   # both copies of the pipeline-tied embedding stay identical
         assert torch.equal(per_rank[0][1][2], per_rank[-1][1][2])
+
+
+def test_attach_to_schedules_needs_a_megatron_config():
+    """The schedule hooks live on the innermost module's TransformerConfig; a model without one is a clear error."""
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
+
+    with pytest.raises(ValueError, match="no module with a megatron-core config"):
+        attach_to_schedules(torch.nn.Sequential(torch.nn.Linear(2, 2)), object())
