@@ -112,6 +112,9 @@ def cases(numel: int, group: int, nodes: int, rpn: int, chunk: int) -> List[Tupl
         (f"quantize_minmax_uint8, {nodes} rows out=", lambda: T.quantize_minmax_uint8(x, chunk, out=mm)),
         (f"dequantize_minmax_reduce, k={nodes}",
          lambda: T.dequantize_minmax_reduce(mm[0], mm[1], mm[2], chunk, per_node, factor=1.0 / nodes)),
+        # ByteGrad's all-reduce: the gathered rows decoded into the bucket
+        (f"dequantize_minmax_rows, {nodes} rows",
+         lambda: T.dequantize_minmax_rows(mm[0], mm[1], mm[2], chunk, out=decoded.view(nodes, per_node))),
     ]
 
 

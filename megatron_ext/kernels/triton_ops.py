@@ -275,7 +275,10 @@ def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
                            out: torch.Tensor) -> torch.Tensor:
     rows, n = _ref.check_minmax_rows_args(q, mins, maxs, chunk_size, out)
     strides = (q.stride(0), mins.stride(0), maxs.stride(0), out.stride(0))
-    for r0 in range(0, rows, _MAX_GRID_ROWS):   # one launch for up to 65535 rows, each read and written where it lies
+    if rows <= _MAX_GRID_ROWS:   # one launch, each row read and written where it lies
+        _launch_minmax_decode(q, mins, maxs, chunk_size, n, out, 1, 1.0, rows=rows, strides=strides)
+        return out
+    for r0 in range(0, rows, _MAX_GRID_ROWS):
         r1 = min(rows, r0 + _MAX_GRID_ROWS)
         _launch_minmax_decode(q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0, rows=r1 - r0,
                               strides=strides)

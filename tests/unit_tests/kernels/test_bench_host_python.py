@@ -10,8 +10,9 @@ from ..tool_loader import loaded_tool
 pytest.importorskip("triton")
 
 # Triton launches per call, from the ops' code: the min-max quantize is three kernels (partial min/max, finish, codes),
-# the qwZ hop a quantize and a row decode, every other op one kernel (qgZ's last step too: the averaging is in it).
-LAUNCHES = [0, 2, 1, 1, 1, 1, 1, 3, 1]
+# the qwZ hop a quantize and a row decode, every other op one kernel (qgZ's last step too: the averaging is in it; and
+# ByteGrad's decode of all N gathered rows), whatever the number of nodes.
+LAUNCHES = [0, 2, 1, 1, 1, 1, 1, 3, 1, 1]
 
 
 def test_every_case_runs_stubbed_and_the_launchers_come_back(tmp_path):
@@ -31,3 +32,7 @@ def test_every_case_runs_stubbed_and_the_launchers_come_back(tmp_path):
     assert list(got["launches_per_call"].values()) == LAUNCHES
     assert len(got["us_per_call"]) == len(LAUNCHES) and all(v > 0 for v in got["us_per_call"].values())
     assert got["x_empty"]["torch.empty (the unit)"] == 1.0
+    with loaded_tool("bench_host_python") as tool:   # four nodes: still one launch per op
+        tool.main(["--numel", "65536", "--nodes", "4", "--ranks-per-node", "2", "--calls", "2", "--repeat", "1",
+                   "--json", str(out)])
+    assert list(json.loads(out.read_text())["launches_per_call"].values()) == LAUNCHES

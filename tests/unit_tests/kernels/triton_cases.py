@@ -249,7 +249,9 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
              lambda: tri.dequantize_minmax_uint8(q, mins, maxs, 1024, 4096),
              lambda: tri.dequantize_minmax_reduce(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024, 2048),
              lambda: tri.dequantize_rows(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64,
-                                         out=torch.empty(2, 2048))]
+                                         out=torch.empty(2, 2048)),
+             lambda: tri.dequantize_minmax_rows(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024,
+                                                out=torch.empty(2, 2048))]
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 4000)
     for call in calls:
         with pytest.raises(ValueError, match="int32"):
@@ -284,14 +286,18 @@ def test_int32_offset_guard_counts_the_out_row_stride(tri, monkeypatch):
     from megatron_ext.kernels import layout
     x = torch.randn(4096)
     codes, scales = ref.quantize_symmetric(x, bits=8, group_size=64)
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 1024)
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)
-    for stride, fits in ((2048, True), (70000, False)):   # bytes between the two rows of codes
+    for stride, fits in ((2048, True), (70000, False)):   # bytes (decoded rows: elements) between the two rows
         out = torch.empty(2 * stride, dtype=torch.int8).as_strided((2, 2048), (stride, 1)), torch.empty(2, 32)
         out2 = out[0][:, :1024], out[1][:, :16]
         out3 = out[0].view(torch.uint8), torch.empty(2, 2), torch.empty(2, 2)   # ByteGrad: 2 chunks of 1024 a row
+        out4 = torch.empty(2 * stride).as_strided((2, 2048), (stride, 1))   # ByteGrad's decoded rows
         for call in (lambda: tri.quantize_symmetric(x, bits=8, group_size=64, out=out),
                      lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64, out=out2),
-                     lambda: tri.quantize_minmax_uint8(x, 1024, out=out3)):
+                     lambda: tri.quantize_minmax_uint8(x, 1024, out=out3),
+                     lambda: tri.dequantize_minmax_rows(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024,
+                                                        out=out4)):
             if fits:
                 call()
             else:
@@ -318,10 +324,11 @@ def test_backends_end_to_end_through_the_triton_launchers(tri):
 
 def test_dequantize_rows_in_blocks_of_grid_rows(tri, monkeypatch):
     """More rows than one launch's grid axis 1 may hold (CUDA: 65535; lowered to 2 here): launched in blocks, the
-    same bits (run_row_strided_inputs has 3 rows)."""
+    same bits (run_row_strided_inputs and run_minmax_rows have 3 rows)."""
     from megatron_ext.kernels import triton_ops
     monkeypatch.setattr(triton_ops, "_MAX_GRID_ROWS", 2)
     contract_cases.run_row_strided_inputs(tri)
+    contract_cases.run_minmax_rows(tri)   # ByteGrad's row decode: 3 rows in one case
 
 
 class _LaunchSpy:
