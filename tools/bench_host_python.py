@@ -2,7 +2,7 @@
 """Host time of the Triton ops' Python around their launches, measured without a GPU.
 
 Why: on a GPU the kernels run beside the host, so a small bucket's cost is the host time of its codec calls, and
-most of that is Python (argument checks, allocations, views; README, *Host time per bucket*). Sessions without a
+most of that is Python (argument checks, allocations, views; docs/benchmarks/README.md, *Host time per bucket*). Sessions without a
 GPU could not see it. Here every Triton launcher of ``megatron_ext.kernels.triton_ops`` is replaced by a no-op, and
 each op the quantized backends call per bucket runs on CPU tensors of a bucket's shapes, interleaved: what is left is the Python
 a GPU host pays besides the launches themselves (each about 5-6 us through the binary's launcher on an H100 host).

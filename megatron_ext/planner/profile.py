@@ -155,7 +155,7 @@ def _uniform(alpha: float, bw: float) -> Dict[str, LinkCost]:
 GB = 1e9
 _ASSUMED = ("effective bandwidths 80% of line rate and compute 20% slower beside running NCCL kernels "
             "(assumptions); 0.17 ms of host time per quantized hop (calibrate_comm's codec probe on an H100 host; "
-            "README 'Host time per bucket')")
+            "docs/benchmarks/README.md 'Host time per bucket')")
 # Host time of one quantized hop on a GPU: what tools/calibrate_comm.py measures (measure_codec_host) on one H100
 # host, 0.17 ms (168-175 us in three rounds). A lower bound: that host's whole qgZ reduction took 0.54-0.61 ms for
 # its two hops and a qwZ gather 0.28-0.31 ms. The presets' own hosts are not measured.
