@@ -130,6 +130,13 @@ def _wire_rows(codes: torch.Tensor, scales: torch.Tensor, lead: int = 0) -> tupl
     return buf[:, lead:lead + cb].view(codes.dtype), buf[:, lead + cb_pad:].view(torch.float32)
 
 
+def _minmax_wire_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """ByteGrad's ``(q, mins, maxs)`` per row laid out as its ``[q | pad | mins | maxs]`` wire rows (junk around):
+    the strided ``q`` and ``[mins | maxs]`` views a receiver reads."""
+    return _wire_rows(torch.stack([q for q, _, _ in rows]), torch.stack([torch.cat([mn, mx]) for _, mn, mx in rows]),
+                      lead=4)
+
+
 def run_row_strided_inputs(impl) -> None:
     """Rows of a received byte buffer (codes and scales interleaved per row, padding between them) are read in place
     and give the bits of contiguous inputs: the two qgZ reductions over k chunks, and ``dequantize_rows`` (qwZ's
@@ -278,12 +285,7 @@ def run_minmax_reduce(impl) -> None:
             if a in (1, 2):   # constant chunks whose max * scale overflows: they decode to +inf and -inf, the sum NaN
                 x[:chunk] = 2e29 if a == 1 else -2e29
             rows.append(impl.quantize_minmax_uint8(x, chunk))
-        off = -(-length // 4) * 4
-        buf = torch.full((k, 4 + off + 8 * nc), 0xA5, dtype=torch.uint8)
-        for a, (q, mins, maxs) in enumerate(rows):
-            buf[a, 4:4 + length] = q
-            buf[a, 4 + off:] = torch.cat([mins, maxs]).view(torch.uint8)
-        q, mm = buf[:, 4:4 + length], buf[:, 4 + off:].view(torch.float32)
+        q, mm = _minmax_wire_rows(rows)
         assert not q.is_contiguous() or k == 1
         for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (0.125, torch.bfloat16)):
             want = impl.dequantize_minmax_uint8(*rows[0], chunk, numel)
@@ -339,12 +341,7 @@ def run_minmax_rows(impl) -> None:
             if a == 1:
                 x[:chunk] = -2e29   # a constant chunk whose max * scale overflows: it decodes to -inf
             rows.append(impl.quantize_minmax_uint8(x, chunk))
-        off = -(-n // 4) * 4
-        buf = torch.full((k, 4 + off + 8 * nc), 0xA5, dtype=torch.uint8)
-        for a, (q, mins, maxs) in enumerate(rows):
-            buf[a, 4:4 + n] = q
-            buf[a, 4 + off:] = torch.cat([mins, maxs]).view(torch.uint8)
-        q, mm = buf[:, 4:4 + n], buf[:, 4 + off:].view(torch.float32)
+        q, mm = _minmax_wire_rows(rows)
         for dtype in (torch.float32, torch.bfloat16):
             into = torch.full((k, n + 3), 7.0, dtype=dtype)
             out = into[:, 1:n + 1]
