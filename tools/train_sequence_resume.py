@@ -77,8 +77,8 @@ def run_phase(phase: str, ckpt: str, a: argparse.Namespace) -> Logged:
 
     import megatron_ext as mx
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
-    from megatron_ext.optimizer.megatron_config import attach_to_schedules
     from megatron_ext.models.gpt import build_gpt_model, gpt_forward_step, synthetic_gpt_batch
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
 
     torch._dynamo.reset()
     torch.manual_seed(1234)

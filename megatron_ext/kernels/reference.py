@@ -176,6 +176,9 @@ def check_rows_args(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_
         raise TypeError(f"scales must be float32, got {scales.dtype}")
     if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    if out.device != codes.device or scales.device != codes.device:
+        raise ValueError(f"scales and out must be on codes' device {codes.device}, got {scales.device} and "
+                         f"{out.device}")
     rows, groups, n = codes.shape[0], scales.shape[1], out.shape[1]
     if scales.shape[0] != rows or out.shape[0] != rows:
         raise ValueError(f"codes, scales and out must have the same rows; got {tuple(codes.shape)}, "
@@ -613,14 +616,21 @@ def check_minmax_rows_args(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
     """Validate ``dequantize_minmax_rows``'s arguments (every backend): ``R`` rows of codes, mins and maxs as
     :func:`check_minmax_rows` takes them and ``out`` ``[R, n]`` (rows contiguous, apart, clear of the inputs).
     Returns ``(R, n)``."""
+    check_rows(q, "q")
     check_rows(out, "out")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if out.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
-    if out.shape[0] != q.shape[0]:
-        raise ValueError(f"q and out must have the same rows; got {tuple(q.shape)} and {tuple(out.shape)}")
-    check_rows_apart(out, "out's")
+    if out.device != q.device:
+        raise ValueError(f"out must be on q's device {q.device}, got {out.device}")
     rows, n = out.shape
-    check_minmax_rows(q, mins, maxs, chunk_size, n)
+    if q.shape[0] != rows or mins.shape[0] != rows or maxs.shape[0] != rows:
+        raise ValueError(f"q, mins, maxs and out must have the same rows; got {tuple(q.shape)}, {tuple(mins.shape)}, "
+                         f"{tuple(maxs.shape)} and {tuple(out.shape)}")
+    check_rows_apart(out, "out's")
+    if rows:   # the codes and (min, max) pairs of each row, as the one-row decode takes them
+        check_minmax_rows(q, mins, maxs, chunk_size, n)
     check_disjoint((out,), (q, mins, maxs))
     return rows, n
 

@@ -83,9 +83,9 @@ def minmax_dequantize_reduce_kernel(q_ptr, q_stride, mins_ptr, mins_stride, maxs
                                     out_stride, numel, chunk_size, nblk, k, factor, BLOCK: tl.constexpr):
     """ByteGrad's decode-and-average: the ``k`` rows' decoded values summed in row order, times ``factor`` (one row
     times 1: the dequantization). Grid axis 1 (k = 1): independent rows, row ``r`` read ``r`` strides on and written
-    ``r * out_stride`` on (the row decode)."""
+    ``r * out_stride`` on (the row decode; in int64, so the rows may lie any distance apart)."""
     pid = tl.program_id(0)  # axis 0: chunks x blocks (axis 1 is capped at 65535 on CUDA)
-    r = tl.program_id(1)
+    r = tl.program_id(1).to(tl.int64)
     q_ptr = q_ptr + r * q_stride
     mins_ptr = mins_ptr + r * mins_stride
     maxs_ptr = maxs_ptr + r * maxs_stride

@@ -238,17 +238,25 @@ def quantize_minmax_uint8(x: torch.Tensor, chunk_size: int,
     return q, mins, maxs
 
 
-def _launch_minmax_decode(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
-                          out: torch.Tensor, k: int, factor: float, rows: int = 1,
+def _minmax_decode_grid(numel: int, chunk_size: int, k: int, strides: tuple[int, int, int]) -> tuple[int, int]:
+    """(chunks, blocks per chunk) of the min-max decode kernel, after checking the int32 offsets it forms within a
+    problem: the ``k`` summed rows at ``strides`` (row strides of q, mins, maxs) and the chunk offsets. A row decode's
+    problems sit further on by an int64 offset (grid axis 1), which needs no check."""
+    nchunks, nblk = _minmax_grid(numel, chunk_size)
+    last = k - 1
+    check_int32_offsets(max(last * strides[0] + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
+                            last * strides[1] + nchunks, last * strides[2] + nchunks), "min-max decode")
+    return nchunks, nblk
+
+
+def _launch_minmax_decode(grid: tuple[int, int], q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor,
+                          chunk_size: int, numel: int, out: torch.Tensor, k: int, factor: float, rows: int = 1,
                           strides: tuple[int, int, int, int] = (0, 0, 0, 0)) -> None:
     """The min-max decode kernel over ``k`` rows summed (``rows`` 1) or ``rows`` independent one-row problems (``k``
-    1), ``strides`` = row strides of q, mins, maxs and out (a 1-D input passes 0)."""
-    nchunks, nblk = _minmax_grid(numel, chunk_size)
-    last = max(k, rows) - 1
-    check_int32_offsets(max(last * strides[0] + max(nchunks - 1, 0) * chunk_size + nblk * _MINMAX_BLOCK,
-                            last * strides[1] + nchunks, last * strides[2] + nchunks, (rows - 1) * strides[3] + numel),
-                        "min-max decode")
-    if nchunks:
+    1); ``grid`` from :func:`_minmax_decode_grid`; ``strides`` = row strides of q, mins, maxs and out (a 1-D input
+    passes 0)."""
+    nchunks, nblk = grid
+    if nchunks and rows:
         _minmax_dequantize_reduce((nchunks * nblk, rows), q, strides[0], mins, strides[1], maxs, strides[2], out,
                                   strides[3], numel, chunk_size, nblk, k, float(factor), BLOCK=_MINMAX_BLOCK, **_OPTS)
 
@@ -256,8 +264,10 @@ def _launch_minmax_decode(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tenso
 def dequantize_minmax_uint8(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     _ref.check_minmax_dequantize_args(q, mins, maxs, chunk_size, numel)
+    grid = _minmax_decode_grid(numel, chunk_size, 1, (0, 0, 0))
     out = torch.empty(numel, dtype=dtype, device=q.device)
-    _launch_minmax_decode(q, mins.float().contiguous(), maxs.float().contiguous(), chunk_size, numel, out, 1, 1.0)
+    _launch_minmax_decode(grid, q, mins.float().contiguous(), maxs.float().contiguous(), chunk_size, numel, out, 1,
+                          1.0)
     return out
 
 
@@ -265,19 +275,26 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
                              *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
                              out: torch.Tensor | None = None) -> torch.Tensor:
     k = _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
+    strides = (q.stride(0), mins.stride(0), maxs.stride(0))
+    grid = _minmax_decode_grid(numel, chunk_size, k, strides)
     given, out = out, (torch.empty(numel, dtype=dtype, device=q.device) if out is None else out.view(-1))
-    _launch_minmax_decode(q, mins, maxs, chunk_size, numel, out, k, factor,
-                          strides=(q.stride(0), mins.stride(0), maxs.stride(0), 0))
+    _launch_minmax_decode(grid, q, mins, maxs, chunk_size, numel, out, k, factor, strides=(*strides, 0))
     return out if given is None else given
 
 
 def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
                            out: torch.Tensor) -> torch.Tensor:
     rows, n = _ref.check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    grid = _minmax_decode_grid(n, chunk_size, 1, (0, 0, 0))   # rows lie any distance apart (int64 row offsets)
     strides = (q.stride(0), mins.stride(0), maxs.stride(0), out.stride(0))
     if rows <= _MAX_GRID_ROWS:   # one launch, each row read and written where it lies
-        _launch_minmax_decode(q, mins, maxs, chunk_size, n, out, 1, 1.0, rows=rows, strides=strides)
+        _launch_minmax_decode(grid, q, mins, maxs, chunk_size, n, out, 1, 1.0, rows=rows, strides=strides)
         return out
+    for r0 in range(0, rows, _MAX_GRID_ROWS):
+        r1 = min(rows, r0 + _MAX_GRID_ROWS)
+        _launch_minmax_decode(grid, q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0,
+                              rows=r1 - r0, strides=strides)
+    return out
     for r0 in range(0, rows, _MAX_GRID_ROWS):
         r1 = min(rows, r0 + _MAX_GRID_ROWS)
         _launch_minmax_decode(q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0, rows=r1 - r0,

@@ -167,6 +167,9 @@ def run_row_strided_inputs(impl) -> None:
     codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     with pytest.raises(ValueError, match=r"same rows"):
         impl.dequantize_rows(codes.view(2, 32), scales.view(1, 8), bits=8, group_size=8, out=torch.empty(2, 32))
+    with pytest.raises(ValueError, match=r"scales and out must be on codes' device cpu, got cpu and meta"):
+        impl.dequantize_rows(codes.view(2, 32), scales.view(2, 4), bits=8, group_size=8,
+                             out=torch.empty(2, 32, device="meta"))
     with pytest.raises(ValueError, match=r"decodes to at most 32 elements; got 32 bytes and out rows of 33"):
         impl.dequantize_rows(codes.view(2, 32), scales.view(2, 4), bits=8, group_size=8, out=torch.empty(2, 33))
     with pytest.raises(ValueError, match=r"out's rows overlap \(row stride 0 < row length 32\)"):
@@ -342,10 +345,13 @@ def run_minmax_rows(impl) -> None:
                 x[:chunk] = -2e29   # a constant chunk whose max * scale overflows: it decodes to -inf
             rows.append(impl.quantize_minmax_uint8(x, chunk))
         q, mm = _minmax_wire_rows(rows)
-        for dtype in (torch.float32, torch.bfloat16):
+        # the mins also from a buffer of their own, at another row stride than the maxs (NaN beyond them)
+        own = torch.full((k, nc + 5), float("nan"))
+        own[:, :nc] = mm[:, :nc]
+        for dtype, mins in ((torch.float32, mm[:, :nc]), (torch.bfloat16, mm[:, :nc]), (torch.float32, own[:, :nc])):
             into = torch.full((k, n + 3), 7.0, dtype=dtype)
             out = into[:, 1:n + 1]
-            assert impl.dequantize_minmax_rows(q, mm[:, :nc], mm[:, nc:], chunk, out=out) is out
+            assert impl.dequantize_minmax_rows(q, mins, mm[:, nc:], chunk, out=out) is out
             for a in range(k):
                 _same(out[a], impl.dequantize_minmax_uint8(*rows[a], chunk, n, dtype))
             assert into[:, 0].eq(7).all() and into[:, n + 1:].eq(7).all()
@@ -353,8 +359,17 @@ def run_minmax_rows(impl) -> None:
                 assert out[1, :chunk].eq(float("-inf")).all()
     q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
     q2, mins2, maxs2 = torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs])
-    with pytest.raises(ValueError, match=r"q and out must have the same rows; got \(2, 64\) and \(3, 64\)"):
+    with pytest.raises(ValueError, match=r"q, mins, maxs and out must have the same rows; got \(2, 64\), \(2, 4\), "
+                                         r"\(2, 4\) and \(3, 64\)"):
         impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(3, 64))
+    with pytest.raises(ValueError, match=r"q must be 2-D with contiguous rows"):
+        impl.dequantize_minmax_rows(q, mins2, maxs2, 16, out=torch.empty(2, 64))
+    with pytest.raises(ValueError, match=r"out must be on q's device cpu, got meta"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(2, 64, device="meta"))
+    with pytest.raises(ValueError, match=r"chunk_size must be positive"):
+        impl.dequantize_minmax_rows(q2, mins2, maxs2, 0, out=torch.empty(2, 64))
+    none = torch.empty(0, 64)   # no rows: nothing to decode
+    assert impl.dequantize_minmax_rows(q2[:0], mins2[:0], maxs2[:0], 16, out=none) is none
     with pytest.raises(ValueError, match=r"out must be 2-D with contiguous rows"):
         impl.dequantize_minmax_rows(q2, mins2, maxs2, 16, out=torch.empty(64, 2).t())
     with pytest.raises(ValueError, match=r"out's rows overlap"):

@@ -250,8 +250,8 @@ def test_int32_offset_guard_is_checked_by_every_launcher(tri, monkeypatch):
              lambda: tri.dequantize_minmax_reduce(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024, 2048),
              lambda: tri.dequantize_rows(codes.view(2, -1), scales.view(2, -1), bits=8, group_size=64,
                                          out=torch.empty(2, 2048)),
-             lambda: tri.dequantize_minmax_rows(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024,
-                                                out=torch.empty(2, 2048))]
+             lambda: tri.dequantize_minmax_rows(q.view(1, -1), mins.view(1, -1), maxs.view(1, -1), 1024,
+                                                out=torch.empty(1, 4096))]
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 4000)
     for call in calls:
         with pytest.raises(ValueError, match="int32"):
@@ -286,23 +286,38 @@ def test_int32_offset_guard_counts_the_out_row_stride(tri, monkeypatch):
     from megatron_ext.kernels import layout
     x = torch.randn(4096)
     codes, scales = ref.quantize_symmetric(x, bits=8, group_size=64)
-    q, mins, maxs = ref.quantize_minmax_uint8(x, 1024)
     monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)
-    for stride, fits in ((2048, True), (70000, False)):   # bytes (decoded rows: elements) between the two rows
+    for stride, fits in ((2048, True), (70000, False)):   # bytes between the two rows of codes
         out = torch.empty(2 * stride, dtype=torch.int8).as_strided((2, 2048), (stride, 1)), torch.empty(2, 32)
         out2 = out[0][:, :1024], out[1][:, :16]
         out3 = out[0].view(torch.uint8), torch.empty(2, 2), torch.empty(2, 2)   # ByteGrad: 2 chunks of 1024 a row
-        out4 = torch.empty(2 * stride).as_strided((2, 2048), (stride, 1))   # ByteGrad's decoded rows
         for call in (lambda: tri.quantize_symmetric(x, bits=8, group_size=64, out=out),
                      lambda: tri.dequantize_reduce_quantize(codes.view(2, -1), scales.view(2, -1), 8, 64, out=out2),
-                     lambda: tri.quantize_minmax_uint8(x, 1024, out=out3),
-                     lambda: tri.dequantize_minmax_rows(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024,
-                                                        out=out4)):
+                     lambda: tri.quantize_minmax_uint8(x, 1024, out=out3)):
             if fits:
                 call()
             else:
                 with pytest.raises(ValueError, match="int32"):
                     call()
+
+
+def test_minmax_row_decode_takes_rows_any_distance_apart(tri, monkeypatch):
+    """The row decode's rows are offset in int64 (grid axis 1): rows of codes and of ``out`` further apart than the
+    (lowered) int32 limit decode, to the values of rows side by side; only a row's own extent is checked."""
+    from megatron_ext.kernels import layout
+    x = torch.randn(4096)
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 1024)
+    want = torch.empty(2, 2048)
+    tri.dequantize_minmax_rows(q.view(2, -1), mins.view(2, -1), maxs.view(2, -1), 1024, out=want)
+    monkeypatch.setattr(layout, "INT32_OFFSET_LIMIT", 1 << 16)
+    far_q = torch.empty(2 * 70000, dtype=torch.uint8).as_strided((2, 2048), (70000, 1))
+    far_q.copy_(q.view(2, -1))
+    far_out = torch.empty(2 * 70000).as_strided((2, 2048), (70000, 1))
+    assert tri.dequantize_minmax_rows(far_q, mins.view(2, -1), maxs.view(2, -1), 1024, out=far_out) is far_out
+    assert torch.equal(far_out, want)
+    with pytest.raises(ValueError, match="int32"):   # one row longer than the limit is refused
+        tri.dequantize_minmax_rows(torch.zeros(1, 70000, dtype=torch.uint8), torch.zeros(1, 1), torch.ones(1, 1),
+                                   70000, out=torch.empty(1, 70000))
 
 
 def test_backends_end_to_end_through_the_triton_launchers(tri):
