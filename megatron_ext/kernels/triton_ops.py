@@ -295,8 +295,3 @@ def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
         _launch_minmax_decode(grid, q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0,
                               rows=r1 - r0, strides=strides)
     return out
-    for r0 in range(0, rows, _MAX_GRID_ROWS):
-        r1 = min(rows, r0 + _MAX_GRID_ROWS)
-        _launch_minmax_decode(q[r0:r1], mins[r0:r1], maxs[r0:r1], chunk_size, n, out[r0:r1], 1, 1.0, rows=r1 - r0,
-                              strides=strides)
-    return out
