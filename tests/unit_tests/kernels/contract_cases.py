@@ -330,13 +330,16 @@ def run_minmax_reduce(impl) -> None:
             impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 64, out=bad)
 
 
-def run_minmax_rows(impl) -> None:
+MINMAX_ROWS_CASES = ((3, 83, 7), (2, 40, 16), (1, 5, 4), (2, 4500, 3000), (2, 30, 100))   # rows, length, chunk
+
+
+def run_minmax_rows(impl, cases=MINMAX_ROWS_CASES) -> None:
     """ByteGrad's all-gathered rows decoded by one call where they lie (``[q | pad | mins | maxs]`` rows, junk
     around) into strided ``out`` rows: row ``r`` gets the bits of the plain decode of row ``r`` (a partial last
     chunk, chunks of several Triton blocks, an overflowing chunk that decodes to inf), and nothing beside the rows
     is written; bad ``out`` arguments are clear errors."""
     g = torch.Generator().manual_seed(17)
-    for k, n, chunk in ((3, 83, 7), (2, 40, 16), (1, 5, 4), (2, 4500, 3000), (2, 30, 100)):
+    for k, n, chunk in cases:
         nc = -(-n // chunk)
         rows = []
         for a in range(k):
