@@ -15,7 +15,7 @@ The sequence is ``megatron/training/training.py``'s (core_v0.16.1) with ``--use-
 
 The model: a megatron-core GPT in bf16 under ``Float16Module``, with the bias-dropout-add and bias-GeLU fusions that
 megatron-core compiles with ``torch.compile`` (anything that changes how the model computes after the audit shows
-here). Three runs, each in a fresh process (fresh compile caches, as a real resume): ``full`` (``--iters``),
+here). Its dropout is 0 (``build_gpt_model``), so no RNG state needs saving for the resume to be exact. Three runs, each in a fresh process (fresh compile caches, as a real resume): ``full`` (``--iters``),
 ``save`` (to ``--iters / 2``, then a checkpoint) and ``resume`` (from it to ``--iters``). Prints each iteration's
 losses and a verdict; exit status 0 when the resumed losses equal the uninterrupted ones.
 

@@ -417,7 +417,7 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, *, bits: int, 
         total = dequantize_reduce(chunks, scales, bits=bits, group_size=group_size, numel=numel,
                                   out=out if fp32 else None)
         dst = out.view(-1) if out is not None else total if fp32 else torch.empty_like(total, dtype=dtype)
-        torch.mul(total, factor, out=dst)
+        torch.mul(total.view(-1), factor, out=dst)
         return dst if out is None else out
     chunks, scales = chunks.contiguous(), scales.contiguous()
     # into out where the INT4 pair view can lie over it (it starts at an even element); else through a fresh tensor

@@ -8,8 +8,9 @@ preceded by ``force_param_sync()`` on every rank. A read that bypasses attribute
 
 [Note: the schedule]
 The first forward runs with every bucket gathered and records, per call of a module that reads bucketed weights
-(its own, through the read guard, or through any op: the audit of ``param_sync``), which buckets the call used, in
-call order, and where each call ends. From that record:
+(its own, through the read guard, or through any op outside ``torch.compile``'d regions: the audit of
+``param_sync``, whose rule for compiled code applies here too: weights come into it as arguments or by attribute),
+which buckets the call used, in call order, and where each call ends. From that record:
 
 - forward: a call's pre-hook waits for (or gathers) the buckets it uses, then prefetches the buckets of the next
   calls in recorded order while the pool has a free buffer; a bucket is released at the end of the call that last

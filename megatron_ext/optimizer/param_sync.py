@@ -15,8 +15,11 @@ flight, whatever the module structure:
    once, in the first forward: it waits for everything at the root, while a ``TorchFunctionMode`` audits every op
    and notes each parameter consumed before mechanisms 1 and 2 would have waited for it. Those buckets are waited
    for at the root's pre-hook from then on (they lose overlap, never correctness). The audit stays out of
-   ``torch.compile``'d regions (see ``ParamUseAudit``): such a region gets its weights as arguments, read outside it,
-   and the audited forward computes exactly what the others do.
+   ``torch.compile``'d regions (see ``ParamUseAudit``), so the audited forward computes exactly what the others do.
+   The rule that follows: a compiled region must get the weights it reads as arguments or through their owners'
+   attributes (megatron-core's fused functions take them as arguments, read by attribute outside). A weight that
+   compiled code reaches through a stored reference or another module's ``parameters()`` is not audited, and a
+   later forward may read it while its gather is in flight.
 
 Anything that writes weights (step, load) or reads them in bulk (state_dict) calls ``wait_all()`` first.
 """
@@ -82,9 +85,10 @@ class ParamUseAudit(TorchFunctionMode):
     Transparent to ``torch.compile``: while Dynamo traces a function under it (Megatron's fused bias-dropout-add and
     bias-GeLU are compiled), the mode only calls the op. Inspecting the arguments there would be traced too: ``id()``
     of each tensor becomes an identity guard, so every call recompiles, and once Dynamo's recompile limit is hit the
-    function runs eagerly for the rest of the process. That changed the model's numerics from the first audited
-    forward on (one GPU, bf16: a resumed run, audited at another iteration, then logged other losses). A compiled
-    region's weights come in as its arguments, fetched outside it (by attribute, where mechanism 2 waits for them).
+    function's later calls run eagerly. That changed the model's numerics from the first audited forward on (one
+    GPU, bf16: a resumed run, audited at another iteration, then logged other losses). A compiled region's weights
+    come in as its arguments, fetched outside it (by attribute, where mechanism 2 waits for them); what compiled code
+    reaches otherwise is not seen (the rule in [Note: no stale reads]).
     """
 
     def __init__(self, bucket_of_param: Dict[int, int], on_use) -> None:

@@ -11,6 +11,8 @@ would give 1, 2, 3, 126, 127, 7 and fails these cases.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -398,7 +400,7 @@ def run_reduce_factor_out(impl) -> None:
         c, s = _wire_rows(torch.stack([q for q, _ in pieces]), torch.stack([sc for _, sc in pieces]), lead=4)
         total = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel)
         for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (1 / 6, torch.bfloat16),
-                              (0.125, torch.float16)):
+                              (0.125, torch.float16), (1.0, torch.bfloat16)):
             want = (total * factor).to(dtype)
             got = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel, factor=factor, dtype=dtype)
             _same(got, want)
@@ -408,6 +410,13 @@ def run_reduce_factor_out(impl) -> None:
                                           out=out) is out
             _same(out, want)
             assert into[0].item() == into[numel + 1].item() == into[numel + 2].item() == 7.0
+            square = torch.empty(1, numel, dtype=dtype)   # a 2-D out: written as its flat elements, no resize
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel, factor=factor, dtype=dtype,
+                                       out=square)
+            assert square.shape == (1, numel)
+            _same(square.view(-1), want)
     codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     chunks, sc = codes.view(2, 32), scales.view(2, 4)
     for bad, what in ((torch.empty(31), r"\(31,\)"), (torch.empty(32, dtype=torch.bfloat16), "torch.bfloat16"),
