@@ -210,6 +210,80 @@ def test_first_forward_audit_leaves_compiled_regions_alone(spawn, zero3):
     assert outs == [(True, False)] * 3, outs   # every forward, the audited one too, ran the compiled region
 
 
+class _CompiledReadsChild(torch.nn.Module):
+    """A torch.compile'd method that calls a child module and reads its weight by attribute inside the compiled
+    region (megatron-core's GatedDeltaNet applies its gated norm this way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 16)
+        self.fused = torch.compile(self._fused)
+
+    def _fused(self, x):
+        return self.norm(x) * 2 + self.norm.weight
+
+    def forward(self, x):
+        return self.out(self.fused(self.lin(x)))
+
+
+_COMPILED_STEPS = 4
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+
+
+def _compiled_reads_child_weights(zero3: bool):
+    """Losses of a few ODO steps and Dynamo's frame count after the second and after the last step."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    plan = mx.ShardingPlan.zero3() if zero3 else mx.ShardingPlan()
+    model = mx.OverlappedDDP(_CompiledReadsChild(), mx.OverlapConfig(bucket_size=300, overlap_param_gather=True,
+                                                                     sharding=plan))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+    losses, frames = [], []
+    for step in range(_COMPILED_STEPS):
+        opt.zero_grad()
+        loss = model(_batch(step)).square().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        opt.step()
+        losses.append(loss.item())
+        frames.append(counters["frames"]["total"])
+    return losses, frames[1], frames[-1]
+
+
+@pytest.mark.parametrize("zero3", [False, True], ids=["zero2", "zero3"])
+def test_compiled_code_reading_child_weights_trains_like_one_process(spawn, zero3):
+    """Weights read by attribute inside a compiled region go through the read guard, which Dynamo traces (and
+    breaks its graph at a gather's wait): every step reads the current weights (the losses of one process with
+    megatron's Adam: no weight decay on biases and norms, clipping at 1) and nothing recompiles after the second
+    step (a guard on the ODO's changing state would recompile every step until Dynamo gave up on the region)."""
+    losses, frames_at_2, frames_at_end = spawn(_compiled_reads_child_weights, 2, zero3)[0]
+    torch.manual_seed(0)
+    net = _CompiledReadsChild()
+    net.fused = net._fused   # eager: the compiled region's fp32 results agree to rounding
+    decay = [p for p in net.parameters() if p.dim() > 1]
+    no_decay = [p for p in net.parameters() if p.dim() <= 1]
+    ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-2)
+    want = []
+    for step in range(_COMPILED_STEPS):
+        ref_opt.zero_grad()
+        loss = net(_batch(step)).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        ref_opt.step()
+        want.append(loss.item())
+    # a stale weight (the previous step's, lr 1e-2) moves a loss by about 1e-3; fp32 rounding by about 1e-7
+    assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+    assert frames_at_end == frames_at_2, (frames_at_2, frames_at_end)
+
+
 def _late_gradient_fails_on_every_rank():
     torch.manual_seed(0)
     net = _NestedBackwardNet()
