@@ -524,6 +524,13 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
     """One native pass where the C serves; elsewhere the reference's loop over cache blocks (one pass over memory
     too, its temporaries in cache)."""
     _ref.check_minmax_rows(q, mins, maxs, chunk_size, numel, dtype, out)
+    return _minmax_reduce_checked(q, mins, maxs, chunk_size, numel, factor=factor, dtype=dtype, out=out)
+
+
+def _minmax_reduce_checked(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, numel: int,
+                           *, factor: float = 1.0, dtype: torch.dtype = torch.float32,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dequantize_minmax_reduce` on arguments already checked (the row decode checks all rows at once)."""
     if not _native(q, mins, maxs):
         return _ref.dequantize_minmax_reduce(q, mins, maxs, chunk_size, numel, factor=factor, dtype=dtype, out=out)
     nchunks = cdiv(numel, chunk_size)
@@ -536,4 +543,16 @@ def dequantize_minmax_reduce(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Te
 
 def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
                            out: torch.Tensor) -> torch.Tensor:
-    return _ref.dequantize_minmax_rows_with(dequantize_minmax_reduce, q, mins, maxs, chunk_size, out)
+    """Checked once for all rows, each row's chunk parameters computed in one pass (elementwise, so each row's are
+    the one-row decode's), then one native call per row; elsewhere the one-row decode per row."""
+    rows, n = _ref.check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    if not (rows and n and out.dtype == torch.float32 and _native(q, mins, maxs)):
+        for r in range(rows):
+            _minmax_reduce_checked(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype,
+                                   out=out[r])
+        return out
+    nchunks = cdiv(n, chunk_size)
+    scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [rows, chunks], contiguous
+    for r in range(rows):
+        native.dequantize_minmax_reduce(q[r:r + 1], scale[r:r + 1], lb[r:r + 1], chunk_size, n, 1.0, out=out[r])
+    return out

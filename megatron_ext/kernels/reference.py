@@ -635,16 +635,11 @@ def check_minmax_rows_args(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
     return rows, n
 
 
-def dequantize_minmax_rows_with(reduce, q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,
-                                out: torch.Tensor) -> torch.Tensor:
-    """``dequantize_minmax_rows`` as one ``reduce`` (a backend's ``dequantize_minmax_reduce``) call per row: a
-    row's decode is the one-row decode-and-average with factor 1, bit for bit."""
-    rows, n = check_minmax_rows_args(q, mins, maxs, chunk_size, out)
-    for r in range(rows):
-        reduce(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype, out=out[r])
-    return out
-
-
 def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int, *,
                            out: torch.Tensor) -> torch.Tensor:
-    return dequantize_minmax_rows_with(dequantize_minmax_reduce, q, mins, maxs, chunk_size, out)
+    """One :func:`dequantize_minmax_reduce` call per row: a row's decode is the one-row decode-and-average with
+    factor 1, bit for bit."""
+    rows, n = check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    for r in range(rows):
+        dequantize_minmax_reduce(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype, out=out[r])
+    return out
