@@ -293,14 +293,19 @@ class OverlappedDistributedOptimizer:
                              "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)")
         self._settle()
         step = state_dict.get("step", 0)
+        # Saved before any step was applied (fp16's first steps are skipped while the loss scale falls): the inner
+        # optimizer had no state yet, and gets none, as a fresh one.
+        keys = optimizer_state_keys(self.inner) if step > 0 else []
         for pc in self.pieces:
             pc.master.copy_(state_slice(state_dict, pc.name, "master", pc.start, pc.end))
             st = {}
-            for key in optimizer_state_keys(self.inner):
+            for key in keys:
                 st[key] = state_slice(state_dict, pc.name, key, pc.start, pc.end).to(pc.master.device).clone()
             if st:
                 st["step"] = torch.tensor(float(step))
                 self.inner.state[pc.master] = st
+            else:
+                self.inner.state.pop(pc.master, None)
         self._load_groups_and_scaler(state_dict)
         self._publish_masters()
         self._settle()

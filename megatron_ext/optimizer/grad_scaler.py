@@ -21,7 +21,8 @@ class ConstantLossScaler:
         return {"scale": self._scale.item()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self._scale = torch.tensor([float(sd["scale"])])
+        """Nothing to restore: the scale is the one this run was given (``--loss-scale``), as megatron-core's
+        constant scaler keeps it whatever the checkpoint's scaler was."""
 
 
 class DynamicLossScaler:
@@ -62,6 +63,8 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self._hysteresis_tracker}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """The saved scale and trackers; a constant scaler's state (a run with ``--loss-scale``) gives its scale,
+        from which the trackers start afresh."""
         self._scale = torch.tensor([float(sd["scale"])])
-        self._growth_tracker = int(sd["growth_tracker"])
-        self._hysteresis_tracker = int(sd["hysteresis_tracker"])
+        self._growth_tracker = int(sd.get("growth_tracker", 0))
+        self._hysteresis_tracker = int(sd.get("hysteresis_tracker", self.hysteresis))

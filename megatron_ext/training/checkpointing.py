@@ -170,12 +170,16 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     tmp = final + ".tmp"
     # Fresh weights everywhere: the ODO's last all-gather may still be in flight.
     optimizer.force_param_sync()
+    error: Optional[str] = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        remove_stale(save_dir)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            remove_stale(save_dir)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"--save {save_dir}: cannot create {tmp}: {e} (the previous checkpoint is untouched)"
+    agree_on_error(error, "nothing was saved")   # every rank raises together, none waits for a failed rank 0
 
     written: Dict[str, int] = {}   # path -> CRC-32 of what was written
 
@@ -260,7 +264,8 @@ def publish_checkpoint(save_dir: str, iteration: int) -> str:
     return final
 
 
-_LEFTOVER = re.compile(r"iter_(\d{7})\.(tmp|old)")
+_LEFTOVER = re.compile(r"iter_(\d{7,})\.(tmp|old)")
+_PUBLISHED = re.compile(r"iter_(\d{7,})")
 
 
 def remove_stale(save_dir: str) -> None:
@@ -317,14 +322,20 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         raise CheckpointError(f"--load {load_dir}: no such directory")
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(tracker):
-        return None
+        return _untracked_checkpoint(load_dir)
     with open(tracker) as f:
         text = f.read().strip()
     try:
         iteration = int(text)
     except ValueError:
+        _refuse_megatron_lm_layout(load_dir, os.path.join(load_dir, text) if text == "release" else None)
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
+    return _find_tracked(load_dir, iteration)
+
+
+def _find_tracked(load_dir: str, iteration: int) -> str:
+    """Checkpoint ``iteration`` of ``load_dir``, validated against its manifest."""
     ckpt = os.path.join(load_dir, iter_dir_name(iteration))
     if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
         ckpt += ".old"  # a re-save of this iteration was interrupted between its two renames (atomicity note)
@@ -335,6 +346,7 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
+        _refuse_megatron_lm_layout(load_dir, ckpt)
         raise CheckpointError(f"--load {load_dir}: {manifest_path} is missing (incomplete checkpoint)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"--load {load_dir}: corrupt manifest {manifest_path} ({e.msg})") from None
@@ -347,6 +359,48 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
             raise CheckpointError(f"--load {load_dir}: corrupt checkpoint: {p} has {os.path.getsize(p)} bytes, "
                                   f"the manifest says {size}")
     return ckpt
+
+
+def _untracked_checkpoint(load_dir: str) -> Optional[str]:
+    """No tracker: None when no checkpoint was ever published there. A published ``iter_N`` (renamed into place with
+    its manifest) whose tracker write failed is found instead of training over it from scratch: the newest one is
+    validated and used, with a warning on rank 0."""
+    published = sorted((int(m.group(1)), name) for name in os.listdir(load_dir)
+                       if (m := _PUBLISHED.fullmatch(name)) and os.path.isfile(os.path.join(load_dir, name,
+                                                                                        "manifest.json")))
+    if not published:
+        _refuse_megatron_lm_layout(load_dir, None)
+        return None
+    iteration, name = published[-1]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"WARNING: --load {load_dir}: no {TRACKER}, but {name} was published (a save that failed after its "
+              f"rename); resuming from iteration {iteration}", flush=True)
+    return _find_tracked(load_dir, iteration)
+
+
+def _refuse_megatron_lm_layout(load_dir: str, ckpt: Optional[str]) -> None:
+    """A Megatron-LM checkpoint (torch format: ``mp_rank_*/model_optim_rng.pt``; torch_dist: ``.metadata`` and
+    ``*.distcp``; or a ``release`` tracker) is not a damaged one of ours: say what it is."""
+    def megatron_lm_format(d: str) -> Optional[str]:
+        if not os.path.isdir(d):
+            return None
+        names = os.listdir(d)
+        if any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(d, n, "model_optim_rng.pt")) for n in names):
+            return "torch"
+        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+            return "torch_dist"
+        return None
+
+    for d in filter(None, (ckpt, load_dir)):
+        fmt = megatron_lm_format(d)
+        if fmt:
+            raise CheckpointError(f"--load {load_dir}: {d} is a Megatron-LM checkpoint (--ckpt-format {fmt}); "
+                                  "pretrain_gpt loads only its own checkpoints (manifest.json, common.pt): continue "
+                                  "it with Megatron-LM and the megatron_ext plug-in, or load its weights into the "
+                                  "model yourself")
+    if ckpt is not None and os.path.basename(ckpt) == "release":
+        raise CheckpointError(f"--load {load_dir}: the tracker says 'release', a Megatron-LM release checkpoint; "
+                              "pretrain_gpt loads only its own checkpoints")
 
 
 def verify_checksums(ckpt: str, rank: int = 0, world: int = 1) -> int:
@@ -450,8 +504,9 @@ def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Nam
     return problems
 
 
-def agree_on_error(error: Optional[str]) -> None:
-    """All ranks learn whether any rank failed; then every rank raises the first failing rank's message."""
+def agree_on_error(error: Optional[str], consequence: str = "no rank loaded anything") -> None:
+    """All ranks learn whether any rank failed; then every rank raises the first failing rank's message (the other
+    ranks add ``consequence``)."""
     device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
     ok = torch.tensor([0.0 if error else 1.0], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -462,7 +517,7 @@ def agree_on_error(error: Optional[str]) -> None:
     if error:
         raise CheckpointError(error)
     rank, first = next((r, e) for r, e in enumerate(errors) if e)
-    raise CheckpointError(f"{first} (found by rank {rank}; no rank loaded anything)")
+    raise CheckpointError(f"{first} (found by rank {rank}; {consequence})")
 
 
 def agree_on_checkpoint(ckpt: Optional[str]) -> None:

@@ -107,3 +107,72 @@ def test_fp16_inf_on_one_tensor_parallel_rank_skips_step_on_the_other(spawn):
         assert res[0]["ok"] and res[2]["ok"], f"rank {r}: clean steps must update"
         assert res[1]["ok"] is False and res[1]["unchanged"], f"rank {r}: the inf on TP rank 1 must skip the step"
         assert res[1]["scale_after"] == res[1]["scale_before"] / 2
+
+
+def _fp16_odo(initial_scale: float):
+    model = mx.OverlappedDDP(make_model().half(), mx.OverlapConfig(bucket_size=500))
+    opt = mx.OverlappedDistributedOptimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, fp16=True, initial_loss_scale=initial_scale, hysteresis=1,
+                        clip_grad=1.0), model)
+    return model, opt
+
+
+def _train_step(model, opt, step: int):
+    x, y = batch(step, dist.get_rank(), 0)
+    opt.scale_loss(torch.nn.functional.mse_loss(model(x.half()).float(), y)).backward()
+    ok, _, _ = opt.step()
+    opt.zero_grad()
+    return ok
+
+
+def _fp16_checkpoint_before_the_first_applied_step():
+    from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+    from megatron_ext.training.checkpoint_compat import check_optimizer_state
+
+    model, opt = _fp16_odo(2.0 ** 24)   # every fp16 gradient overflows at this scale: the first step is skipped
+    skipped = not _train_step(model, opt, 0)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, opt.state_dict())
+    saved = merge_optimizer_shards(shards)
+    model2, opt2 = _fp16_odo(2.0 ** 10)
+    problems = check_optimizer_state(saved, opt2)
+    opt2.load_state_dict(saved)
+    fresh_state = len(opt2.inner.state) == 0
+    same_scale = opt2.get_loss_scale().item() == opt.get_loss_scale().item()
+    # Both go on from here with the same batches: the loaded optimizer must step exactly as the saving one.
+    oks = [(_train_step(model, opt, s), _train_step(model2, opt2, s)) for s in range(1, 16)]
+    model.force_param_sync()
+    model2.force_param_sync()
+    same = all(torch.equal(a, b) for a, b in zip(opt.masters, opt2.masters)) and all(
+        torch.equal(p, q) for p, q in zip(model.module.parameters(), model2.module.parameters()))
+    return skipped, saved["step"], problems, fresh_state, same_scale, oks, same
+
+
+def test_fp16_checkpoint_saved_before_the_first_applied_step_loads(spawn):
+    """fp16's first steps are skipped while the loss scale falls, so Adam has no state yet: such a checkpoint holds
+    masters only, loads into a fresh optimizer (no state, the saved loss scale) and continues bit for bit."""
+    for skipped, step, problems, fresh_state, same_scale, oks, same in spawn(_fp16_checkpoint_before_the_first_applied_step, 2):
+        assert skipped and step == 0
+        assert problems == [], problems
+        assert fresh_state and same_scale
+        assert any(a for a, _ in oks) and all(a == b for a, b in oks), oks
+        assert same
+
+
+def test_loss_scaler_state_across_constant_and_dynamic_runs():
+    """A --loss-scale run keeps its own scale whatever the checkpoint's scaler was (megatron-core's constant
+    scaler); a dynamic run resumed from a --loss-scale checkpoint takes its scale and starts its trackers afresh."""
+    from megatron_ext.optimizer.grad_scaler import ConstantLossScaler, DynamicLossScaler
+
+    dynamic = DynamicLossScaler(initial_scale=2.0 ** 18, hysteresis=3, growth_interval=10)
+    dynamic.update(found_inf=True)
+    constant = ConstantLossScaler(1024.0)
+    constant.load_state_dict(dynamic.state_dict())
+    assert constant.scale.item() == 1024.0
+    fresh = DynamicLossScaler(initial_scale=2.0 ** 32, hysteresis=3, growth_interval=10)
+    fresh.load_state_dict(ConstantLossScaler(512.0).state_dict())
+    assert fresh.scale.item() == 512.0
+    assert fresh.state_dict() == {"scale": 512.0, "growth_tracker": 0, "hysteresis_tracker": 3}
+    resumed = DynamicLossScaler(hysteresis=3)
+    resumed.load_state_dict(dynamic.state_dict())
+    assert resumed.state_dict() == dynamic.state_dict()

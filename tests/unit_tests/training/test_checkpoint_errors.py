@@ -175,8 +175,61 @@ def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():
     sched = types.SimpleNamespace(override_opt_param_scheduler=False, use_checkpoint_opt_param_scheduler=False, **run)
     problems = check_scheduler_state(saved, sched, saved_gbs=8, gbs=8)
     assert problems == ["--lr: checkpoint 0.002, this run 0.001",
-                        "--lr-warmup-iters: checkpoint 2 iterations, this run 4 iterations",
-                        "--weight-decay: checkpoint 0.01, this run 0.1"], problems
+                        "--lr-warmup-iters / --lr-warmup-fraction: checkpoint 16 samples (2 iterations of "
+                        "--global-batch-size 8), this run 32 samples (4 iterations of --global-batch-size 8)",
+                        "--start-weight-decay (constant style: --weight-decay): checkpoint 0.01, this run 0.1",
+                        "--end-weight-decay (constant style: --weight-decay): checkpoint 0.01, this run 0.1"], problems
+    # Another global batch size with the same iterations: the sample counts differ, and the message says why.
+    same_iters = dict(run, max_lr=saved["max_lr"], lr_warmup_steps=8, lr_decay_steps=20, wd_incr_steps=24,
+                      start_wd=0.01, end_wd=0.01)
+    problems = check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), **same_iters}), saved_gbs=8,
+                                     gbs=4)
+    assert problems[0] == ("--global-batch-size: checkpoint 8, this run 4 (schedule lengths are counted in "
+                           "samples)"), problems
+    assert ("--lr-warmup-iters / --lr-warmup-fraction: checkpoint 16 samples (2 iterations of --global-batch-size "
+            "8), this run 8 samples (2 iterations of --global-batch-size 4)") in problems, problems
+    assert len(problems) == 4, problems   # and the decay and weight-decay lengths
     for side in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         assert check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), side: True})) == []
 
+
+
+def test_published_checkpoint_without_tracker_is_resumed_not_overwritten(tmp_path, capsys):
+    """A save whose tracker write failed after the rename (disk full, a kill) left a complete iter_N: --load finds
+    the newest such checkpoint (with a warning) instead of starting from scratch and saving over it."""
+    root = str(tmp_path)
+    _fake_checkpoint(root, iteration=2)
+    newest = _fake_checkpoint(root, iteration=10_000_000)   # 8 digits: past iter_dir_name's 7
+    os.makedirs(os.path.join(root, "iter_0000020.tmp"))       # never published: not a candidate
+    os.unlink(os.path.join(root, TRACKER))
+    assert find_checkpoint(root) == newest
+    assert "no latest_checkpointed_iteration.txt" in capsys.readouterr().out
+    os.makedirs(os.path.join(root, "iter_0000030"))           # renamed into place without a manifest: not one
+    assert find_checkpoint(root) == newest
+
+
+def test_remove_stale_cleans_leftovers_past_seven_digits(tmp_path):
+    from megatron_ext.training.checkpointing import remove_stale
+
+    for name in ("iter_10000000.tmp", "iter_0000005.tmp"):
+        os.makedirs(tmp_path / name)
+    os.makedirs(tmp_path / "iter_12345678.old")   # the only copy of its iteration: renamed back
+    remove_stale(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["iter_12345678"]
+
+
+@pytest.mark.parametrize("layout", ["torch", "torch_dist", "release"])
+def test_megatron_lm_checkpoint_is_named_as_such(tmp_path, layout):
+    """Megatron-LM's tracker has our tracker's name; its iteration directories are not damaged checkpoints."""
+    name = "release" if layout == "release" else "iter_0000100"
+    d = tmp_path / name
+    if layout == "torch_dist":
+        os.makedirs(d)
+        (d / ".metadata").write_bytes(b"")
+        (d / "__0_0.distcp").write_bytes(b"")
+    else:
+        os.makedirs(d / "mp_rank_00")
+        torch.save({}, d / "mp_rank_00" / "model_optim_rng.pt")
+    (tmp_path / TRACKER).write_text("release" if layout == "release" else "100")
+    with pytest.raises(CheckpointError, match="Megatron-LM"):
+        find_checkpoint(str(tmp_path))
