@@ -22,6 +22,12 @@ def gpt_name(num_layers: int, hidden_size: int) -> str:
     return f"gpt-{num_layers}x{hidden_size}"
 
 
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's ``--ffn-hidden-size`` when not given: 4h, or with SwiGLU (two input projections) 2/3 of that
+    rounded down to a multiple of 64, so that the MLP keeps about 4h's parameters."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A GPT shape in Megatron's terms (``--num-layers``, ``--hidden-size``, ...)."""
@@ -32,7 +38,7 @@ class ModelSpec:
     num_attention_heads: int
     vocab_size: int
     seq_length: int
-    ffn_hidden_size: Optional[int] = None       # default 4h (2/3 * 4h rounded for SwiGLU presets)
+    ffn_hidden_size: Optional[int] = None       # default: Megatron-LM's (default_ffn_hidden_size)
     num_query_groups: Optional[int] = None      # GQA; None: = heads
     swiglu: bool = False
     add_bias_linear: bool = True
@@ -52,7 +58,7 @@ class ModelSpec:
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        return self.ffn_hidden_size or default_ffn_hidden_size(self.hidden_size, self.swiglu)
 
     @property
     def query_groups(self) -> int:

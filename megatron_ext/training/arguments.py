@@ -27,9 +27,14 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--recompute-granularity": "activation recomputation is not wired into pretrain_gpt yet",
     "--recompute-activations": "activation recomputation is not wired into pretrain_gpt yet",
-    "--finetune": "fine-tuning from a checkpoint is not implemented; use --load with --no-load-optim",
+    "--recompute-method": "activation recomputation is not wired into pretrain_gpt yet",
+    "--recompute-num-layers": "activation recomputation is not wired into pretrain_gpt yet",
     "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
     "--train-samples": "use --train-iters",
+    "--lr-decay-samples": "the schedule is given in iterations here: use --lr-decay-iters",
+    "--lr-warmup-samples": "the schedule is given in iterations here: use --lr-warmup-iters or --lr-warmup-fraction",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented: the global batch size is fixed "
+                           "(--global-batch-size)",
 }
 
 
@@ -142,10 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4 * hidden size; with --swiglu 2/3 of that, rounded down to a multiple of 64 "
+                   "(Megatron-LM's rule)")
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden size / heads")
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="with --group-query-attention (default 1, as in Megatron-LM)")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
@@ -166,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-mcore-models", action="store_true", help="accepted; models are always megatron-core's")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialise weights on CPU (always on without CUDA; makes TP>1 init equal TP=1's)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="accepted: the fused weight-gradient accumulation is always off (it writes main_grad, which "
+                   "the ODO does not keep)")
 
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -187,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="linear")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm up over this fraction of the decay (instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--override-opt_param-scheduler", "--override-lr-scheduler", action="store_true",
                    help="on --load, take the LR/weight-decay schedule from these flags, not from the checkpoint")
@@ -194,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on --load, take the LR/weight-decay schedule from the checkpoint, not from these flags "
                    "(default: neither, and a schedule flag that differs from the checkpoint is an error)")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="with a non-constant --weight-decay-incr-style: weight decay at the start")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="with a non-constant --weight-decay-incr-style: weight decay at --train-iters")
+    g.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"), default="constant")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -229,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-timers-to-tensorboard", action="store_true", help="accepted for compatibility")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration that is a multiple")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (e.g. Slurm's --signal before the time limit), save (with --save) and exit after "
+                   "the iteration in progress")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit after the first iteration that ends past this many minutes "
+                   "of the run (decided by the slowest rank)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -251,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: load the model weights only and start at iteration 0 with a fresh optimizer, "
+                   "learning-rate schedule, data position and RNG (as Megatron-LM)")
     return p
 
 
@@ -305,10 +332,28 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
               f"({args.num_attention_heads}) unless --kv-channels is given")
     if args.num_query_groups is not None and not args.group_query_attention:
         _fail("--num-query-groups needs --group-query-attention")
-    if args.group_query_attention and (args.num_query_groups is None or args.num_query_groups % tp != 0):
-        _fail("--group-query-attention needs --num-query-groups divisible by --tensor-model-parallel-size")
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            args.num_query_groups = 1   # Megatron-LM's default
+        if args.num_query_groups <= 0 or args.num_attention_heads % args.num_query_groups != 0:
+            _fail(f"--num-query-groups ({args.num_query_groups}) must be positive and divide "
+                  f"--num-attention-heads ({args.num_attention_heads})")
+        if args.num_query_groups % tp != 0:
+            _fail(f"--group-query-attention needs --num-query-groups ({args.num_query_groups}) divisible by "
+                  f"--tensor-model-parallel-size ({tp})")
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        from megatron_ext.planner.model_spec import default_ffn_hidden_size
+
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size <= 0:
+            _fail(f"--swiglu at --hidden-size {args.hidden_size} gives Megatron-LM's default FFN size 0 (2/3 of 4h "
+                  "rounded down to a multiple of 64): pass --ffn-hidden-size")
+    for flag, v in (("--ffn-hidden-size", args.ffn_hidden_size), ("--kv-channels", args.kv_channels)):
+        if v is not None and v <= 0:
+            _fail(f"{flag} must be positive, got {v}")
+    for flag, v in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= v <= 1.0:
+            _fail(f"{flag} must be in [0, 1], got {v}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
@@ -318,6 +363,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     # Batch.
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size <= 0:
+        _fail(f"--global-batch-size must be positive, got {args.global_batch_size}")
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
         _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
@@ -343,11 +390,35 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     # Optimizer and schedule.
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_decay_iters <= 0:
+        _fail(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    if args.lr_warmup_iters < 0:
+        _fail(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            _fail("--lr-warmup-fraction and --lr-warmup-iters conflict: choose one")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            _fail(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
               f"({args.lr_decay_iters})")
+    if args.lr < 0 or args.min_lr < 0:
+        _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.weight_decay_incr_style == "constant":
+        for flag, v in (("--start-weight-decay", args.start_weight_decay), ("--end-weight-decay",
+                                                                           args.end_weight_decay)):
+            if v is not None:
+                _fail(f"{flag} needs --weight-decay-incr-style linear or cosine (constant uses --weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        _fail(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+              "--end-weight-decay")
+    for flag, v in (("--weight-decay", args.weight_decay), ("--start-weight-decay", args.start_weight_decay),
+                    ("--end-weight-decay", args.end_weight_decay), ("--clip-grad", args.clip_grad)):
+        if v < 0:
+            _fail(f"{flag} must be >= 0, got {v}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler conflict: choose one")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
@@ -383,12 +454,32 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         parse_split(args.split)
     except ValueError as e:
         _fail(str(e))
+    if args.tokenizer_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):   # a bad file fails here, on every rank
+        from .tokenizer import load_tokenizer
+
+        try:
+            load_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file)
+        except (ValueError, OSError) as e:
+            _fail(str(e))
+
+    # Evaluation and exit.
+    if args.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0 (0: no evaluation), got {args.eval_iters}")
+    if args.exit_interval is not None and args.exit_interval <= 0:
+        _fail(f"--exit-interval must be positive, got {args.exit_interval}")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        _fail(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
 
     # Checkpoints.
+    if args.finetune and not args.load:
+        _fail("--finetune needs --load (the checkpoint whose weights to start from)")
     if args.save_interval is not None and not args.save:
         _fail("--save-interval needs --save")
     if args.save_interval is not None and args.save_interval <= 0:
         _fail(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save:
+        _check_save_dir(args.save)
     te_available = _importable("transformer_engine")
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if te_available else "local"
@@ -588,6 +679,23 @@ def _validate_later_features(args: argparse.Namespace) -> None:
         if args.sequence_parallel:
             _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
                   "all-reduces of full-sequence partial sums)")
+
+
+def _check_save_dir(path: str) -> None:
+    """``--save`` must be a directory this process can create and write into, found before training starts rather
+    than at the first save (every rank checks the same path: on a filesystem they share, alike)."""
+    import os
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):   # the nearest existing ancestor is what a makedirs would write into
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        _fail(f"--save {path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        _fail(f"--save {path}: {probe} is not writable")
 
 
 def _importable(name: str) -> bool:

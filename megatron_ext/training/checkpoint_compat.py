@@ -49,21 +49,22 @@ SchedulerField = Tuple[str, str, Optional[Callable[[Any, Optional[int]], str]]]
 
 
 def _steps(value: Any, gbs: Optional[int]) -> str:
+    """A schedule length in samples, with the iterations it makes at that run's global batch size."""
     if gbs and isinstance(value, int) and value % gbs == 0:
-        return f"{value // gbs} iterations"
+        return f"{value} samples ({value // gbs} iterations of --global-batch-size {gbs})"
     return f"{value} samples"
 
 
 SCHEDULER_FIELDS: Tuple[SchedulerField, ...] = (
     ("max_lr", "--lr", None),
     ("min_lr", "--min-lr", None),
-    ("lr_warmup_steps", "--lr-warmup-iters", _steps),
+    ("lr_warmup_steps", "--lr-warmup-iters / --lr-warmup-fraction", _steps),
     ("lr_decay_steps", "--lr-decay-iters (default --train-iters)", _steps),
     ("lr_decay_style", "--lr-decay-style", None),
-    ("start_wd", "--weight-decay", None),
-    ("end_wd", "--weight-decay", None),
+    ("start_wd", "--start-weight-decay (constant style: --weight-decay)", None),
+    ("end_wd", "--end-weight-decay (constant style: --weight-decay)", None),
     ("wd_incr_steps", "--train-iters (the weight-decay schedule length)", _steps),
-    ("wd_incr_style", "the weight-decay increment style", None),
+    ("wd_incr_style", "--weight-decay-incr-style", None),
 )
 
 
@@ -108,6 +109,9 @@ def check_scheduler_state(saved: Dict[str, Any], scheduler, saved_gbs: Optional[
             msg = f"{flag}: checkpoint {fmt(theirs, saved_gbs)}, this run {fmt(ours, gbs)}"
             if msg not in problems and not any(p.startswith(flag + ":") for p in problems):
                 problems.append(msg)
+            if show is _steps and saved_gbs and gbs and saved_gbs != gbs and not problems[0].startswith("--global"):
+                problems.insert(0, f"--global-batch-size: checkpoint {saved_gbs}, this run {gbs} (schedule lengths "
+                                   "are counted in samples)")
     return problems
 
 
@@ -142,7 +146,8 @@ def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
     if ours is not None and saved.get("optimizer") != ours:
         return [f"the optimizer state is for {saved.get('optimizer')}, this run builds {ours} (--optimizer); "
                 "resume with --no-load-optim to start a fresh optimizer from the saved weights"]
-    keys = ["master"] + (optimizer_state_keys(inner) if inner is not None else [])
+    stepped = saved.get("step", 1) > 0   # saved before any applied step: masters only (see load_state_dict)
+    keys = ["master"] + (optimizer_state_keys(inner) if inner is not None and stepped else [])
     problems = []
     for pc in getattr(optimizer, "pieces", []):
         entry = saved["params"].get(pc.name)

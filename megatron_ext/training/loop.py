@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import signal
 import time
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -147,10 +148,49 @@ def ledger_paused(ledger) -> Iterator[None]:
         ledger.enabled = was
 
 
+class ExitSignal:
+    """``--exit-signal-handler``: records that SIGTERM (Slurm's warning before a job's time limit) arrived, so that
+    the loop saves and exits after the iteration in progress; restores the previous handler on exit."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum, self.received, self._previous = signum, False, None
+
+    def __enter__(self) -> "ExitSignal":
+        self._previous = signal.signal(self.signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(self.signum, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+
+def exit_requested(args: argparse.Namespace, start_time: float, exit_signal: Optional[ExitSignal]) -> Optional[str]:
+    """The flag that asks to stop now, decided by all ranks together (one MAX all-reduce per iteration, as in
+    Megatron-LM, so that every rank stops after the same iteration): ``--exit-duration-in-mins`` once any rank has
+    run past it, ``--exit-signal-handler`` once any rank received the signal. None: go on."""
+    duration = getattr(args, "exit_duration_in_mins", None)
+    if not duration and exit_signal is None:
+        return None
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
+    flags = torch.tensor([int(bool(duration) and (time.time() - start_time) / 60.0 > duration),
+                          int(exit_signal is not None and exit_signal.received)], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[1].item():
+        return "--exit-signal-handler: SIGTERM received"
+    if flags[0].item():
+        return f"--exit-duration-in-mins {duration}"
+    return None
+
+
 def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
           consumed_train_samples: int, consumed_valid_samples: int,
-          save_fn: Optional[Callable[[int, int, int], None]] = None) -> Dict[str, Any]:
-    """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position."""
+          save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: Optional[float] = None,
+          exit_signal: Optional[ExitSignal] = None) -> Dict[str, Any]:
+    """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position, and
+    ``exited`` (True when --exit-interval, --exit-duration-in-mins or --exit-signal-handler stopped it early, after
+    saving with ``save_fn``, as Megatron-LM does)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ext.optimizer.megatron_config import attach_to_schedules
@@ -170,6 +210,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     model.ledger.reset()
     iteration = start_iteration
     total_skipped = 0
+    exited = False
+    start_time = time.time() if start_time is None else start_time
     model.train()
     while iteration < args.train_iters:
         loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
@@ -213,13 +255,24 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                 tb.scalars(iteration, {"lm loss validation": val})
             stats.t0 = time.perf_counter()  # keep eval time out of the next line's ms/iteration
 
-        if save_fn is not None and args.save_interval and iteration % args.save_interval == 0:
+        saved = save_fn is not None and bool(args.save_interval) and iteration % args.save_interval == 0
+        if saved:
             with ledger_paused(model.ledger):
                 save_fn(iteration, consumed_train_samples, consumed_valid_samples)
             stats.t0 = time.perf_counter()
+        reason = None
         if args.exit_interval and iteration % args.exit_interval == 0:
-            print_rank_0(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+            reason = f"--exit-interval {args.exit_interval}"
+        elif iteration < args.train_iters:
+            reason = exit_requested(args, start_time, exit_signal)
+        if reason:
+            if save_fn is not None and not saved:
+                with ledger_paused(model.ledger):
+                    save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+            print_rank_0(f"exiting at iteration {iteration} ({reason})")
+            exited = True
             break
     tb.close()
     return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
-            "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples}
+            "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
+            "exited": exited}

@@ -11,8 +11,10 @@ See examples/ for complete scripts. Without ``--data-path`` it trains on the cac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
@@ -62,12 +64,16 @@ def _build_optimizer(args: argparse.Namespace, model):
                           sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                           params_dtype=args.params_dtype, use_distributed_optimizer=True, **fp16_kw)
     opt = mx.OverlappedDistributedOptimizer(cfg, model)
+    # Steps are samples, as Megatron-LM counts them (a warmup fraction is of the decay's samples, unrounded).
+    decay_steps = args.lr_decay_iters * args.global_batch_size
+    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
+                    else args.lr_warmup_iters * args.global_batch_size)
     sched = OptimizerParamScheduler(
-        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.lr_decay_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
     return opt, sched
 
@@ -107,9 +113,10 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from .arguments import parse_args
     from .data import MicroBatchIterator
     from .initialize import init_distributed, init_model_parallel, teardown
-    from .loop import print_rank_0, train
+    from .loop import ExitSignal, print_rank_0, train
     from .model import build_model, padded_vocab_size
 
+    start_time = time.time()   # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     args = parse_args(argv)
     created = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     try:
@@ -122,7 +129,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             from .auto_plan import check_ranks_agree
             check_ranks_agree(args)
             print_rank_0(args.auto_plan_summary)
-        tokenizer, (train_ds, valid_ds, _test_ds) = _build_data(args)
+        tokenizer, (train_ds, valid_ds, test_ds) = _build_data(args)
         # --vocab-size stays what the user gave (NullTokenizer's ids before EOD, as in Megatron-LM).
         args.tokenizer_vocab_size = tokenizer.vocab_size
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
@@ -148,7 +155,12 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 error = str(e)
             checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
             checkpointing.agree_on_checkpoint(ckpt)  # and all of them resume from the same one
-            if ckpt is not None:
+            if ckpt is not None and args.finetune:   # the weights only; everything else starts afresh
+                common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
+                                                       load_optim=False, load_rng=False)
+                print_rank_0(f"> --finetune: loaded the weights of {ckpt} (iteration {common['iteration']}); "
+                             "starting at iteration 0 with a fresh optimizer, schedule and data position")
+            elif ckpt is not None:
                 common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=not args.no_load_optim,
                                                        load_rng=not args.no_load_rng)
@@ -157,11 +169,16 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 consumed_valid = common["consumed_valid_samples"]
                 print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} (saved at DP="
                              f"{common['data_parallel_size']}, now DP={args.data_parallel_size})")
+                if iteration >= args.train_iters:
+                    print_rank_0(f"> the checkpoint is at iteration {iteration}, not below --train-iters "
+                                 f"{args.train_iters}: no iteration to train (raise --train-iters to continue)")
 
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         train_iter = MicroBatchIterator(train_ds, consumed_train, args.micro_batch_size, dp_rank, dp_size)
         valid_iter = (MicroBatchIterator(valid_ds, consumed_valid, args.micro_batch_size, dp_rank, dp_size)
                       if valid_ds is not None and len(valid_ds) > 0 else None)
+        test_iter = (MicroBatchIterator(test_ds, 0, args.micro_batch_size, dp_rank, dp_size)
+                     if test_ds is not None and len(test_ds) > 0 else None)
 
         args_dict = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
@@ -171,15 +188,43 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                                  args_dict=args_dict, save_optim=not args.no_save_optim)
             print_rank_0(f"> saved checkpoint {path}")
 
-        result = train(args, model, optimizer, scheduler, train_iter, valid_iter, start_iteration=iteration,
-                       consumed_train_samples=consumed_train, consumed_valid_samples=consumed_valid,
-                       save_fn=save if args.save else None)
+        with ExitSignal() if args.exit_signal_handler else contextlib.nullcontext() as exit_signal:
+            result = train(args, model, optimizer, scheduler, train_iter, valid_iter, start_iteration=iteration,
+                           consumed_train_samples=consumed_train, consumed_valid_samples=consumed_valid,
+                           save_fn=save if args.save else None, start_time=start_time, exit_signal=exit_signal)
+        if result["exited"]:   # saved before leaving; no final evaluation, as Megatron-LM
+            return result
         if args.save and result["iteration"] > iteration and not (
                 args.save_interval and result["iteration"] % args.save_interval == 0):
             save(result["iteration"], result["consumed_train_samples"], result["consumed_valid_samples"])
+        result["final_eval"] = _final_evaluation(args, model, optimizer, result["iteration"], valid_iter, test_iter)
         return result
     finally:
         teardown(created)
+
+
+def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int, valid_iter, test_iter
+                      ) -> Dict[str, float]:
+    """After training, as Megatron-LM's ``pretrain``: one evaluation of ``--eval-iters`` batches on the validation
+    set and one on the test set (each where the split has one)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .logging_utils import format_eval_line
+    from .loop import evaluate, ledger_paused, print_rank_last
+
+    out: Dict[str, float] = {}
+    if args.eval_iters <= 0:
+        return out
+    fb = get_forward_backward_func()
+    for name, it in (("validation", valid_iter), ("test", test_iter)):
+        if it is None:
+            continue
+        with ledger_paused(model.ledger):
+            loss = evaluate(args, fb, model, optimizer, it)
+        if loss is not None:
+            out[name] = loss
+            print_rank_last(format_eval_line(f"iteration {iteration} on {name} set", {"lm loss": loss}))
+    return out
 
 
 def _find_checkpoint_or_fail(args: argparse.Namespace):

@@ -20,6 +20,9 @@ import numpy
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 EOD_TOKEN = "<|endoftext|>"
+# End-of-sequence tokens of common tokenizer families (GPT-2, Llama 1/2 and Mistral, Llama 3, Gemma), tried in order
+# when a tokenizer.json comes without a tokenizer_config.json naming its eos_token.
+EOS_CANDIDATES = (EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
@@ -38,14 +41,15 @@ class _Base(MegatronTokenizerBase):
 
 
 class ByteLevelBPE(_Base):
-    """A byte-level BPE (GPT-2 style) from the ``tokenizers`` library, with ``<|endoftext|>`` as EOD."""
+    """A tokenizer of the ``tokenizers`` library (a byte-level BPE, GPT-2 style, or any ``tokenizer.json``), with
+    ``eod_token`` (default ``<|endoftext|>``) as the end of a document."""
 
-    def __init__(self, hf_tokenizer, path: str) -> None:
+    def __init__(self, hf_tokenizer, path: str, eod_token: str = EOD_TOKEN) -> None:
         super().__init__(path)
         self._tok = hf_tokenizer
-        eod = self._tok.token_to_id(EOD_TOKEN)
+        eod = self._tok.token_to_id(eod_token)
         if eod is None:
-            raise ValueError(f"tokenizer {path!r} has no {EOD_TOKEN} token (needed as end-of-document)")
+            raise ValueError(f"tokenizer {path!r} has no {eod_token} token (needed as end-of-document)")
         self._eod = int(eod)
 
     def tokenize(self, text: str) -> List[int]:
@@ -150,8 +154,29 @@ def load_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None
                                     "(this build reads local files only; nothing is downloaded)")
         from tokenizers import Tokenizer
 
-        return ByteLevelBPE(Tokenizer.from_file(path), path)
+        tok = Tokenizer.from_file(path)
+        return ByteLevelBPE(tok, path, _eos_token(tok, path, tokenizer_model))
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {TOKENIZER_TYPES}")
+
+
+def _eos_token(tok, path: str, flag_value: str) -> str:
+    """The end-of-sequence token, as Megatron-LM's HuggingFaceTokenizer takes ``eos_token``: the one the
+    ``tokenizer_config.json`` beside ``path`` names, else the first of :data:`EOS_CANDIDATES` in the vocabulary."""
+    import json
+
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            eos = json.load(f).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+            return eos
+    for token in EOS_CANDIDATES:
+        if tok.token_to_id(token) is not None:
+            return token
+    raise ValueError(f"--tokenizer-model {flag_value}: no end-of-sequence token found (no tokenizer_config.json "
+                     f"eos_token beside it, and none of {', '.join(EOS_CANDIDATES)} in its vocabulary); documents "
+                     "need one to be separated")
 
 
 def optimal_index_dtype(vocab_size: int) -> type:

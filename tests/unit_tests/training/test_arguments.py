@@ -140,11 +140,20 @@ def test_bad_split_rejected_before_any_process_group(capsys, split, reason):
     assert "--split" in err and reason in err, err
 
 
-def test_null_tokenizer_needs_vocab_size_and_vocab_size_warns_elsewhere(capsys):
+def _word_tokenizer(path, tokens) -> str:
+    """A tokenizer.json of a word-level vocabulary ``tokens`` (ids in order)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=tokens[0])).save(str(path))
+    return str(path)
+
+
+def test_null_tokenizer_needs_vocab_size_and_vocab_size_warns_elsewhere(capsys, tmp_path):
     err = _error(capsys, ["--mock-data", "--tokenizer-type", "NullTokenizer"])
     assert "--vocab-size" in err and "NullTokenizer" in err
-    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", "100"],
-               world_size=1)
+    tok = _word_tokenizer(tmp_path / "tokenizer.json", ["<unk>", "<|endoftext|>", "a"])
+    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
+                       "--vocab-size", "100"], world_size=1)
     assert "WARNING: --vocab-size 100 is ignored" in capsys.readouterr().err
     parse_args(BASE + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], world_size=1)
     assert "--vocab-size" not in capsys.readouterr().err
@@ -191,3 +200,82 @@ def test_dp_ranks_per_node_from_the_actual_dp_groups():
     assert per_node(16, 8, 1, 4) == 4      # a node holds two whole pipeline stages
     with pytest.raises(ArgumentError, match="--ranks-per-node"):
         per_node(24, 12, 2, 4)             # stage 1 (ranks 8-15) straddles nodes 0 and 1
+
+
+def test_tokenizer_problems_are_flag_errors_before_training(capsys, tmp_path):
+    """A tokenizer that cannot be loaded is a parse error naming the flag (before any process group exists)."""
+    err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer"])
+    assert "--tokenizer-model" in err
+    err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                          str(tmp_path / "missing.json")])
+    assert "--tokenizer-model" in err and "no tokenizer.json" in err
+    no_eos = _word_tokenizer(tmp_path / "no_eos.json", ["<unk>", "a", "b"])
+    err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                          no_eos])
+    assert "--tokenizer-model" in err and "end-of-sequence" in err
+
+
+def test_swiglu_ffn_default_is_megatron_lm_rule(capsys):
+    a = parse_args(["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "64",
+                    "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "10", "--swiglu"], world_size=1)
+    assert a.ffn_hidden_size == 10880   # int((4 * 4096 * 2 / 3) / 64) * 64, Megatron-LM's arguments.py
+    assert parse_args(BASE + ["--swiglu"], world_size=1).ffn_hidden_size == 128   # 170.7 -> 128
+    assert parse_args(BASE, world_size=1).ffn_hidden_size == 256                  # 4h without SwiGLU
+    assert parse_args(BASE + ["--swiglu", "--ffn-hidden-size", "96"], world_size=1).ffn_hidden_size == 96
+    err = _error(capsys, ["--hidden-size", "16", "--swiglu"], world_size=1)   # 42.7 rounds to 0
+    assert "--ffn-hidden-size" in err and "--swiglu" in err
+    from megatron_ext.planner.model_spec import ModelSpec
+    assert ModelSpec("t", 2, 4096, 32, 1000, 64, swiglu=True).ffn == 10880   # the planner sizes the same model
+
+
+def test_group_query_attention_defaults_to_one_group_like_megatron_lm(capsys):
+    assert parse_args(BASE + ["--group-query-attention"], world_size=1).num_query_groups == 1
+    err = _error(capsys, ["--group-query-attention", "--num-query-groups", "3"], world_size=1)
+    assert "--num-query-groups" in err and "divide" in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--global-batch-size", "0"], "--global-batch-size"),
+    (["--global-batch-size", "-4"], "--global-batch-size"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size"),
+    (["--kv-channels", "-1"], "--kv-channels"),
+    (["--lr-warmup-iters", "-2"], "--lr-warmup-iters"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters"),
+    (["--eval-iters", "-1"], "--eval-iters"),
+    (["--exit-interval", "-5"], "--exit-interval"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout"),
+    (["--attention-dropout", "-0.1"], "--attention-dropout"),
+    (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--clip-grad", "-1"], "--clip-grad"),
+    (["--lr", "-1e-3"], "--lr"),
+    (["--finetune"], "--load"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction"),
+    (["--lr-warmup-fraction", "1.0"], "--lr-warmup-fraction"),
+    (["--start-weight-decay", "0.1"], "--weight-decay-incr-style"),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.0"], "--end-weight-decay"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_out_of_range_values_name_their_flag(capsys, argv, flag):
+    err = _error(capsys, argv, world_size=1)
+    assert flag in err, err
+
+
+def test_megatron_lm_flags_with_reasons_and_accepted_no_ops(capsys):
+    for flag, reason in (("--rampup-batch-size", "ramp-up"), ("--recompute-method", "recomputation"),
+                         ("--recompute-num-layers", "recomputation"), ("--lr-warmup-samples", "--lr-warmup-fraction")):
+        err = _error(capsys, [flag, "1"], world_size=1)
+        assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support" in err and reason in err, err
+        assert "did you mean" not in err
+    a = parse_args(BASE + ["--no-gradient-accumulation-fusion", "--lr-warmup-fraction", "0.25",
+                           "--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0",
+                           "--end-weight-decay", "0.1", "--exit-signal-handler"], world_size=1)
+    assert a.lr_warmup_fraction == 0.25 and (a.start_weight_decay, a.end_weight_decay) == (0.0, 0.1)
+    a = parse_args(BASE + ["--weight-decay", "0.05"], world_size=1)
+    assert (a.start_weight_decay, a.end_weight_decay, a.weight_decay_incr_style) == (0.05, 0.05, "constant")
+
+
+def test_unusable_save_directory_is_a_flag_error(capsys, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    err = _error(capsys, ["--save", str(tmp_path / "a_file" / "ckpt")], world_size=1)
+    assert "--save" in err and "not a directory" in err
+    assert parse_args(BASE + ["--save", str(tmp_path / "new" / "deeper")], world_size=1).save   # creatable

@@ -71,3 +71,43 @@ def test_lr_schedule_and_resume_with_other_schedule_flags(spawn, text_dataset, t
         assert f"learning rate: {expected:.6E}" in printed, printed
     assert math.isclose(resumed["--use-checkpoint-opt_param-scheduler"][0][4]["lr"], straight[4]["lr"],
                         rel_tol=1e-12)
+
+
+def _warmup_fraction_and_wd_ramp(argv):
+    """(lr, weight decay of a decayed group, of a no-decay group) after each of 10 scheduler steps, as
+    pretrain_gpt builds the optimizer and its scheduler from ``argv``."""
+    import torch
+
+    import megatron_ext as mx
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.pretrain_gpt import _build_optimizer
+
+    args = parse_args(argv, world_size=1)
+    model = mx.OverlappedDDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)),
+                             mx.OverlapConfig(bucket_size=1000))
+    opt, sched = _build_optimizer(args, model)
+    out = []
+    for _ in range(10):
+        sched.step(increment=args.global_batch_size)
+        wds = sorted({g["weight_decay"] for g in opt.param_groups})
+        out.append((opt.param_groups[0]["lr"], wds))
+    return out
+
+
+def test_lr_warmup_fraction_and_weight_decay_ramp_follow_megatron_lm():
+    """--lr-warmup-fraction warms up over that fraction of the decay's samples, and --weight-decay-incr-style
+    linear ramps --start-weight-decay to --end-weight-decay over --train-iters, each as Megatron-LM computes
+    them (written out here from its formulas); parameters without decay (biases, norms) stay at 0."""
+    from tests.unit_tests.dist_harness import run_distributed
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "10",
+            "--lr-decay-style", "constant", "--lr-warmup-fraction", "0.4", "--weight-decay-incr-style", "linear",
+            "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", "--distributed-backend", "gloo"]
+    steps = run_distributed(_warmup_fraction_and_wd_ramp, 1, argv, timeout=120)[0]
+    warmup_samples = 0.4 * 10 * 2   # lr_warmup_fraction * lr_decay_steps (samples), as Megatron-LM
+    for i, (lr, wds) in enumerate(steps, start=1):
+        samples = 2 * i
+        want_lr = 1e-3 * samples / warmup_samples if samples <= warmup_samples else 1e-3
+        assert math.isclose(lr, want_lr, rel_tol=1e-12), (i, lr, want_lr)
+        assert wds[0] == 0.0 and math.isclose(wds[-1], 0.1 * samples / 20, rel_tol=1e-12, abs_tol=0.0), (i, wds)
