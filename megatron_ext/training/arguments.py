@@ -25,10 +25,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--use-custom-fsdp": "the optimizer here is the OverlappedDistributedOptimizer, not FSDP",
     "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
-    "--recompute-granularity": "activation recomputation is not wired into pretrain_gpt yet",
-    "--recompute-activations": "activation recomputation is not wired into pretrain_gpt yet",
-    "--recompute-method": "activation recomputation is not wired into pretrain_gpt yet",
-    "--recompute-num-layers": "activation recomputation is not wired into pretrain_gpt yet",
     "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
     "--train-samples": "use --train-iters",
     "--lr-decay-samples": "the schedule is given in iterations here: use --lr-decay-iters",
@@ -174,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-mcore-models", action="store_true", help="accepted; models are always megatron-core's")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialise weights on CPU (always on without CUDA; makes TP>1 init equal TP=1's)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recomputation (core attention), as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers in backward (with --recompute-method and "
+                   "--recompute-num-layers); selective: core attention only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recomputation: uniform (every chunk of --recompute-num-layers layers) or block (the "
+                   "first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full recomputation: layers per chunk (uniform) or layers recomputed per stage (block)")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="accepted: the fused weight-gradient accumulation is always off (it writes main_grad, which "
                    "the ODO does not keep)")
@@ -359,6 +365,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
         _fail(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
               f"({args.seq_length})")
+
+    _validate_recompute(args, pp)
 
     # Batch.
     if args.global_batch_size is None:
@@ -679,6 +687,27 @@ def _validate_later_features(args: argparse.Namespace) -> None:
         if args.sequence_parallel:
             _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
                   "all-reduces of full-sequence partial sums)")
+
+
+def _validate_recompute(args: argparse.Namespace, pp: int) -> None:
+    """Megatron-LM's recomputation flags, checked as megatron-core's TransformerConfig checks them but naming the
+    flag: ``--recompute-activations`` is selective recomputation."""
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            _fail("--recompute-activations (selective) conflicts with --recompute-granularity "
+                  f"{args.recompute_granularity}: choose one")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        per_stage = args.num_layers // pp
+        if args.recompute_method is None:
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None or not 1 <= args.recompute_num_layers <= per_stage:
+            _fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the layers per pipeline "
+                  f"stage ({per_stage}), got {args.recompute_num_layers}")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
+        _fail(f"{flag} applies to --recompute-granularity full only (got "
+              f"{args.recompute_granularity or 'no recomputation'})")
 
 
 def _check_save_dir(path: str) -> None:

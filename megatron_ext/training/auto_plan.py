@@ -195,7 +195,8 @@ def workload_from_args(args: argparse.Namespace) -> "Workload":
     dp = args.data_parallel_size
     rpn = args.dp_ranks_per_node or dp      # the ODO without --ranks-per-node / LOCAL_WORLD_SIZE: one node
     return Workload(model_spec_from_args(args), dp, rpn, args.micro_batch_size, args.num_micro_batches,
-                    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "none", setup,
+                    args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                    getattr(args, "recompute_granularity", None) or "none", setup,
                     sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
 
 

@@ -31,6 +31,8 @@ def transformer_config_from_args(args: argparse.Namespace):
         sequence_parallel=args.sequence_parallel, bf16=args.bf16, fp16=args.fp16,
         params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype,
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
     if args.swiglu:
         overrides.update(gated_linear_unit=True, activation_func=F.silu)

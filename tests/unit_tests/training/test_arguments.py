@@ -261,8 +261,7 @@ def test_out_of_range_values_name_their_flag(capsys, argv, flag):
 
 
 def test_megatron_lm_flags_with_reasons_and_accepted_no_ops(capsys):
-    for flag, reason in (("--rampup-batch-size", "ramp-up"), ("--recompute-method", "recomputation"),
-                         ("--recompute-num-layers", "recomputation"), ("--lr-warmup-samples", "--lr-warmup-fraction")):
+    for flag, reason in (("--rampup-batch-size", "ramp-up"), ("--lr-warmup-samples", "--lr-warmup-fraction")):
         err = _error(capsys, [flag, "1"], world_size=1)
         assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support" in err and reason in err, err
         assert "did you mean" not in err
@@ -279,3 +278,18 @@ def test_unusable_save_directory_is_a_flag_error(capsys, tmp_path):
     err = _error(capsys, ["--save", str(tmp_path / "a_file" / "ckpt")], world_size=1)
     assert "--save" in err and "not a directory" in err
     assert parse_args(BASE + ["--save", str(tmp_path / "new" / "deeper")], world_size=1).save   # creatable
+
+
+def test_recompute_flags_follow_megatron_lm(capsys):
+    assert parse_args(BASE + ["--recompute-activations"], world_size=1).recompute_granularity == "selective"
+    a = parse_args(BASE + ["--recompute-granularity", "full", "--recompute-method", "block",
+                           "--recompute-num-layers", "2"], world_size=1)
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "block", 2)
+    for argv, flag in ((["--recompute-granularity", "full", "--recompute-num-layers", "1"], "--recompute-method"),
+                       (["--recompute-granularity", "full", "--recompute-method", "uniform"], "--recompute-num-layers"),
+                       (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                         "3"], "--recompute-num-layers"),   # 2 layers
+                       (["--recompute-method", "uniform"], "--recompute-method"),
+                       (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations")):
+        err = _error(capsys, argv, world_size=1)
+        assert flag in err, (argv, err)
