@@ -47,6 +47,7 @@ class ModelSpec:
     untie_embeddings: bool = True               # output layer separate (LLaMA); Megatron's flags default to tied
     kv_channels: Optional[int] = None           # --kv-channels; None: hidden / heads
     max_position_embeddings: Optional[int] = None   # rows of the learned position table; None: seq_length
+    qk_layernorm: bool = False                  # --qk-layernorm: a norm over each head's queries and keys
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -96,6 +97,8 @@ class ModelSpec:
             out += norm
             out += [q * h // tp] + ([h] if bias else [])
             out += [(q + 2 * kv) * h // tp] + ([(q + 2 * kv) // tp] if bias else [])
+            if self.qk_layernorm:   # q_layernorm, k_layernorm over one head (replicated across TP)
+                out += [self.head_dim] * (2 * len(norm))
             out += norm
             out += [fc1 * h // tp] + ([fc1 // tp] if bias else [])
             out += [h * f // tp] + ([h] if bias else [])

@@ -31,7 +31,81 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--lr-warmup-samples": "the schedule is given in iterations here: use --lr-warmup-iters or --lr-warmup-fraction",
     "--rampup-batch-size": "batch-size ramp-up is not implemented: the global batch size is fixed "
                            "(--global-batch-size)",
+    "--reset-attention-mask": "per-document attention masks are not implemented: attention is causal over the "
+                              "whole sequence",
+    "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, averaged over micro-batches",
+    "--check-for-nan-in-loss-and-grad": "not implemented: a NaN loss is logged and counted (nan iterations); fp16 "
+                                        "skips steps with inf/nan gradients",
+    "--fp16-lm-cross-entropy": "the cross entropy is computed in fp32",
+    "--distribute-saved-activations": "not implemented",
+    "--train-data-path": "per-split data paths are not implemented: use --data-path with --split",
+    "--valid-data-path": "per-split data paths are not implemented: use --data-path with --split",
+    "--test-data-path": "per-split data paths are not implemented: use --data-path with --split",
+    "--data-args-path": "use --data-path",
+    "--per-split-data-args-path": "use --data-path with --split",
+    "--vocab-extra-ids": "a T5 option; GPT tokenizers here add no extra ids",
+    "--use-checkpoint-args": "give the model flags on the command line: --load checks them against the checkpoint "
+                             "and names any that differ",
+    "--save-retain-interval": "every saved iteration is kept",
+    "--non-persistent-save-interval": "non-persistent checkpoints are not implemented: use --save-interval",
+    "--no-shared-storage": "checkpoints need a directory every rank sees (a shared filesystem)",
+    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
+    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not implemented",
+    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not implemented",
+    "--fp8-format": "FP8 training is not implemented",
+    "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
 }
+
+# Megatron-LM flags that change how fast a run goes or what it logs, never what it trains: accepted, and named in a
+# notice at start-up (so nothing is silently dropped). Value: (takes a value, what happens here instead).
+ACCEPTED_WITHOUT_EFFECT = {
+    "--use-flash-attn": (False, "attention runs through the layer spec (Transformer Engine when importable, else "
+                                "megatron-core's local attention)"),
+    "--attention-backend": (True, "attention runs through the layer spec (see --transformer-impl)"),
+    "--no-masked-softmax-fusion": (False, "this fusion is always off here"),
+    "--no-bias-gelu-fusion": (False, "this fusion is always off here"),
+    "--no-bias-swiglu-fusion": (False, "this fusion is always off here"),
+    "--no-bias-dropout-fusion": (False, "this fusion is always off here"),
+    "--no-rope-fusion": (False, "this fusion is always off here"),
+    "--no-persist-layer-norm": (False, "persistent layer norm is always off here"),
+    "--cross-entropy-loss-fusion": (False, "the cross entropy is unfused"),
+    "--tp-comm-overlap": (False, "Transformer Engine's tensor-parallel communication overlap is not enabled"),
+    "--accumulate-allreduce-grads-in-fp32": (False, "bf16/fp16 gradients are always reduced in fp32 here"),
+    "--overlap-param-gather-with-optimizer-step": (False, "the ODO overlaps its gathers with the next forward"),
+    "--no-create-attention-mask-in-dataloader": (False, "the dataloader never builds masks here"),
+    "--async-save": (False, "checkpoints are saved synchronously"),
+    "--ckpt-fully-parallel-save": (False, "every rank writes its own files already"),
+    "--manual-gc": (False, "Python's garbage collector runs as usual"),
+    "--manual-gc-interval": (True, "Python's garbage collector runs as usual"),
+    "--num-workers": (True, "batches are read in the training process"),
+    "--mmap-bin-files": (False, "megatron-core's default (memory-mapped .bin files)"),
+    "--no-mmap-bin-files": (False, "the .bin files are memory-mapped"),
+    "--num-dataset-builder-threads": (True, "datasets are built in one thread"),
+    "--empty-unused-memory-level": (True, "the caching allocator is not emptied"),
+    "--deterministic-mode": (False, "CPU runs are deterministic; on GPUs the default kernels run"),
+    "--log-throughput": (False, "every log line shows throughput"),
+    "--log-params-norm": (False, "the parameter norm is not logged"),
+    "--log-num-zeros-in-grad": (False, "zeros in the gradient are not counted"),
+    "--timing-log-level": (True, "timers are not logged"),
+    "--tensorboard-log-interval": (True, "TensorBoard scalars are written every --log-interval"),
+    "--tensorboard-queue-size": (True, "TensorBoard's default queue"),
+    "--log-validation-ppl-to-tensorboard": (False, "validation perplexity is printed"),
+    "--log-memory-to-tensorboard": (False, "memory is not logged"),
+    "--log-world-size-to-tensorboard": (False, "the world size is printed in the arguments"),
+    "--log-straggler": (False, "stragglers are not detected"),
+    "--wandb-project": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
+    "--wandb-exp-name": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
+    "--wandb-save-dir": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
+}
+
+
+def ignored_flag_notice(args: argparse.Namespace) -> Optional[str]:
+    """The start-up line that names the flags of :data:`ACCEPTED_WITHOUT_EFFECT` this run was given, or None."""
+    given = [flag for flag in ACCEPTED_WITHOUT_EFFECT
+             if getattr(args, flag.lstrip("-").replace("-", "_"), None) not in (None, False)]
+    if not given:
+        return None
+    return "> accepted without effect: " + "; ".join(f"{f} ({ACCEPTED_WITHOUT_EFFECT[f][1]})" for f in given)
 
 
 class ArgumentError(ValueError):
@@ -159,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true", help="squared ReLU activation (instead of GeLU)")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalise queries and keys per head")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred layer-norm gamma (needs --transformer-impl transformer_engine)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="softmax in fp32 (always on with --bf16/--fp16 here)")
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="Xavier-uniform initialisation of the linear weights (instead of --init-method-std)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type none (rope when combined with "
+                   "--use-rotary-position-embeddings)")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -244,6 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_megatron_ext_args(p)
     add_auto_plan_args(p)
 
+    g = p.add_argument_group("Megatron-LM flags accepted without effect (named in a notice at start-up)")
+    for flag, (takes_value, why) in ACCEPTED_WITHOUT_EFFECT.items():
+        if takes_value:
+            g.add_argument(flag, default=None, metavar="VALUE", help=f"accepted: {why}")
+        else:
+            g.add_argument(flag, action="store_true", default=None, help=f"accepted: {why}")
+
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--eval-interval", type=int, default=1000)
@@ -266,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "standard-library corpus")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each end-of-document token")
     g.add_argument("--tokenizer-type", choices=("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
                    default=None)
     g.add_argument("--tokenizer-model", default=None)
@@ -281,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with an error when there is no checkpoint to load (also when --load is "
+                   "--save)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: load the model weights only and start at iteration 0 with a fresh optimizer, "
                    "learning-rate schedule, data position and RNG (as Megatron-LM)")
@@ -360,6 +460,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     for flag, v in (("--hidden-dropout", args.hidden_dropout), ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= v <= 1.0:
             _fail(f"{flag} must be in [0, 1], got {v}")
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    elif args.no_position_embedding:
+        args.position_embedding_type = "none"
+    if args.swiglu and args.squared_relu:
+        _fail("--swiglu and --squared-relu conflict: choose one activation")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
@@ -497,6 +603,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail("--desync-residual at --tensor-model-parallel-size > 1 needs --transformer-impl local: "
               "transformer-engine fuses the norm into linear_qkv, so the per-rank norm-weight gradients cannot be "
               "summed over the TP group")
+    if args.apply_layernorm_1p and args.transformer_impl == "local":
+        _fail("--apply-layernorm-1p needs --transformer-impl transformer_engine: megatron-core's local layer spec "
+              "(torch norms) has no zero-centred gamma")
     if args.sequence_parallel and args.transformer_impl == "local":
         _fail("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core's local layer spec "
               "(WrappedTorchNorm) rejects sequence parallelism")

@@ -179,7 +179,7 @@ def model_spec_from_args(args: argparse.Namespace) -> "ModelSpec":
         add_bias_linear=not args.disable_bias_linear, normalization=args.normalization,
         position_embedding=args.position_embedding_type,
         untie_embeddings=args.untie_embeddings_and_output_weights, kv_channels=args.kv_channels,
-        max_position_embeddings=args.max_position_embeddings)
+        max_position_embeddings=args.max_position_embeddings, qk_layernorm=bool(getattr(args, "qk_layernorm", False)))
 
 
 def workload_from_args(args: argparse.Namespace) -> "Workload":

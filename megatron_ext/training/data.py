@@ -47,8 +47,10 @@ def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_
 
 
 def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: int, tokenizer, num_samples: List[int],
-                   mock: bool = False, cache_dir: Optional[str] = None) -> List[Optional[torch.utils.data.Dataset]]:
-    """(train, valid, test) GPTDatasets from a ``--data-path`` blend and ``--split``, via megatron-core's builder."""
+                   mock: bool = False, cache_dir: Optional[str] = None, eod_mask_loss: bool = False,
+                   reset_position_ids: bool = False) -> List[Optional[torch.utils.data.Dataset]]:
+    """(train, valid, test) GPTDatasets from a ``--data-path`` blend and ``--split``, via megatron-core's builder
+    (``--eod-mask-loss`` and ``--reset-position-ids`` are its options of the same names)."""
     ensure_dataset_helpers()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -65,8 +67,9 @@ def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: in
         split = ",".join(f"{w:g}" for w in parse_split(split))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=None if mock else get_blend_from_list(data_prefix),
-        split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mid_level_dataset_surplus=0.005)
+        split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=reset_position_ids,
+        reset_attention_mask=False, eod_mask_loss=eod_mask_loss, create_attention_mask=False,
+        mid_level_dataset_surplus=0.005)
     cls = MockGPTDataset if mock else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, num_samples, lambda: True, config).build()
 

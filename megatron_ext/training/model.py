@@ -19,9 +19,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config_from_args(args: argparse.Namespace):
-    import torch.nn.functional as F
-
     from megatron_ext.models.gpt import make_gpt_config
+
+    return make_gpt_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
+                           **config_overrides(args))
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields these flags set (beyond the shape), as Megatron-LM sets them."""
+    import torch.nn.functional as F
 
     overrides = dict(
         kv_channels=args.kv_channels, num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -36,10 +42,20 @@ def transformer_config_from_args(args: argparse.Namespace):
     )
     if args.swiglu:
         overrides.update(gated_linear_unit=True, activation_func=F.silu)
-    if args.fp16 or args.bf16:
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        overrides.update(activation_func=squared_relu)
+    if args.fp16 or args.bf16 or args.attention_softmax_in_fp32:
         overrides.update(attention_softmax_in_fp32=True)
-    return make_gpt_config(args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
-                           **overrides)
+    if args.qk_layernorm:
+        overrides.update(qk_layernorm=True)
+    if args.apply_layernorm_1p:
+        overrides.update(layernorm_zero_centered_gamma=True)
+    if args.init_method_xavier_uniform:   # Megatron-LM: both init methods Xavier-uniform
+        overrides.update(init_method=torch.nn.init.xavier_uniform_,
+                         output_layer_init_method=torch.nn.init.xavier_uniform_)
+    return overrides
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -54,8 +70,9 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
     enable_cpu_compat()
     config = transformer_config_from_args(args)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if args.transformer_impl == "transformer_engine"
-            else get_gpt_layer_local_spec(normalization=args.normalization))
+    spec = (get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+            if args.transformer_impl == "transformer_engine"
+            else get_gpt_layer_local_spec(normalization=args.normalization, qk_layernorm=args.qk_layernorm))
     # With PP > 1 and tied embeddings, megatron-core's LanguageModule moves the shared weight with `.cuda()` before
     # its first/last-stage all-reduce; cpu_device_mode makes that a no-op without CUDA (pass-through with CUDA).
     with cpu_device_mode():

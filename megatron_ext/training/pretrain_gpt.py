@@ -43,7 +43,8 @@ def _build_data(args: argparse.Namespace):
     sizes = train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
                                          args.eval_iters)
     datasets = build_datasets(data_path or [], args.split, args.seq_length, args.seed, tokenizer, sizes,
-                              mock=args.mock_data, cache_dir=args.data_cache_path)
+                              mock=args.mock_data, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
+                              reset_position_ids=args.reset_position_ids)
     return tokenizer, datasets
 
 
@@ -110,7 +111,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     Works inside an existing process group (tests) or creates one from torchrun's environment.
     """
     from . import checkpointing
-    from .arguments import parse_args
+    from .arguments import ignored_flag_notice, parse_args
     from .data import MicroBatchIterator
     from .initialize import init_distributed, init_model_parallel, teardown
     from .loop import ExitSignal, print_rank_0, train
@@ -135,6 +136,9 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
         _print_args(args)
+        notice = ignored_flag_notice(args)
+        if notice:
+            print_rank_0(notice)
         module = build_model(args)
         model = mx.OverlappedDDP(module, _overlap_config(args), dp_group=ps.get_data_parallel_group())
         optimizer, scheduler = _build_optimizer(args, model)
@@ -233,6 +237,7 @@ def _find_checkpoint_or_fail(args: argparse.Namespace):
     from .loop import print_rank_0
 
     same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    same_as_save = same_as_save and not args.exit_on_missing_checkpoint   # then a missing one is an error
     if same_as_save and not os.path.isdir(args.load):
         print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")
         return None

@@ -36,11 +36,11 @@ def test_param_numels_equal_a_megatron_core_gpt(spawn):
 
 # pretrain_gpt flag sets whose model the planner must see exactly (auto_plan.model_spec_from_args): TP 1 and 2,
 # tied and untied, RMSNorm + SwiGLU + GQA without biases, explicit head size, a position table longer than the
-# sequence, rope (no table).
+# sequence, rope (no table), query-key norms (LayerNorm and RMSNorm).
 FLAG_SETS = [
-    ["--untie-embeddings-and-output-weights", "--max-position-embeddings", "40"],
+    ["--untie-embeddings-and-output-weights", "--max-position-embeddings", "40", "--qk-layernorm"],
     ["--tensor-model-parallel-size", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-     "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"],
+     "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--qk-layernorm"],
     ["--tensor-model-parallel-size", "2", "--kv-channels", "8", "--position-embedding-type", "rope"],
 ]
 

@@ -293,3 +293,51 @@ def test_recompute_flags_follow_megatron_lm(capsys):
                        (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations")):
         err = _error(capsys, argv, world_size=1)
         assert flag in err, (argv, err)
+
+
+def test_speed_and_logging_flags_are_accepted_and_named_in_a_notice():
+    from megatron_ext.training.arguments import ACCEPTED_WITHOUT_EFFECT, ignored_flag_notice
+
+    argv = []
+    for flag, (takes_value, _) in ACCEPTED_WITHOUT_EFFECT.items():
+        argv += [flag, "1"] if takes_value else [flag]
+    notice = ignored_flag_notice(parse_args(BASE + argv, world_size=1))
+    assert notice.startswith("> accepted without effect: ")
+    for flag in ACCEPTED_WITHOUT_EFFECT:
+        assert f"{flag} (" in notice, flag
+    assert ignored_flag_notice(parse_args(BASE, world_size=1)) is None
+    notice = ignored_flag_notice(parse_args(BASE + ["--no-masked-softmax-fusion", "--num-workers", "2"],
+                                            world_size=1))
+    assert notice == ("> accepted without effect: --no-masked-softmax-fusion (this fusion is always off here); "
+                      "--num-workers (batches are read in the training process)")
+
+
+def test_model_flags_of_megatron_lm_reach_the_transformer_config(capsys):
+    """--squared-relu, --qk-layernorm, --init-method-xavier-uniform, --attention-softmax-in-fp32 and the older
+    position-embedding spellings set what Megatron-LM sets; --apply-layernorm-1p needs Transformer Engine."""
+    import torch
+    from megatron.core.activations import squared_relu
+
+    from megatron_ext.training.model import config_overrides
+
+    assert parse_args(BASE + ["--use-rotary-position-embeddings"], world_size=1).position_embedding_type == "rope"
+    assert parse_args(BASE + ["--no-position-embedding"], world_size=1).position_embedding_type == "none"
+    assert parse_args(BASE + ["--no-position-embedding", "--use-rotary-position-embeddings"],
+                      world_size=1).position_embedding_type == "rope"
+    assert "--squared-relu" in _error(capsys, ["--swiglu", "--squared-relu"], world_size=1)
+    assert "--apply-layernorm-1p" in _error(capsys, ["--apply-layernorm-1p", "--transformer-impl", "local"],
+                                            world_size=1)
+    args = parse_args(BASE + ["--squared-relu", "--qk-layernorm", "--init-method-xavier-uniform",
+                              "--attention-softmax-in-fp32"], world_size=1)
+    config, plain = config_overrides(args), config_overrides(parse_args(BASE, world_size=1))
+    assert config["activation_func"] is squared_relu and config["qk_layernorm"] and config["attention_softmax_in_fp32"]
+    assert config["init_method"] is config["output_layer_init_method"] is torch.nn.init.xavier_uniform_
+    for key in ("activation_func", "qk_layernorm", "attention_softmax_in_fp32", "init_method"):
+        assert key not in plain, key
+
+
+def test_unsupported_megatron_lm_flags_say_why(capsys):
+    for flag in ("--calculate-per-token-loss", "--reset-attention-mask", "--train-data-path", "--fp8-format",
+                 "--use-checkpoint-args"):
+        err = _error(capsys, [flag], world_size=1)
+        assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support: " in err, err

@@ -100,3 +100,33 @@ def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
                              global_batch_size=8, lm_loss=stats.lm_loss, loss_scale=1.0, grad_norm=2.5, skipped=2,
                              nan_iters=1, intra_bytes=0, inter_bytes=0)
     assert "(TFLOP/s/GPU): 0.000123 |" in line and "lm loss: 4.000000E+00" in line
+
+
+def test_eod_mask_loss_and_reset_position_ids_reach_the_dataset(text_dataset, tmp_path):
+    """--eod-mask-loss: no loss on end-of-document tokens; --reset-position-ids: positions restart after each one
+    (megatron-core's GPTDataset options); without them, every token counts and positions run 0..s-1."""
+    import torch
+
+    from megatron_ext.training.data import build_datasets
+    from megatron_ext.training.tokenizer import load_tokenizer
+
+    prefix, tok_json = text_dataset
+    tok = load_tokenizer("HuggingFaceTokenizer", tokenizer_model=tok_json)
+    seq = 256
+
+    def first_samples(**kw):
+        train = build_datasets([prefix], "100,0,0", seq, 1234, tok, [64, 0, 0], cache_dir=str(tmp_path), **kw)[0]
+        return [train[i] for i in range(64)]
+
+    plain, masked = first_samples(), first_samples(eod_mask_loss=True, reset_position_ids=True)
+    eod_seen = 0
+    for p, m in zip(plain, masked):
+        assert torch.equal(p["tokens"], m["tokens"])
+        at_eod = m["tokens"] == tok.eod
+        eod_seen += int(at_eod.sum())
+        assert bool((p["loss_mask"] == 1).all()) and torch.equal(p["position_ids"], torch.arange(seq))
+        assert bool((m["loss_mask"][at_eod] == 0).all()) and bool((m["loss_mask"][~at_eod] == 1).all())
+        for i in at_eod.nonzero().flatten().tolist():   # the token after an EOD starts again at position 0
+            if i + 1 < seq:
+                assert m["position_ids"][i + 1] == 0
+    assert eod_seen > 0

@@ -1,6 +1,6 @@
 """How a pretrain_gpt run starts and ends, as Megatron-LM's: the final validation and test evaluation, --finetune,
-the early exits (--exit-duration-in-mins, --exit-signal-handler: saved, every rank after the same iteration), and a
-save that fails on one rank (every rank raises, none waits)."""
+the early exits (--exit-duration-in-mins, --exit-signal-handler: saved, every rank after the same iteration), a
+save that fails on one rank (every rank raises, none waits) and --exit-on-missing-checkpoint."""
 from __future__ import annotations
 
 import contextlib
@@ -74,6 +74,14 @@ def _lifecycle_runs(base, root):
     finally:
         checkpointing.remove_stale = remove_stale
     out["after_failed_save_tracker"] = tracker("a")
+
+    # --exit-on-missing-checkpoint: --load that is also --save and holds nothing is an error, not a fresh start.
+    try:
+        pretrain(base + ["--load", os.path.join(root, "e"), "--save", os.path.join(root, "e"),
+                         "--exit-on-missing-checkpoint"])
+        out["missing"] = "no error"
+    except CheckpointError as e:
+        out["missing"] = str(e)
     return out
 
 
@@ -109,3 +117,4 @@ def test_final_evaluation_finetune_early_exits_and_a_failed_save(spawn, text_dat
         assert "No space left on device" in res["failed_save"], (r, res["failed_save"])
         assert r == 0 or "(found by rank 0; nothing was saved)" in res["failed_save"], (r, res["failed_save"])
         assert res["after_failed_save_tracker"] == 4
+        assert "--load" in res["missing"] and "no such directory" in res["missing"], (r, res["missing"])
