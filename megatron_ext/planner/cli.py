@@ -48,6 +48,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
     g.add_argument("--swiglu", action="store_true", default=None)
     g.add_argument("--disable-bias-linear", action="store_true", default=None)
+    g.add_argument("--qk-layernorm", action="store_true", default=None, help="a norm over each head's queries and keys")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"))
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"))
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
@@ -62,6 +63,7 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
                   seq_length=a.seq_length, swiglu=a.swiglu, normalization=a.normalization,
                   position_embedding=a.position_embedding_type, kv_channels=getattr(a, "kv_channels", None),
                   max_position_embeddings=getattr(a, "max_position_embeddings", None), untie_embeddings=untie,
+                  qk_layernorm=getattr(a, "qk_layernorm", None),
                   add_bias_linear=None if a.disable_bias_linear is None else not a.disable_bias_linear)
     if a.model:
         return model_preset(a.model, **fields)
