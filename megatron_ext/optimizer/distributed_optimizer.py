@@ -295,7 +295,7 @@ class OverlappedDistributedOptimizer:
         step = state_dict.get("step", 0)
         # Saved before any step was applied (fp16's first steps are skipped while the loss scale falls): the inner
         # optimizer had no state yet, and gets none, as a fresh one.
-        keys = optimizer_state_keys(self.inner) if step > 0 else []
+        keys = optimizer_state_keys(self.inner) if has_optimizer_state(state_dict, self.inner) else []
         for pc in self.pieces:
             pc.master.copy_(state_slice(state_dict, pc.name, "master", pc.start, pc.end))
             st = {}
@@ -367,6 +367,14 @@ class OverlappedDistributedOptimizer:
         if self.mp_group is not None:
             all_reduce_(t, op, self.mp_group, c.ledger, MP_SCALAR, self._mp_peers, self._mp_device)
         return t
+
+
+def has_optimizer_state(state_dict: dict, inner: torch.optim.Optimizer) -> bool:
+    """Whether a saved state holds per-element optimizer state: not when it was saved before the first applied
+    step (the inner optimizer creates its state then). Judged by the tensors themselves, since not every optimizer
+    counts steps (SGD keeps no ``step``)."""
+    keys = optimizer_state_keys(inner)
+    return any(k in entry for entry in state_dict.get("params", {}).values() for k in keys)
 
 
 def optimizer_state_keys(inner: torch.optim.Optimizer) -> List[str]:

@@ -139,7 +139,7 @@ def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
     """What the ODO's ``load_state_dict`` would reject (another optimizer type, a parameter or state missing, a
     size that differs), found by taking every slice this rank would load without copying it."""
     from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, state_slice
-    from megatron_ext.optimizer.distributed_optimizer import optimizer_state_keys
+    from megatron_ext.optimizer.distributed_optimizer import has_optimizer_state, optimizer_state_keys
 
     if not isinstance(saved, dict) or saved.get("format") != CANONICAL_FORMAT:
         fmt = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
@@ -149,8 +149,9 @@ def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
     if ours is not None and saved.get("optimizer") != ours:
         return [f"the optimizer state is for {saved.get('optimizer')}, this run builds {ours} (--optimizer); "
                 "resume with --no-load-optim to start a fresh optimizer from the saved weights"]
-    stepped = saved.get("step", 1) > 0   # saved before any applied step: masters only (see load_state_dict)
-    keys = ["master"] + (optimizer_state_keys(inner) if inner is not None and stepped else [])
+    # saved before any applied step: masters only (see load_state_dict)
+    keys = ["master"] + (optimizer_state_keys(inner) if inner is not None and has_optimizer_state(saved, inner)
+                         else [])
     problems = []
     for pc in getattr(optimizer, "pieces", []):
         entry = saved["params"].get(pc.name)

@@ -76,3 +76,36 @@ def test_merge_rejects_incomplete_shards(tmp_path, spawn):
         assert "incomplete" in str(e)
     else:
         raise AssertionError("merging one of two shards must fail")
+
+
+def _sgd_momentum_resume():
+    """Three SGD-with-momentum steps, a merged checkpoint loaded into a fresh optimizer, then both go on: SGD keeps
+    no ``step``, so the saved momentum buffers must be found by themselves."""
+    from megatron_ext.training.checkpoint_compat import check_optimizer_state
+
+    def build():
+        model = mx.OverlappedDDP(make_model(seed=0), mx.OverlapConfig(bucket_size=500))
+        return model, mx.OverlappedDistributedOptimizer(
+            OptimizerConfig(optimizer="sgd", lr=1e-2, sgd_momentum=0.9, clip_grad=0.0), model)
+
+    model, opt = build()
+    for step in range(3):
+        _step(model, opt, step)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, opt.state_dict())
+    saved = merge_optimizer_shards(shards)
+    model2, opt2 = build()
+    model2.load_state_dict(model.state_dict())
+    problems = check_optimizer_state(saved, opt2)
+    opt2.load_state_dict(saved)
+    buffers = sum("momentum_buffer" in st for st in opt2.inner.state.values())
+    for step in range(3, 5):
+        _step(model, opt, step)
+        _step(model2, opt2, step)
+    same = all(torch.equal(a, b) for a, b in zip(opt.masters, opt2.masters))
+    return problems, buffers, same
+
+
+def test_sgd_momentum_survives_a_resume(spawn):
+    for problems, buffers, same in spawn(_sgd_momentum_resume, 2):
+        assert problems == [] and buffers > 0 and same, (problems, buffers, same)
