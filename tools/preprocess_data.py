@@ -39,7 +39,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="NullTokenizer only: ids 0..V-1, EOD is V (Megatron-LM's rule)")
     g.add_argument("--train-tokenizer-vocab-size", type=int, default=None,
                    help="train a byte-level BPE of this size on the input (saved as {output_prefix}_tokenizer.json)")
-    g.add_argument("--append-eod", action="store_true", help="end each document with <|endoftext|>")
+    g.add_argument("--append-eod", action="store_true",
+                   help="end each document with the tokenizer's end-of-document token (<|endoftext|> for the "
+                   "tokenizers this tool trains and GPT-2 files; a tokenizer.json's own EOS, e.g. </s>)")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
     g.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility (tokenization "

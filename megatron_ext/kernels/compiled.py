@@ -547,10 +547,7 @@ def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
     the one-row decode's), then one native call per row; elsewhere the one-row decode per row."""
     rows, n = _ref.check_minmax_rows_args(q, mins, maxs, chunk_size, out)
     if not (rows and n and out.dtype == torch.float32 and _native(q, mins, maxs)):
-        for r in range(rows):
-            _minmax_reduce_checked(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype,
-                                   out=out[r])
-        return out
+        return _ref.minmax_rows_by_row(_minmax_reduce_checked, q, mins, maxs, chunk_size, out)
     nchunks = cdiv(n, chunk_size)
     scale, lb = _minmax_params(mins[:, :nchunks], maxs[:, :nchunks])   # [rows, chunks], contiguous
     for r in range(rows):

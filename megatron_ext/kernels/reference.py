@@ -639,7 +639,14 @@ def dequantize_minmax_rows(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
                            out: torch.Tensor) -> torch.Tensor:
     """One :func:`dequantize_minmax_reduce` call per row: a row's decode is the one-row decode-and-average with
     factor 1, bit for bit."""
-    rows, n = check_minmax_rows_args(q, mins, maxs, chunk_size, out)
-    for r in range(rows):
-        dequantize_minmax_reduce(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, n, dtype=out.dtype, out=out[r])
+    check_minmax_rows_args(q, mins, maxs, chunk_size, out)
+    return minmax_rows_by_row(dequantize_minmax_reduce, q, mins, maxs, chunk_size, out)
+
+
+def minmax_rows_by_row(reduce, q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor, chunk_size: int,
+                       out: torch.Tensor) -> torch.Tensor:
+    """The row decode as one ``reduce`` (a backend's one-row decode-and-average) call per row of ``out``, on
+    arguments already checked by :func:`check_minmax_rows_args`."""
+    for r in range(out.shape[0]):
+        reduce(q[r:r + 1], mins[r:r + 1], maxs[r:r + 1], chunk_size, out.shape[1], dtype=out.dtype, out=out[r])
     return out

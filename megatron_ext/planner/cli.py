@@ -40,7 +40,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--group-query-attention", action="store_true", help="accepted; --num-query-groups sets GQA")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups groups (default 1, as Megatron-LM)")
     g.add_argument("--num-query-groups", type=int)
     g.add_argument("--kv-channels", type=int, help="default hidden size / heads")
     g.add_argument("--vocab-size", type=int, help="the padded vocabulary (as the model is built)")
@@ -58,8 +59,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
 def model_from_args(a: argparse.Namespace) -> ModelSpec:
     """A preset with the given Megatron flags overriding it, or a shape from the Megatron flags alone."""
     untie = getattr(a, "untie_embeddings_and_output_weights", None)
+    groups = a.num_query_groups if a.num_query_groups is not None else (1 if a.group_query_attention else None)
     fields = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                  ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups, vocab_size=a.vocab_size,
+                  ffn_hidden_size=a.ffn_hidden_size, num_query_groups=groups, vocab_size=a.vocab_size,
                   seq_length=a.seq_length, swiglu=a.swiglu, normalization=a.normalization,
                   position_embedding=a.position_embedding_type, kv_channels=getattr(a, "kv_channels", None),
                   max_position_embeddings=getattr(a, "max_position_embeddings", None), untie_embeddings=untie,

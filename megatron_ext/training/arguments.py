@@ -383,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--save)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: load the model weights only and start at iteration 0 with a fresh optimizer, "
-                   "learning-rate schedule, data position and RNG (as Megatron-LM)")
+                   "learning-rate schedule, data position and RNG (as Megatron-LM; so a restarted job with "
+                   "--finetune and --load = --save starts over from its own last checkpoint: drop --finetune to "
+                   "resume)")
     return p
 
 
@@ -832,8 +834,13 @@ def _check_save_dir(path: str) -> None:
         probe = parent
     if not os.path.isdir(probe):
         _fail(f"--save {path}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        _fail(f"--save {path}: {probe} is not writable")
+    import shutil
+    import tempfile
+
+    try:   # a real write (os.access says yes to root on any writable-looking directory)
+        shutil.rmtree(tempfile.mkdtemp(prefix=".megatron_ext_probe_", dir=probe))
+    except OSError as e:
+        _fail(f"--save {path}: cannot write into {probe} ({e.strerror or e})")
 
 
 def _importable(name: str) -> bool:

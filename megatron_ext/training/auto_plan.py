@@ -266,9 +266,10 @@ def check_ranks_agree(args: argparse.Namespace) -> None:
     label = getattr(args, "auto_plan_label", None)
     if label is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    from .initialize import collective_device
+
     h = float(zlib.crc32(label.encode()))
-    t = torch.tensor([h, -h], dtype=torch.float64, device=device)
+    t = torch.tensor([h, -h], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if t[0].item() != -t[1].item():
         _fail(f"--auto-plan: the ranks chose different plans (this rank: {label}); --plan-profile, the tokenizer "

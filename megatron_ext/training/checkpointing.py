@@ -56,7 +56,7 @@ import random
 import re
 import shutil
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
@@ -331,6 +331,12 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         _refuse_megatron_lm_layout(load_dir, os.path.join(load_dir, text) if text == "release" else None)
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
+    newer = [name for it, name in _published(load_dir) if it > iteration]
+    if newer and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"WARNING: --load {load_dir}: the tracker names iteration {iteration}, but newer complete checkpoints "
+              f"exist ({', '.join(newer)}: a save whose tracker update failed, or a rollback); resuming from "
+              f"iteration {iteration} as the tracker says (a later save of those iterations replaces them)",
+              flush=True)
     return _find_tracked(load_dir, iteration)
 
 
@@ -365,17 +371,26 @@ def _untracked_checkpoint(load_dir: str) -> Optional[str]:
     """No tracker: None when no checkpoint was ever published there. A published ``iter_N`` (renamed into place with
     its manifest) whose tracker write failed is found instead of training over it from scratch: the newest one is
     validated and used, with a warning on rank 0."""
-    published = sorted((int(m.group(1)), name) for name in os.listdir(load_dir)
-                       if (m := _PUBLISHED.fullmatch(name)) and os.path.isfile(os.path.join(load_dir, name,
-                                                                                        "manifest.json")))
+    published = _published(load_dir)
     if not published:
         _refuse_megatron_lm_layout(load_dir, None)
+        for name in sorted(os.listdir(load_dir)):   # Megatron-LM's iteration directories, without its tracker
+            if name.startswith("iter_"):
+                _refuse_megatron_lm_layout(load_dir, os.path.join(load_dir, name))
         return None
     iteration, name = published[-1]
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"WARNING: --load {load_dir}: no {TRACKER}, but {name} was published (a save that failed after its "
               f"rename); resuming from iteration {iteration}", flush=True)
     return _find_tracked(load_dir, iteration)
+
+
+def _published(load_dir: str) -> List[Tuple[int, str]]:
+    """``(iteration, name)`` of every published checkpoint (``iter_N`` renamed into place with its manifest),
+    oldest first."""
+    return sorted((int(m.group(1)), name) for name in os.listdir(load_dir)
+                  if (m := _PUBLISHED.fullmatch(name)) and os.path.isfile(os.path.join(load_dir, name,
+                                                                                   "manifest.json")))
 
 
 def _refuse_megatron_lm_layout(load_dir: str, ckpt: Optional[str]) -> None:
@@ -507,8 +522,9 @@ def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Nam
 def agree_on_error(error: Optional[str], consequence: str = "no rank loaded anything") -> None:
     """All ranks learn whether any rank failed; then every rank raises the first failing rank's message (the other
     ranks add ``consequence``)."""
-    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
-    ok = torch.tensor([0.0 if error else 1.0], device=device)
+    from .initialize import collective_device
+
+    ok = torch.tensor([0.0 if error else 1.0], device=collective_device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if ok.item() >= 1.0:
         return

@@ -52,6 +52,13 @@ def set_seeds(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
+def collective_device() -> torch.device:
+    """Where the tensors of a world-group collective live: the current CUDA device with NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def teardown(created_world: bool) -> None:
     from megatron.core import parallel_state as ps
 

@@ -150,7 +150,8 @@ def ledger_paused(ledger) -> Iterator[None]:
 
 class ExitSignal:
     """``--exit-signal-handler``: records that SIGTERM (Slurm's warning before a job's time limit) arrived, so that
-    the loop saves and exits after the iteration in progress; restores the previous handler on exit."""
+    the loop saves and exits after the iteration in progress (a signal during set-up: after the first iteration, as
+    Megatron-LM); restores the previous handler on exit."""
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         self.signum, self.received, self._previous = signum, False, None
@@ -160,7 +161,8 @@ class ExitSignal:
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(self.signum, self._previous)
+        # None: the previous handler was not installed from Python; the default is the closest to it
+        signal.signal(self.signum, signal.SIG_DFL if self._previous is None else self._previous)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
@@ -173,9 +175,11 @@ def exit_requested(args: argparse.Namespace, start_time: float, exit_signal: Opt
     duration = getattr(args, "exit_duration_in_mins", None)
     if not duration and exit_signal is None:
         return None
-    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"
+    from .initialize import collective_device
+
     flags = torch.tensor([int(bool(duration) and (time.time() - start_time) / 60.0 > duration),
-                          int(exit_signal is not None and exit_signal.received)], dtype=torch.int32, device=device)
+                          int(exit_signal is not None and exit_signal.received)], dtype=torch.int32,
+                         device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[1].item():
         return "--exit-signal-handler: SIGTERM received"
@@ -184,10 +188,18 @@ def exit_requested(args: argparse.Namespace, start_time: float, exit_signal: Opt
     return None
 
 
+def open_tensorboard(args: argparse.Namespace) -> TensorBoard:
+    """The run's TensorBoard writer, on the last rank (which logs), with ``--tensorboard-dir``."""
+    tb = TensorBoard(args.tensorboard_dir if dist.get_rank() == dist.get_world_size() - 1 else None)
+    if tb.reason:
+        print_rank_last(f"WARNING: {tb.reason}")
+    return tb
+
+
 def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
           consumed_train_samples: int, consumed_valid_samples: int,
           save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: Optional[float] = None,
-          exit_signal: Optional[ExitSignal] = None) -> Dict[str, Any]:
+          exit_signal: Optional[ExitSignal] = None, tb: Optional[TensorBoard] = None) -> Dict[str, Any]:
     """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position, and
     ``exited`` (True when --exit-interval, --exit-duration-in-mins or --exit-signal-handler stopped it early, after
     saving with ``save_fn``, as Megatron-LM does)."""
@@ -197,9 +209,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
 
     attach_to_schedules(model, optimizer)
     fb = get_forward_backward_func()
-    tb = TensorBoard(args.tensorboard_dir if dist.get_rank() == dist.get_world_size() - 1 else None)
-    if tb.reason:
-        print_rank_last(f"WARNING: {tb.reason}")
+    own_tb = tb is None
+    tb = open_tensorboard(args) if own_tb else tb
     flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
     tokens_per_iter = args.global_batch_size * args.seq_length
 
@@ -255,24 +266,21 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                 tb.scalars(iteration, {"lm loss validation": val})
             stats.t0 = time.perf_counter()  # keep eval time out of the next line's ms/iteration
 
-        saved = save_fn is not None and bool(args.save_interval) and iteration % args.save_interval == 0
-        if saved:
-            with ledger_paused(model.ledger):
-                save_fn(iteration, consumed_train_samples, consumed_valid_samples)
-            stats.t0 = time.perf_counter()
         reason = None
         if args.exit_interval and iteration % args.exit_interval == 0:
             reason = f"--exit-interval {args.exit_interval}"
         elif iteration < args.train_iters:
             reason = exit_requested(args, start_time, exit_signal)
+        if save_fn is not None and (reason or (args.save_interval and iteration % args.save_interval == 0)):
+            with ledger_paused(model.ledger):
+                save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+            stats.t0 = time.perf_counter()
         if reason:
-            if save_fn is not None and not saved:
-                with ledger_paused(model.ledger):
-                    save_fn(iteration, consumed_train_samples, consumed_valid_samples)
             print_rank_0(f"exiting at iteration {iteration} ({reason})")
             exited = True
             break
-    tb.close()
+    if own_tb:
+        tb.close()
     return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
             "exited": exited}

@@ -114,14 +114,19 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from .arguments import ignored_flag_notice, parse_args
     from .data import MicroBatchIterator
     from .initialize import init_distributed, init_model_parallel, teardown
-    from .loop import ExitSignal, print_rank_0, train
+    from .loop import ExitSignal, open_tensorboard, print_rank_0, train
     from .model import build_model, padded_vocab_size
 
     start_time = time.time()   # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     args = parse_args(argv)
     created = init_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    stack = contextlib.ExitStack()
     try:
         from megatron.core import parallel_state as ps
+
+        # SIGTERM from here on stops the run after its next iteration (set-up included, as Megatron-LM)
+        exit_signal = stack.enter_context(ExitSignal()) if args.exit_signal_handler else None
+        tb = stack.enter_context(contextlib.closing(open_tensorboard(args)))
 
         import megatron_ext as mx
 
@@ -155,7 +160,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             ckpt, error = None, None
             try:
                 ckpt = _find_checkpoint_or_fail(args)
-            except checkpointing.CheckpointError as e:
+            except (checkpointing.CheckpointError, OSError) as e:   # an unreadable directory is an error too
                 error = str(e)
             checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
             checkpointing.agree_on_checkpoint(ckpt)  # and all of them resume from the same one
@@ -192,22 +197,23 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                                  args_dict=args_dict, save_optim=not args.no_save_optim)
             print_rank_0(f"> saved checkpoint {path}")
 
-        with ExitSignal() if args.exit_signal_handler else contextlib.nullcontext() as exit_signal:
-            result = train(args, model, optimizer, scheduler, train_iter, valid_iter, start_iteration=iteration,
-                           consumed_train_samples=consumed_train, consumed_valid_samples=consumed_valid,
-                           save_fn=save if args.save else None, start_time=start_time, exit_signal=exit_signal)
+        result = train(args, model, optimizer, scheduler, train_iter, valid_iter, start_iteration=iteration,
+                       consumed_train_samples=consumed_train, consumed_valid_samples=consumed_valid,
+                       save_fn=save if args.save else None, start_time=start_time, exit_signal=exit_signal, tb=tb)
         if result["exited"]:   # saved before leaving; no final evaluation, as Megatron-LM
             return result
         if args.save and result["iteration"] > iteration and not (
                 args.save_interval and result["iteration"] % args.save_interval == 0):
             save(result["iteration"], result["consumed_train_samples"], result["consumed_valid_samples"])
-        result["final_eval"] = _final_evaluation(args, model, optimizer, result["iteration"], valid_iter, test_iter)
+        result["final_eval"] = _final_evaluation(args, model, optimizer, result["iteration"], valid_iter, test_iter,
+                                                 tb)
         return result
     finally:
+        stack.close()
         teardown(created)
 
 
-def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int, valid_iter, test_iter
+def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int, valid_iter, test_iter, tb
                       ) -> Dict[str, float]:
     """After training, as Megatron-LM's ``pretrain``: one evaluation of ``--eval-iters`` batches on the validation
     set and one on the test set (each where the split has one)."""
@@ -228,6 +234,7 @@ def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int
         if loss is not None:
             out[name] = loss
             print_rank_last(format_eval_line(f"iteration {iteration} on {name} set", {"lm loss": loss}))
+            tb.scalars(iteration, {f"lm loss {name}": loss})
     return out
 
 

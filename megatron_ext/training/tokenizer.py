@@ -154,7 +154,11 @@ def load_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None
                                     "(this build reads local files only; nothing is downloaded)")
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(path)
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as e:   # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"--tokenizer-model {tokenizer_model}: {path} is not a tokenizer.json the tokenizers "
+                             f"library can read ({e})") from None
         return ByteLevelBPE(tok, path, _eos_token(tok, path, tokenizer_model))
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of {TOKENIZER_TYPES}")
 
@@ -166,8 +170,12 @@ def _eos_token(tok, path: str, flag_value: str) -> str:
 
     config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
     if os.path.isfile(config):
-        with open(config) as f:
-            eos = json.load(f).get("eos_token")
+        try:
+            with open(config) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--tokenizer-model {flag_value}: {config} is not valid JSON ({e.msg})") from None
+        eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and tok.token_to_id(eos) is not None:
             return eos

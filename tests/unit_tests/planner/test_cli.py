@@ -97,3 +97,16 @@ def test_bad_input_is_an_argparse_error_naming_the_flag(capsys, change, names):
     err = capsys.readouterr().err.split("error:", 1)[1]     # the message, not the usage lines
     for n in names:
         assert n in err, err
+
+
+def test_model_flags_mean_what_pretrain_gpt_builds():
+    """--group-query-attention alone is one query group, --swiglu alone Megatron-LM's FFN size, --qk-layernorm
+    adds its norms: the planner's model is the one pretrain_gpt builds from the same flags."""
+    shape = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32", "--vocab-size", "32000",
+             "--seq-length", "64", "--gpus", "8", "--micro-batch-size", "1", "--global-batch-size", "8"]
+    spec = cli.model_from_args(cli.build_parser().parse_args(shape + ["--group-query-attention", "--swiglu"]))
+    assert spec.query_groups == 1 and spec.ffn == 10880
+    plain = cli.model_from_args(cli.build_parser().parse_args(shape))
+    normed = cli.model_from_args(cli.build_parser().parse_args(shape + ["--qk-layernorm"]))
+    assert plain.query_groups == 32 and plain.ffn == 4 * 4096
+    assert normed.num_params - plain.num_params == 2 * 2 * 2 * 128   # layers x (q, k) x (weight, bias) x head

@@ -213,6 +213,20 @@ def test_tokenizer_problems_are_flag_errors_before_training(capsys, tmp_path):
     err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                           no_eos])
     assert "--tokenizer-model" in err and "end-of-sequence" in err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                          str(tmp_path / "bad")])
+    assert "--tokenizer-model" in err and "is not a tokenizer.json" in err
+    (tmp_path / "cfg").mkdir()
+    _word_tokenizer(tmp_path / "cfg" / "tokenizer.json", ["<unk>", "</s>"])
+    (tmp_path / "cfg" / "tokenizer_config.json").write_text("{broken")
+    err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                          str(tmp_path / "cfg")])
+    assert "--tokenizer-model" in err and "not valid JSON" in err
+    (tmp_path / "cfg" / "tokenizer_config.json").write_text('["a list"]')   # not an object: no eos_token there
+    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                       str(tmp_path / "cfg")], world_size=1)
 
 
 def test_swiglu_ffn_default_is_megatron_lm_rule(capsys):
@@ -341,3 +355,14 @@ def test_unsupported_megatron_lm_flags_say_why(capsys):
                  "--use-checkpoint-args"):
         err = _error(capsys, [flag], world_size=1)
         assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support: " in err, err
+
+
+def test_unwritable_save_directory_is_found_by_a_real_write(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)   # what a read-only mount or another owner's directory does
+    err = _error(capsys, ["--save", str(tmp_path / "ckpt")], world_size=1)
+    assert "--save" in err and "cannot write into" in err and "Permission denied" in err

@@ -233,3 +233,22 @@ def test_megatron_lm_checkpoint_is_named_as_such(tmp_path, layout):
     (tmp_path / TRACKER).write_text("release" if layout == "release" else "100")
     with pytest.raises(CheckpointError, match="Megatron-LM"):
         find_checkpoint(str(tmp_path))
+
+
+def test_newer_complete_checkpoint_than_the_tracker_is_reported(tmp_path, capsys):
+    """The tracker wins (a rollback edits it), but a newer published checkpoint is named in a warning."""
+    root = str(tmp_path)
+    _fake_checkpoint(root, iteration=8)
+    older = _fake_checkpoint(root, iteration=4)   # the tracker now names 4
+    assert find_checkpoint(root) == older
+    out = capsys.readouterr().out
+    assert "tracker names iteration 4" in out and "iter_0000008" in out
+    (tmp_path / TRACKER).write_text("8")
+    assert find_checkpoint(root).endswith("iter_0000008") and "WARNING" not in capsys.readouterr().out
+
+
+def test_megatron_lm_checkpoint_without_its_tracker_is_named_as_such(tmp_path):
+    os.makedirs(tmp_path / "iter_0000100" / "mp_rank_00")
+    torch.save({}, tmp_path / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError, match="Megatron-LM"):
+        find_checkpoint(str(tmp_path))
