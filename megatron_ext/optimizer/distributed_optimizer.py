@@ -204,9 +204,11 @@ class OverlappedDistributedOptimizer:
         return norm
 
     def count_zeros(self) -> int:
+        """Zeros in the gradient, each element counted once, as the norm counts it (TP duplicates and
+        pipeline-shared copies once, as megatron-core's ``count_zeros_fp32``)."""
         local = torch.zeros(1, dtype=torch.float64, device=self.grad_device)
         for pc in self.pieces:
-            if pc.primary:
+            if pc.counted:
                 local += (pc.grad == 0).sum()
         return int(self._all_reduce(local, dist.ReduceOp.SUM).item())
 
@@ -280,17 +282,52 @@ class OverlappedDistributedOptimizer:
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
                 "params": params}
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a canonical (any DP size, bucket size or backend) or this rank's own local state dict."""
-        fmt = state_dict.get("format")
+    def state_dict_problems(self, state_dict: dict) -> List[str]:
+        """What :meth:`load_state_dict` would reject in ``state_dict`` for this rank's pieces, found without applying
+        anything (no collective): another format or optimizer type, a parameter missing or of another size, a state
+        tensor missing or of another size."""
+        fmt = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
         if fmt not in (CANONICAL_FORMAT, LOCAL_FORMAT):
-            raise ValueError(f"not an overlapped-distributed-optimizer state dict (format={fmt!r})")
+            return [f"not an overlapped-distributed-optimizer state dict (format {fmt!r})"]
         if fmt == LOCAL_FORMAT and (state_dict["dp_size"] != self.chunks[0].topology.size
                                     or state_dict["dp_rank"] != self.chunks[0].topology.rank):
-            raise ValueError("a rank-local optimizer state saved at DP size "
-                             f"{state_dict['dp_size']} cannot be loaded at DP size {self.chunks[0].topology.size}: "
-                             "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)")
+            return ["a rank-local optimizer state saved at DP size "
+                    f"{state_dict['dp_size']} cannot be loaded at DP size {self.chunks[0].topology.size}: "
+                    "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)"]
+        ours = type(self.inner).__name__
+        if state_dict.get("optimizer") != ours:
+            return [f"the optimizer state is for {state_dict.get('optimizer')}, this optimizer is {ours} "
+                    "(OptimizerConfig.optimizer, --optimizer); load the model weights only "
+                    "(reload_model_params) to start it afresh"]
+        keys = ["master"] + (optimizer_state_keys(self.inner) if has_optimizer_state(state_dict, self.inner) else [])
+        problems = []
+        for pc in self.pieces:
+            entry = state_dict["params"].get(pc.name)
+            numel = self.chunks[pc.chunk].param_shape(pc.param).numel()   # p.numel() is 0 under ZeRO-3
+            if entry is not None and entry.get("numel") != numel:
+                problems.append(f"{pc.name}: optimizer state for {entry.get('numel')} elements (shape "
+                                f"{tuple(entry.get('shape', ()))}), this model has {numel}")
+                continue
+            for key in keys:
+                try:
+                    state_slice(state_dict, pc.name, key, pc.start, pc.end)
+                except (KeyError, ValueError) as e:
+                    problems.append(str(e).strip("'\""))
+                    break
+        return problems
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a canonical (any DP size, bucket size or backend) or this rank's own local state dict. Checked on
+        every rank first (:meth:`state_dict_problems`); if any rank finds a problem, every rank raises ValueError
+        before anything is loaded."""
+        problems = self.state_dict_problems(state_dict)
+        failed = self._all_reduce(torch.tensor([float(bool(problems))], dtype=torch.float64,
+                                               device=self.grad_device), dist.ReduceOp.MAX)
+        if failed.item() > 0:
+            raise ValueError("the optimizer state does not fit this optimizer: " + "; ".join(problems)
+                             if problems else "the optimizer state does not fit this optimizer on another rank "
+                             "(nothing was loaded)")
         self._settle()
         step = state_dict.get("step", 0)
         # Saved before any step was applied (fp16's first steps are skipped while the loss scale falls): the inner

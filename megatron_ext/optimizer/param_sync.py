@@ -128,6 +128,8 @@ class ParamSync:
         self._audit: Optional[ParamUseAudit] = None
         self._handles: List = []
         drain_at_exit(self)   # the last step's gathers may still be in flight when the interpreter exits
+        # module.state_dict() iterates _parameters without the read guard: it waits for the gathers itself
+        module.register_state_dict_pre_hook(lambda *_: self.wait_all())
         if overlap:
             self._guard_parameter_reads()
             self.enable_hooks()

@@ -109,3 +109,45 @@ def _sgd_momentum_resume():
 def test_sgd_momentum_survives_a_resume(spawn):
     for problems, buffers, same in spawn(_sgd_momentum_resume, 2):
         assert problems == [] and buffers > 0 and same, (problems, buffers, same)
+
+
+def _mismatched_loads():
+    """A state saved for other shapes or another optimizer: every rank raises ValueError naming the problem (or
+    that another rank found one) before anything is loaded; nothing hangs."""
+    def build(out_features, optimizer="adam"):
+        torch.manual_seed(0)
+        model = mx.OverlappedDDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, out_features)),
+                                 mx.OverlapConfig(bucket_size=64))
+        return model, mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer=optimizer, lr=1e-2), model)
+
+    def grads_and_step(model, opt):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build(16)
+    grads_and_step(model, opt)
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, opt.state_dict())
+    saved = merge_optimizer_shards(shards)
+    out = []
+    for out_features, optimizer in ((12, "adam"), (16, "sgd")):
+        _, other = build(out_features, optimizer)
+        masters = [m.clone() for m in other.masters]
+        try:
+            other.load_state_dict(saved)
+            out.append("loaded")
+        except ValueError as e:
+            out.append(str(e))
+        out.append(all(torch.equal(a, b) for a, b in zip(masters, other.masters)))   # untouched
+    return out
+
+
+def test_load_state_dict_refuses_other_shapes_and_optimizers_on_every_rank(spawn):
+    for rank, (shape_err, shape_kept, type_err, type_kept) in enumerate(spawn(_mismatched_loads, 2)):
+        assert shape_err.startswith("the optimizer state does not fit this optimizer"), (rank, shape_err)
+        # each rank names the piece it owns, or says that the other rank found one
+        assert "1.weight: optimizer state for 128 elements" in shape_err or "1.bias: optimizer state for 16" in (
+            shape_err) or "another rank" in shape_err, shape_err
+        assert "the optimizer state is for Adam" in type_err and "SGD" in type_err, (rank, type_err)
+        assert shape_kept and type_kept

@@ -176,3 +176,36 @@ def test_loss_scaler_state_across_constant_and_dynamic_runs():
     resumed = DynamicLossScaler(hysteresis=3)
     resumed.load_state_dict(dynamic.state_dict())
     assert resumed.state_dict() == dynamic.state_dict()
+
+
+def _zeros_with_a_tensor_parallel_duplicate():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    from ..test_utilities import Utils
+
+    Utils.initialize_model_parallel(2, 1)
+    try:
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.ones(4, 3))           # split over TP: each rank's own rows
+                set_tensor_model_parallel_attributes(self.w, True, 0, 1)
+                self.norm = torch.nn.Parameter(torch.ones(3))           # a TP duplicate whose gradient is 0
+
+            def forward(self, x):
+                return (x @ self.w.t()).sum() + 0 * self.norm.sum()
+
+        model = mx.OverlappedDDP(Net(), mx.OverlapConfig(), dp_group=ps.get_data_parallel_group())
+        opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3,
+                                                                log_num_zeros_in_grad=True), model)
+        opt.scale_loss(model(torch.ones(2, 3))).backward()
+        return opt.step()[2]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_count_zeros_counts_a_tensor_parallel_duplicate_once(spawn):
+    """megatron-core's count_zeros_fp32 counts each element once, as the norm does: the duplicated norm's 3 zeros
+    are counted on TP rank 0 only (the split weight has no zero gradient)."""
+    assert spawn(_zeros_with_a_tensor_parallel_duplicate, 2) == [3, 3]

@@ -316,3 +316,28 @@ def test_late_gradient_fails_every_rank_without_a_hang(spawn):
     assert n0 == n1 == 2 and unchanged0 and unchanged1
     assert msg0 is not None and "another rank" in msg0, msg0
     assert msg1 is not None and "'last.weight'" in msg1 and "after its bucket's reduce-scatter" in msg1, msg1
+
+
+def _module_state_dict_after_step():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    model = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=70_000, overlap_param_gather=True))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+    out = []
+    for _ in range(2):
+        model(torch.randn(2, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        pending = len(model.param_sync._work)
+        early = {k: v.clone() for k, v in module.state_dict().items()}   # the unwrapped module, gathers in flight
+        model.force_param_sync()
+        out.append((pending, all(torch.equal(early[k], v) for k, v in module.state_dict().items())))
+    return out
+
+
+def test_unwrapped_module_state_dict_waits_for_the_gathers(spawn):
+    """ZeRO-2 with overlapped gathers: the wrapped module's own ``state_dict()`` right after ``step()`` (a loop that
+    saves ``model.module.state_dict()``) holds the new weights, not half of them."""
+    for res in spawn(_module_state_dict_after_step, 2):
+        assert all(pending > 0 for pending, _ in res), res   # the gathers really were in flight
+        assert all(same for _, same in res), res
