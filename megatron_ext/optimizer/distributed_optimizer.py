@@ -58,6 +58,7 @@ class OverlappedDistributedOptimizer:
             raise ValueError("--fp16 and --bf16 are mutually exclusive")
         if getattr(config, "clip_grad", 0.0) is not None and config.clip_grad < 0:
             raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {config.clip_grad}")
+        check_optimizer_config(config)
         self.config = config
         self.chunks = chunks
         self.dp_group = chunks[0].topology.group
@@ -144,9 +145,35 @@ class OverlappedDistributedOptimizer:
     def param_groups(self) -> List[dict]:
         return self.inner.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: List[dict]) -> None:
+        self.inner.param_groups = value
+
     @property
     def state(self):
         return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    def get_parameters(self) -> List[torch.nn.Parameter]:
+        """The fp32 master pieces this rank optimizes (megatron-core: the parameters of the param groups)."""
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        """The gradient pieces the global norm counts (TP duplicates and shared copies once)."""
+        return [pc.grad for pc in self.pieces if pc.counted]
+
+    def get_grad_stats_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The model-parallel group the norm and zero count are reduced over after the DP group."""
+        return self.mp_group
+
+    def offload_to_cpu(self, *args, **kwargs) -> None:
+        raise NotImplementedError("the OverlappedDistributedOptimizer does not offload its states to the CPU")
+
+    def restore_from_cpu(self, *args, **kwargs) -> None:
+        raise NotImplementedError("the OverlappedDistributedOptimizer does not offload its states to the CPU")
 
     @property
     def masters(self) -> List[torch.Tensor]:
@@ -244,6 +271,9 @@ class OverlappedDistributedOptimizer:
     @torch.no_grad()
     def reload_model_params(self, state_dict=None) -> None:
         """Copy the model's current weights into the fp32 masters (after loading model weights only)."""
+        if state_dict is not None:
+            raise NotImplementedError("reload_model_params(state_dict): load the weights into the model first "
+                                      "(model.load_state_dict), then call reload_model_params() without arguments")
         for ci, c in enumerate(self.chunks):
             c.param_sync.wait_all()
             for b in c.buckets:
@@ -404,6 +434,22 @@ class OverlappedDistributedOptimizer:
         if self.mp_group is not None:
             all_reduce_(t, op, self.mp_group, c.ledger, MP_SCALAR, self._mp_peers, self._mp_device)
         return t
+
+
+def check_optimizer_config(config) -> None:
+    """OptimizerConfig options the ODO does not implement, refused by name instead of ignored (before any
+    collective)."""
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr (--lr) must be set")
+    if config.fp16 and config.loss_scale is not None and config.loss_scale <= 0:
+        raise ValueError(f"OptimizerConfig.loss_scale (--loss-scale) must be positive, got {config.loss_scale}")
+    for field, flag, default in (("decoupled_lr", "--decoupled-lr", None),
+                                 ("optimizer_cpu_offload", "--optimizer-cpu-offload", False),
+                                 ("overlap_param_gather_with_optimizer_step",
+                                  "--overlap-param-gather-with-optimizer-step", False)):
+        if getattr(config, field, default) not in (default, None):
+            raise ValueError(f"OptimizerConfig.{field} ({flag}) is not supported by the "
+                             "OverlappedDistributedOptimizer")
 
 
 def has_optimizer_state(state_dict: dict, inner: torch.optim.Optimizer) -> bool:

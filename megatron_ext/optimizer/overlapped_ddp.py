@@ -56,6 +56,7 @@ class OverlappedDDP(torch.nn.Module):
         device = next(iter(devices))
         _check_group_serves(dp_group, device)
         check_supported(module)
+        _check_parameters(named, config)
         self.module = module
         self.overlap_config = config
         # The plan's rules are checked before any group is created (group creation is a collective).
@@ -85,6 +86,9 @@ class OverlappedDDP(torch.nn.Module):
                                                      self.engine is not None)
         if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
             self.comm.set_qgz_stages(self.qgz_stages)
+        _check_same_model_on_every_rank(named, self.buckets, self.topology.group, device)
+        for _, p in named:
+            p._megatron_ext_wrapped = True   # a second wrapper would steal this one's gradients
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.buffer_pool_size = config.resolved_buffer_pool_size(
             device, single_collective_reduction(self.plan, config.grad_reduce))
@@ -124,6 +128,13 @@ class OverlappedDDP(torch.nn.Module):
             bucket_size=config.bucket_size, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
             average_in_collective=False, check_for_nan_in_grad=False,
             num_distributed_optimizer_instances=1)   # megatron-core's own instances: ours are in self.plan
+
+    def offload_grad_buffers(self, *args, **kwargs) -> None:
+        raise NotImplementedError("OverlappedDDP keeps no full gradient buffer to offload (gradients live in bucket "
+                                  "buffers only while they are reduced, and in this rank's shard)")
+
+    def restore_grad_buffers(self, *args, **kwargs) -> None:
+        raise NotImplementedError("OverlappedDDP keeps no full gradient buffer to offload or restore")
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -227,6 +238,49 @@ class OverlappedDDP(torch.nn.Module):
         if self.optimizer_memory is not None:
             report.update(self.optimizer_memory())
         return report
+
+
+def _check_parameters(named, config: OverlapConfig) -> None:
+    """Local checks of the parameters themselves, before any collective."""
+    for n, p in named:
+        if getattr(p, "_megatron_ext_wrapped", False):
+            raise ValueError(f"OverlappedDDP: parameter {n!r} is already wrapped by another OverlappedDDP (its "
+                             "gradient hooks would take this wrapper's gradients): wrap each module once")
+        if getattr(p, "allreduce", True) is False:
+            raise ValueError(f"OverlappedDDP: parameter {n!r} is expert-parallel (allreduce=False, megatron-core "
+                             "mixture-of-experts, --num-experts): the ODO reduces over the dense data-parallel "
+                             "group only and does not support expert parallelism")
+    quantized = [f"{flag} {name}" for flag, name in (("--grad-reduce", config.grad_reduce),
+                                                      ("--param-gather", config.param_gather)) if name != "plain"]
+    odd = sorted({str(p.dtype) for _, p in named if p.dtype not in (torch.float32, torch.float16, torch.bfloat16)})
+    if quantized and odd:
+        raise ValueError(f"{' and '.join(quantized)}: the quantized backends take float32, float16 or bfloat16 "
+                         f"parameters, got {', '.join(odd)}")
+
+
+def _check_same_model_on_every_rank(named, buckets, group, device: torch.device) -> None:
+    """Every DP rank must wrap the same parameters (names, shapes, dtypes) into the same buckets, or the collectives
+    would pair the wrong elements silently (torch DDP checks its shapes alike). One all-reduce; on a mismatch every
+    rank raises, naming what differs from rank 0's."""
+    import zlib
+
+    desc = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named]
+    desc += [f"bucket{b.index}:{b.numel}:{b.shard_numel}" for b in buckets]
+    h = float(zlib.crc32("\n".join(desc).encode()))
+    t = torch.tensor([h, -h], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t[0].item() == -t[1].item():
+        return
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, desc, group=group)
+    first = everyone[0]
+    for r, other in enumerate(everyone):
+        diff = next((f"{a!r} on rank 0, {b!r} on DP rank {r}" for a, b in zip(first, other) if a != b), None)
+        if diff is None and len(other) != len(first):
+            diff = f"{len(first)} entries on rank 0, {len(other)} on DP rank {r}"
+        if diff:
+            raise ValueError(f"OverlappedDDP: the data-parallel ranks wrap different models ({diff}): every DP "
+                             "rank must build the same model")
 
 
 def _check_group_serves(dp_group: Optional[dist.ProcessGroup], device: torch.device) -> None:

@@ -341,3 +341,62 @@ def test_unwrapped_module_state_dict_waits_for_the_gathers(spawn):
     for res in spawn(_module_state_dict_after_step, 2):
         assert all(pending > 0 for pending, _ in res), res   # the gathers really were in flight
         assert all(same for _, same in res), res
+
+
+def _refusals():
+    """What the wrapper and the optimizer refuse by name (one world for all of them; each leaves it healthy)."""
+    def attempt(build):
+        try:
+            build()
+        except (ValueError, NotImplementedError) as e:
+            return str(e)
+        return None
+
+    def expert():
+        lin = torch.nn.Linear(3, 3)
+        lin.weight.allreduce = False   # megatron-core marks expert-parallel weights so
+        return mx.OverlappedDDP(lin, mx.OverlapConfig())
+
+    def rewrap():
+        lin = torch.nn.Linear(3, 3)
+        mx.OverlappedDDP(lin, mx.OverlapConfig())
+        return mx.OverlappedDDP(lin, mx.OverlapConfig())
+
+    def odo(**kw):
+        return mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", **kw),
+                                                 mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig()))
+
+    out = {
+        "expert": attempt(expert),
+        "rewrap": attempt(rewrap),
+        "fp64_qwz": attempt(lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3).double(),
+                                                     mx.OverlapConfig(param_gather="qwz"))),
+        # rank 1 builds another model: caught by the one all-reduce at wrap time, on every rank
+        "mismatch": attempt(lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3 + dist.get_rank()), mx.OverlapConfig())),
+        "lr_none": attempt(lambda: odo(lr=None)),
+        "decoupled_lr": attempt(lambda: odo(lr=1e-3, decoupled_lr=0.5)),
+        "cpu_offload": attempt(lambda: odo(lr=1e-3, optimizer_cpu_offload=True)),
+        "loss_scale": attempt(lambda: odo(lr=1e-3, fp16=True, loss_scale=-8.0)),
+        "reload": attempt(lambda: odo(lr=1e-3).reload_model_params({"weight": torch.zeros(3, 3)})),
+    }
+    opt = odo(lr=1e-3)
+    out["api"] = (len(opt.get_parameters()) == sum(len(g["params"]) for g in opt.param_groups),
+                  len(opt.get_main_grads_for_grad_norm()), attempt(opt.offload_to_cpu))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return out, t.item()
+
+
+def test_wrapper_and_optimizer_refuse_what_they_cannot_do(spawn):
+    results = spawn(_refusals, 2)
+    assert sum(out["api"][1] for out, _ in results) > 0   # the pieces the norm counts (a rank may own padding only)
+    for rank, (out, total) in enumerate(results):
+        assert total == 2
+        assert "'weight' is expert-parallel" in out["expert"] and "--num-experts" in out["expert"]
+        assert "already wrapped" in out["rewrap"]
+        assert "--param-gather qwz" in out["fp64_qwz"] and "torch.float64" in out["fp64_qwz"]
+        assert "ranks wrap different models" in out["mismatch"] and "weight:(3, 3)" in out["mismatch"], out
+        assert "--lr" in out["lr_none"] and "--decoupled-lr" in out["decoupled_lr"]
+        assert "--optimizer-cpu-offload" in out["cpu_offload"] and "--loss-scale" in out["loss_scale"]
+        assert "model.load_state_dict" in out["reload"]
+        assert out["api"][0] and "does not offload" in out["api"][2]
