@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Loss-curve verdicts for tools/megatron_lm_check.sh: parse Megatron-LM training logs and compare two runs.
 
-    python tools/megatron_lm_verdict.py NAME REFERENCE.log OTHER.log [--rtol R] [--first N] [--last N]
+    python tools/megatron_lm_verdict.py NAME REFERENCE.log OTHER.log [--rtol R] [--first N] [--last N] [--skip N]
 
 Prints one line ``NAME: PASS|FAIL ...`` with the largest relative loss difference over the iterations both logs
 have (optionally restricted to ``--first``..``--last``) and exits 0 on PASS, 1 on FAIL, 2 when a log has no loss.
-``--rtol 0`` asks for the same printed losses (a resume that must be exact).
+``--rtol 0`` asks for the same printed losses (a resume that must be exact). ``--skip N`` leaves iteration N out:
+Megatron-LM does not reset its loss accumulator after the first iteration of a run (``should_reset = not
+is_first_iteration`` in ``training_log``), so after a resume at iteration h the line it logs at h + 2 is the mean of
+h + 1 and h + 2, whatever the optimizer; the resume checks skip that line.
 
 [Note: the bf16 tolerance]
 Megatron-LM's distributed optimizer and the ODO both keep fp32 masters and reduce fp32 gradients, but in other
@@ -35,9 +38,10 @@ def parse_losses(text: str) -> Dict[int, float]:
 
 
 def compare(ref: Dict[int, float], other: Dict[int, float], rtol: float, first: Optional[int] = None,
-            last: Optional[int] = None) -> Tuple[bool, float, list]:
+            last: Optional[int] = None, skip: Tuple[int, ...] = ()) -> Tuple[bool, float, list]:
     """(passed, largest relative difference, iterations compared)."""
-    its = sorted(i for i in set(ref) & set(other) if (first is None or i >= first) and (last is None or i <= last))
+    its = sorted(i for i in set(ref) & set(other) if (first is None or i >= first) and (last is None or i <= last)
+                 and i not in skip)
     if not its:
         return False, float("inf"), []
     worst = max(abs(other[i] - ref[i]) / max(abs(ref[i]), 1e-12) for i in its)
@@ -52,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
     ap.add_argument("--first", type=int, default=None)
     ap.add_argument("--last", type=int, default=None)
+    ap.add_argument("--skip", type=int, action="append", default=[], help="leave this iteration out (repeatable)")
     a = ap.parse_args(argv)
     logs = []
     for path in (a.reference, a.other):
@@ -60,8 +65,9 @@ def main(argv=None) -> int:
         if not logs[-1]:
             print(f"{a.name}: FAIL (no 'lm loss' lines in {path})")
             return 2
-    ok, worst, its = compare(logs[0], logs[1], a.rtol, a.first, a.last)
+    ok, worst, its = compare(logs[0], logs[1], a.rtol, a.first, a.last, tuple(a.skip))
     span = f"iterations {its[0]}-{its[-1]}" if its else "no common iterations"
+    span += f" without {', '.join(map(str, a.skip))}" if a.skip and its else ""
     print(f"{a.name}: {'PASS' if ok else 'FAIL'} (largest relative loss difference {worst:.2e} over {span}, "
           f"tolerance {a.rtol:.2e})")
     return 0 if ok else 1

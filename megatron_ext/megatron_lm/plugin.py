@@ -63,6 +63,30 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+# Megatron-LM's own flags whose behaviour the ODO does not implement: (dest, flag, values that are fine, why).
+# Refused when the flags are parsed, rather than accepted and ignored.
+MEGATRON_LM_FLAGS_NOT_WITH_ODO = (
+    ("num_experts", "--num-experts", (None,), "expert parameters need their own expert-data-parallel reduction, "
+     "which the ODO does not implement (it would average different experts together)"),
+    ("context_parallel_size", "--context-parallel-size", (1, None), "the ODO's plan is sized on the data-parallel "
+     "group without context parallelism"),
+    ("decoupled_lr", "--decoupled-lr", (None,), "the ODO's parameter groups are megatron-core's default ones"),
+    ("decoupled_min_lr", "--decoupled-min-lr", (None,), "the ODO's parameter groups are megatron-core's default "
+     "ones"),
+    ("no_weight_decay_cond_type", "--no-weight-decay-cond-type", (None,), "the ODO's parameter groups are "
+     "megatron-core's default ones (no weight decay for biases and 1-D parameters)"),
+    ("ddp_num_buckets", "--ddp-num-buckets", (None,), "give the bucket size instead (--ddp-bucket-size)"),
+    ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", (False, None), "the ODO reduces bf16/fp16 gradients in fp32"),
+    ("use_precision_aware_optimizer", "--use-precision-aware-optimizer", (False, None), "the ODO keeps fp32 "
+     "masters and states"),
+    ("optimizer_cpu_offload", "--optimizer-cpu-offload", (False, None), "the ODO keeps its states on the device"),
+    ("main_params_dtype", "--main-params-dtype", ("fp32", None), "the ODO's masters are fp32"),
+    ("check_for_large_grads", "--check-for-large-grads", (False, None), "not implemented by the ODO"),
+    ("ddp_average_in_collective", "--ddp-average-in-collective", (False, None), "the ODO averages once, in its own "
+     "reduction"),
+)
+
+
 def _adapt_megatron_lm_args(ns: argparse.Namespace) -> None:
     """Megatron-LM settings the ODO needs, checked (or switched off, with a note) when the flags are parsed.
 
@@ -74,6 +98,9 @@ def _adapt_megatron_lm_args(ns: argparse.Namespace) -> None:
     """
     if not _enabled(ns):
         return
+    for dest, flag, fine, reason in MEGATRON_LM_FLAGS_NOT_WITH_ODO:
+        if hasattr(ns, dest) and getattr(ns, dest) not in fine:
+            raise ArgumentError(f"{flag} is not supported with --use-overlapped-distributed-optimizer: {reason}")
     if hasattr(ns, "use_distributed_optimizer") and not ns.use_distributed_optimizer:
         raise ArgumentError("--use-overlapped-distributed-optimizer in a Megatron-LM checkout needs "
                             "--use-distributed-optimizer (Megatron-LM saves a sharded optimizer's state only then)")
@@ -137,7 +164,8 @@ def overlap_config_from_megatron_args(args: Any):
               overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
               overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
               grad_reduce=getattr(args, "grad_reduce", "plain"), param_gather=getattr(args, "param_gather", "plain"),
-              ranks_per_node=rpn)
+              ranks_per_node=rpn,
+              check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
     if getattr(args, "ddp_bucket_size", None):
         kw["bucket_size"] = int(args.ddp_bucket_size)
     if getattr(args, "qgz_bits", None):

@@ -34,6 +34,8 @@ class OverlapConfig:
     # Live bucket buffers in the grad path (buffer alternation); None: auto (resolved_buffer_pool_size).
     buffer_pool_size: Optional[int] = None
     grad_reduce_in_fp32: bool = True       # bucket buffers in fp32 for bf16/fp16 params (megatron-core default)
+    # --check-for-nan-in-loss-and-grad: a non-finite gradient norm raises on every rank before any weight changes
+    check_for_nan_in_grad: bool = False
     quant_group_size: int = 2048           # --quant-group-size
     qgz_bits: int = 4                      # --qgz-bits
     # qgZ stages per bucket (pipelined intra/inter-node hops inside one bucket). None: auto -- 1 when the progress

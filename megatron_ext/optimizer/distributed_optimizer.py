@@ -254,6 +254,10 @@ class OverlappedDistributedOptimizer:
         if self.prepare_grads():
             return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        if not math.isfinite(grad_norm) and any(c.overlap_config.check_for_nan_in_grad for c in self.chunks):
+            # the norm is global, so every rank raises here; nothing was applied
+            raise RuntimeError(f"the gradient norm is {grad_norm} (--check-for-nan-in-loss-and-grad): a NaN or inf "
+                               "gradient on some rank; the step was not applied")
         num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
         ok = self.step_with_ready_grads()
         self._last_norm = grad_norm

@@ -126,7 +126,7 @@ class OverlappedDDP(torch.nn.Module):
             use_megatron_fsdp=False, use_custom_fsdp=False, use_distributed_optimizer=True,
             overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
             bucket_size=config.bucket_size, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-            average_in_collective=False, check_for_nan_in_grad=False,
+            average_in_collective=False, check_for_nan_in_grad=config.check_for_nan_in_grad,
             num_distributed_optimizer_instances=1)   # megatron-core's own instances: ours are in self.plan
 
     def offload_grad_buffers(self, *args, **kwargs) -> None:

@@ -34,8 +34,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--reset-attention-mask": "per-document attention masks are not implemented: attention is causal over the "
                               "whole sequence",
     "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, averaged over micro-batches",
-    "--check-for-nan-in-loss-and-grad": "not implemented: a NaN loss is logged and counted (nan iterations); fp16 "
-                                        "skips steps with inf/nan gradients",
     "--fp16-lm-cross-entropy": "the cross entropy is computed in fp32",
     "--distribute-saved-activations": "not implemented",
     "--train-data-path": "per-split data paths are not implemented: use --data-path with --split",
@@ -326,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted: the ODO is a distributed (sharded) optimizer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="stop with an error, on every rank, when the gradient norm is not finite, before the step "
+                   "changes any weight (fp16 skips such steps anyway)")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per bucket "
                    "(default max(40M, 1M * DP), like megatron-core)")
     add_megatron_ext_args(p)

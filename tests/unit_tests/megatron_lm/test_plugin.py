@@ -240,6 +240,28 @@ def test_megatron_lm_checkpoint_flags_required_when_parsed(capsys, argv, names):
         assert n in err, err
 
 
+def test_megatron_lm_flags_the_odo_does_not_implement_are_rejected_when_parsed(capsys):
+    """Megatron-LM's own flags whose behaviour the ODO lacks (experts, context parallelism, per-parameter groups,
+    bucket count, bf16 reduction, offload, ...) stop the run when parsed, naming the flag, instead of being
+    ignored; without --use-overlapped-distributed-optimizer Megatron-LM runs them itself."""
+    from megatron_ext.megatron_lm.plugin import MEGATRON_LM_FLAGS_NOT_WITH_ODO
+
+    base = ["--use-overlapped-distributed-optimizer", "--use-distributed-optimizer", "--ckpt-format", "torch"]
+    for dest, flag, fine, _ in MEGATRON_LM_FLAGS_NOT_WITH_ODO:
+        parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+        parser.add_argument("--use-distributed-optimizer", action="store_true")
+        parser.add_argument("--ckpt-format", default="torch_dist")
+        parser.add_argument(flag, dest=dest, default=fine[0])
+        import megatron_ext.megatron_lm as mxlm
+
+        mxlm.add_args(parser)
+        with pytest.raises(SystemExit):
+            parser.parse_args(base + [flag, "2"])
+        assert f"{flag} is not supported with --use-overlapped-distributed-optimizer" in capsys.readouterr().err
+        assert getattr(parser.parse_args(base), dest) == fine[0]      # the default passes
+        assert getattr(parser.parse_args([flag, "2"]), dest) == "2"   # Megatron-LM's own optimizer: untouched
+
+
 def test_gradient_accumulation_fusion_switched_off_with_a_note(capsys):
     a = _megatron_lm_parse_full(["--use-overlapped-distributed-optimizer", "--use-distributed-optimizer",
                                  "--ckpt-format", "torch"])

@@ -352,6 +352,13 @@ def _refusals():
             return str(e)
         return None
 
+    def attempt_runtime(call):
+        try:
+            call()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
     def expert():
         lin = torch.nn.Linear(3, 3)
         lin.weight.allreduce = False   # megatron-core marks expert-parallel weights so
@@ -379,6 +386,13 @@ def _refusals():
         "loss_scale": attempt(lambda: odo(lr=1e-3, fp16=True, loss_scale=-8.0)),
         "reload": attempt(lambda: odo(lr=1e-3).reload_model_params({"weight": torch.zeros(3, 3)})),
     }
+    # --check-for-nan-in-loss-and-grad: a NaN gradient on rank 1 stops the step on every rank, weights unchanged
+    model = mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(check_for_nan_in_grad=True))
+    nan_opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3), model)
+    before = [m.clone() for m in nan_opt.masters]
+    loss = model(torch.ones(2, 3)).sum()
+    (loss * float("nan") if dist.get_rank() == 1 else loss).backward()
+    out["nan"] = (attempt_runtime(nan_opt.step), all(torch.equal(a, b) for a, b in zip(before, nan_opt.masters)))
     opt = odo(lr=1e-3)
     out["api"] = (len(opt.get_parameters()) == sum(len(g["params"]) for g in opt.param_groups),
                   len(opt.get_main_grads_for_grad_norm()), attempt(opt.offload_to_cpu))
@@ -400,3 +414,4 @@ def test_wrapper_and_optimizer_refuse_what_they_cannot_do(spawn):
         assert "--optimizer-cpu-offload" in out["cpu_offload"] and "--loss-scale" in out["loss_scale"]
         assert "model.load_state_dict" in out["reload"]
         assert out["api"][0] and "does not offload" in out["api"][2]
+        assert "--check-for-nan-in-loss-and-grad" in out["nan"][0] and out["nan"][1], out["nan"]
