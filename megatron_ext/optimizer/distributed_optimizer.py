@@ -322,7 +322,9 @@ class OverlappedDistributedOptimizer:
         tensor missing or of another size."""
         fmt = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict).__name__
         if fmt not in (CANONICAL_FORMAT, LOCAL_FORMAT):
-            return [f"not an overlapped-distributed-optimizer state dict (format {fmt!r})"]
+            return [f"not an overlapped-distributed-optimizer state dict (format {fmt!r}): saved by another optimizer, "
+                    "e.g. Megatron-LM's own DistributedOptimizer? Load the model weights only (Megatron-LM: "
+                    "--no-load-optim) and the ODO starts its state afresh from them"]
         if fmt == LOCAL_FORMAT and (state_dict["dp_size"] != self.chunks[0].topology.size
                                     or state_dict["dp_rank"] != self.chunks[0].topology.rank):
             return ["a rank-local optimizer state saved at DP size "
