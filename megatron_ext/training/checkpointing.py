@@ -328,7 +328,7 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
     try:
         iteration = int(text)
     except ValueError:
-        _refuse_megatron_lm_layout(load_dir, os.path.join(load_dir, text) if text == "release" else None)
+        _refuse_megatron_lm_layout(load_dir, [os.path.join(load_dir, text)] if text == "release" else [])
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
     newer = [name for it, name in _published(load_dir) if it > iteration]
@@ -352,7 +352,7 @@ def _find_tracked(load_dir: str, iteration: int) -> str:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        _refuse_megatron_lm_layout(load_dir, ckpt)
+        _refuse_megatron_lm_layout(load_dir, [ckpt])
         raise CheckpointError(f"--load {load_dir}: {manifest_path} is missing (incomplete checkpoint)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"--load {load_dir}: corrupt manifest {manifest_path} ({e.msg})") from None
@@ -373,10 +373,9 @@ def _untracked_checkpoint(load_dir: str) -> Optional[str]:
     validated and used, with a warning on rank 0."""
     published = _published(load_dir)
     if not published:
-        _refuse_megatron_lm_layout(load_dir, None)
-        for name in sorted(os.listdir(load_dir)):   # Megatron-LM's iteration directories, without its tracker
-            if name.startswith("iter_"):
-                _refuse_megatron_lm_layout(load_dir, os.path.join(load_dir, name))
+        # Megatron-LM's iteration directories, without its tracker
+        _refuse_megatron_lm_layout(load_dir, [os.path.join(load_dir, n) for n in sorted(os.listdir(load_dir))
+                                              if n.startswith("iter_")])
         return None
     iteration, name = published[-1]
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -393,7 +392,7 @@ def _published(load_dir: str) -> List[Tuple[int, str]]:
                                                                                    "manifest.json")))
 
 
-def _refuse_megatron_lm_layout(load_dir: str, ckpt: Optional[str]) -> None:
+def _refuse_megatron_lm_layout(load_dir: str, candidates: List[str]) -> None:
     """A Megatron-LM checkpoint (torch format: ``mp_rank_*/model_optim_rng.pt``; torch_dist: ``.metadata`` and
     ``*.distcp``; or a ``release`` tracker) is not a damaged one of ours: say what it is."""
     def megatron_lm_format(d: str) -> Optional[str]:
@@ -406,14 +405,14 @@ def _refuse_megatron_lm_layout(load_dir: str, ckpt: Optional[str]) -> None:
             return "torch_dist"
         return None
 
-    for d in filter(None, (ckpt, load_dir)):
+    for d in [*candidates, load_dir]:
         fmt = megatron_lm_format(d)
         if fmt:
             raise CheckpointError(f"--load {load_dir}: {d} is a Megatron-LM checkpoint (--ckpt-format {fmt}); "
                                   "pretrain_gpt loads only its own checkpoints (manifest.json, common.pt): continue "
                                   "it with Megatron-LM and the megatron_ext plug-in, or load its weights into the "
                                   "model yourself")
-    if ckpt is not None and os.path.basename(ckpt) == "release":
+    if any(os.path.basename(d) == "release" for d in candidates):
         raise CheckpointError(f"--load {load_dir}: the tracker says 'release', a Megatron-LM release checkpoint; "
                               "pretrain_gpt loads only its own checkpoints")
 

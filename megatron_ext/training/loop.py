@@ -98,6 +98,18 @@ def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iter
     return total / n if n else None
 
 
+def evaluate_and_print(args: argparse.Namespace, fb: Callable, model, optimizer, data_iterator, iteration: int,
+                       prefix: str, tb: TensorBoard, tb_key: str) -> Optional[float]:
+    """One evaluation (Megatron-LM's ``evaluate_and_print_results``): its traffic kept out of the step's bytes, the
+    validation-loss line on the last rank and the TensorBoard scalar ``tb_key``."""
+    with ledger_paused(model.ledger):
+        loss = evaluate(args, fb, model, optimizer, data_iterator)
+    if loss is not None:
+        print_rank_last(format_eval_line(prefix, {"lm loss": loss}))
+        tb.scalars(iteration, {tb_key: loss})
+    return loss
+
+
 class IntervalStats:
     """What a log line averages over: losses, time, skipped/nan counts since the last line.
 
@@ -198,8 +210,8 @@ def open_tensorboard(args: argparse.Namespace) -> TensorBoard:
 
 def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
           consumed_train_samples: int, consumed_valid_samples: int,
-          save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: Optional[float] = None,
-          exit_signal: Optional[ExitSignal] = None, tb: Optional[TensorBoard] = None) -> Dict[str, Any]:
+          save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: float,
+          exit_signal: Optional[ExitSignal] = None, tb: TensorBoard) -> Dict[str, Any]:
     """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position, and
     ``exited`` (True when --exit-interval, --exit-duration-in-mins or --exit-signal-handler stopped it early, after
     saving with ``save_fn``, as Megatron-LM does)."""
@@ -209,8 +221,6 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
 
     attach_to_schedules(model, optimizer)
     fb = get_forward_backward_func()
-    own_tb = tb is None
-    tb = open_tensorboard(args) if own_tb else tb
     flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
     tokens_per_iter = args.global_batch_size * args.seq_length
 
@@ -222,7 +232,6 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     iteration = start_iteration
     total_skipped = 0
     exited = False
-    start_time = time.time() if start_time is None else start_time
     model.train()
     while iteration < args.train_iters:
         loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
@@ -257,13 +266,11 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             stats.reset()
 
         if args.eval_iters > 0 and iteration % args.eval_interval == 0 and valid_iter is not None:
-            with ledger_paused(model.ledger):
-                val = evaluate(args, fb, model, optimizer, valid_iter)
+            val = evaluate_and_print(args, fb, model, optimizer, valid_iter, iteration, f"iteration {iteration}", tb,
+                                     "lm loss validation")
             consumed_valid_samples += args.eval_iters * args.global_batch_size
             if val is not None:
                 evals[iteration] = val
-                print_rank_last(format_eval_line(f"iteration {iteration}", {"lm loss": val}))
-                tb.scalars(iteration, {"lm loss validation": val})
             stats.t0 = time.perf_counter()  # keep eval time out of the next line's ms/iteration
 
         reason = None
@@ -279,8 +286,6 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             print_rank_0(f"exiting at iteration {iteration} ({reason})")
             exited = True
             break
-    if own_tb:
-        tb.close()
     return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
             "exited": exited}

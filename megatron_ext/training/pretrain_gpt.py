@@ -185,10 +185,11 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         train_iter = MicroBatchIterator(train_ds, consumed_train, args.micro_batch_size, dp_rank, dp_size)
-        valid_iter = (MicroBatchIterator(valid_ds, consumed_valid, args.micro_batch_size, dp_rank, dp_size)
-                      if valid_ds is not None and len(valid_ds) > 0 else None)
-        test_iter = (MicroBatchIterator(test_ds, 0, args.micro_batch_size, dp_rank, dp_size)
-                     if test_ds is not None and len(test_ds) > 0 else None)
+        def batches(ds, consumed: int):   # None for a split without data
+            return (MicroBatchIterator(ds, consumed, args.micro_batch_size, dp_rank, dp_size)
+                    if ds is not None and len(ds) > 0 else None)
+
+        valid_iter, test_iter = batches(valid_ds, consumed_valid), batches(test_ds, 0)
 
         args_dict = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
@@ -220,8 +221,7 @@ def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int
     set and one on the test set (each where the split has one)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .logging_utils import format_eval_line
-    from .loop import evaluate, ledger_paused, print_rank_last
+    from .loop import evaluate_and_print
 
     out: Dict[str, float] = {}
     if args.eval_iters <= 0:
@@ -230,12 +230,10 @@ def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int
     for name, it in (("validation", valid_iter), ("test", test_iter)):
         if it is None:
             continue
-        with ledger_paused(model.ledger):
-            loss = evaluate(args, fb, model, optimizer, it)
+        loss = evaluate_and_print(args, fb, model, optimizer, it, iteration, f"iteration {iteration} on {name} set",
+                                  tb, f"lm loss {name}")
         if loss is not None:
             out[name] = loss
-            print_rank_last(format_eval_line(f"iteration {iteration} on {name} set", {"lm loss": loss}))
-            tb.scalars(iteration, {f"lm loss {name}": loss})
     return out
 
 
