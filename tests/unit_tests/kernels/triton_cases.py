@@ -8,6 +8,7 @@ compiled kernels: inputs are built on the CPU as always, moved to the GPU with t
 come back to be compared with the CPU reference.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def _to_device(t, storages: dict):
     scales)`` pair of wire rows stays one buffer, and an ``out`` aliasing the input still aliases it."""
     if isinstance(t, tuple):
         return tuple(_to_device(v, storages) for v in t)
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":   # meta: a device-mismatch case, kept as it is
         return t
     key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())   # one allocation: same start and size
     if key not in storages:
@@ -64,7 +65,10 @@ class _OnDevice:
             storages = {}
             dev_args = [_to_device(a, storages) for a in args]
             dev_kwargs = {k: _to_device(v, storages) for k, v in kwargs.items()}
-            out = fn(*dev_args, **dev_kwargs)
+            try:
+                out = fn(*dev_args, **dev_kwargs)
+            except (ValueError, TypeError) as e:   # the cases expect the device their CPU tensors name
+                raise type(e)(re.sub(r"\bcuda(:\d+)?", "cpu", str(e))) from e
             torch.cuda.synchronize()
             if "out" in kwargs:   # an op writing into ``out``: copy its whole storage back (what it must not touch too)
                 dst, src = kwargs["out"], dev_kwargs["out"]
