@@ -24,8 +24,9 @@ _TESTS_ROOT = Path(__file__).resolve().parents[2]
 def test_triton_kernels_match_reference_interpreted():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("MX_KERNELS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
-           str(_CASES)]
+    # -n 0: one process (the outer suite already runs two workers; the file's cases would all go to one anyway)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-W",
+           "ignore::DeprecationWarning", str(_CASES)]
     proc = subprocess.run(cmd, cwd=_TESTS_ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
