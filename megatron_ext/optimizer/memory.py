@@ -16,18 +16,22 @@ The ODO's terms, with ``P~`` the padded bucket elements (every bucket is padded 
 - optimizer states: ``k * P_r`` with k = 8 for Adam, 4 for SGD with momentum, 0 without (no state for padding);
 - bucket pool: ``pool_size * e_g * (largest bucket)`` once a step has reduce-scattered from pooled buffers;
 - gather pool (ZeRO-3): the full-weight buffers of gathered buckets, at most ``gather_pool_size`` x the largest
-  bucket in steady state (a transient, like activations; reported, not part of the formula).
+  bucket in steady state (a transient, like activations; reported, not part of the formula);
+- frozen parameters (``requires_grad=False``): ``e_p * P_frozen`` on every rank under every plan. They are not
+  bucketed, so ZeRO-3 does not shard them (DeepSpeed's ZeRO-3 and FSDP do): a large frozen base costs its full size
+  per rank.
 """
 from __future__ import annotations
 
 from typing import Dict
 
-COMPONENTS = ("parameters", "hpz_secondary", "gradients", "master_weights", "optimizer_states", "bucket_pool")
+COMPONENTS = ("parameters", "hpz_secondary", "gradients", "master_weights", "optimizer_states", "bucket_pool",
+              "frozen_parameters")
 
 
 def model_state_bytes(*, padded_numel: int, owned_numel: int, param_bytes: int, grad_bytes: int, param_shards: int,
                       optim_shards: int, full_grad_buffer: bool, master_bytes: int, state_bytes: int,
-                      pool_bytes: int, hpz: int = 1) -> Dict[str, int]:
+                      pool_bytes: int, hpz: int = 1, frozen_bytes: int = 0) -> Dict[str, int]:
     """The formula of the module note, per component, for one rank."""
     shard = padded_numel // optim_shards
     return {"parameters": param_bytes * padded_numel // param_shards,
@@ -35,7 +39,8 @@ def model_state_bytes(*, padded_numel: int, owned_numel: int, param_bytes: int, 
             "gradients": grad_bytes * shard + (grad_bytes * padded_numel if full_grad_buffer else 0),
             "master_weights": master_bytes * shard,
             "optimizer_states": state_bytes * owned_numel,
-            "bucket_pool": pool_bytes}
+            "bucket_pool": pool_bytes,
+            "frozen_parameters": frozen_bytes}
 
 
 def _bytes(t) -> int:
@@ -50,4 +55,5 @@ def measured_model_state_bytes(ddp) -> Dict[str, int]:
             "hpz_secondary": sum(_bytes(t) for t in getattr(store, "secondary_flat", {}).values()),
             "gradients": _bytes(ddp.main_grad_partition) + sum(_bytes(t) for t in gs._local.values()),
             "bucket_pool": sum(p.allocated_bytes for p in gs.pools.values()),
-            "gather_pool": store.gathered_bytes() if hasattr(store, "gathered_bytes") else 0}
+            "gather_pool": store.gathered_bytes() if hasattr(store, "gathered_bytes") else 0,
+            "frozen_parameters": sum(_bytes(p) for _, p in ddp.frozen_params)}

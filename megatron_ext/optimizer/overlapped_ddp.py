@@ -50,7 +50,10 @@ class OverlappedDDP(torch.nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("OverlappedDDP: the module has no trainable parameters")
-        devices = {p.device for _, p in named}
+        # Frozen parameters (requires_grad=False) stay whole on every rank, outside the buckets, under every plan:
+        # broadcast from DP rank 0 like the rest, checked alike, and reported as memory of their own.
+        self.frozen_params = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        devices = {p.device for _, p in named + self.frozen_params}
         if len(devices) != 1:
             raise ValueError(f"OverlappedDDP: all parameters must be on one device, found {sorted(map(str, devices))}")
         device = next(iter(devices))
@@ -86,7 +89,7 @@ class OverlappedDDP(torch.nn.Module):
                                                      self.engine is not None)
         if self.qgz_stages != config.backend_options().qgz_pipeline_stages:
             self.comm.set_qgz_stages(self.qgz_stages)
-        _check_same_model_on_every_rank(named, self.buckets, self.topology.group, device)
+        _check_same_model_on_every_rank(named, self.frozen_params, self.buckets, self.topology.group, device)
         for _, p in named:
             p._megatron_ext_wrapped = True   # a second wrapper would steal this one's gradients
         self.param_buffer = ParameterBuffer(self.buckets, device)
@@ -181,16 +184,23 @@ class OverlappedDDP(torch.nn.Module):
             self.param_sync.wait_all()
 
     def broadcast_params(self) -> None:
-        """Make every DP rank start from DP rank 0's weights."""
+        """Make every DP rank start from DP rank 0's weights, frozen ones included (as megatron-core's DDP: a
+        frozen layer that differs across ranks would train a different model on each)."""
         if self.topology.size == 1:
             return
         src = self.topology.global_rank(0)
         intra, inter = self.topology.peers()
-        for flat in self.param_buffer.flat.values():
+        frozen = [p.data for _, p in self.frozen_params]
+        for t in [*self.param_buffer.flat.values(), *frozen]:
             # Counted as a tree broadcast from rank 0: each byte reaches each peer once.
             if self.topology.rank == 0:
-                self.ledger.record_pairwise("broadcast", flat.numel() * flat.element_size(), intra, inter)
-            dist.broadcast(flat, src=src, group=self.topology.group)
+                self.ledger.record_pairwise("broadcast", t.numel() * t.element_size(), intra, inter)
+            if t.is_contiguous():
+                dist.broadcast(t, src=src, group=self.topology.group)
+            else:
+                dense = t.contiguous()
+                dist.broadcast(dense, src=src, group=self.topology.group)
+                t.copy_(dense)
 
     # -- helpers ------------------------------------------------------------------------------------
     def drop_gathered_weights(self) -> None:
@@ -258,13 +268,14 @@ def _check_parameters(named, config: OverlapConfig) -> None:
                          f"parameters, got {', '.join(odd)}")
 
 
-def _check_same_model_on_every_rank(named, buckets, group, device: torch.device) -> None:
-    """Every DP rank must wrap the same parameters (names, shapes, dtypes) into the same buckets, or the collectives
-    would pair the wrong elements silently (torch DDP checks its shapes alike). One all-reduce; on a mismatch every
-    rank raises, naming what differs from rank 0's."""
+def _check_same_model_on_every_rank(named, frozen, buckets, group, device: torch.device) -> None:
+    """Every DP rank must wrap the same parameters (names, shapes, dtypes; the frozen ones too, which are broadcast)
+    into the same buckets, or the collectives would pair the wrong elements silently (torch DDP checks its shapes
+    alike). One all-reduce; on a mismatch every rank raises, naming what differs from rank 0's."""
     import zlib
 
     desc = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in named]
+    desc += [f"frozen {n}:{tuple(p.shape)}:{p.dtype}" for n, p in frozen]
     desc += [f"bucket{b.index}:{b.numel}:{b.shard_numel}" for b in buckets]
     h = float(zlib.crc32("\n".join(desc).encode()))
     t = torch.tensor([h, -h], dtype=torch.float64, device=device)

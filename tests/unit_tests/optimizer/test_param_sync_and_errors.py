@@ -415,3 +415,43 @@ def test_wrapper_and_optimizer_refuse_what_they_cannot_do(spawn):
         assert "model.load_state_dict" in out["reload"]
         assert out["api"][0] and "does not offload" in out["api"][2]
         assert "--check-for-nan-in-loss-and-grad" in out["nan"][0] and out["nan"][1], out["nan"]
+
+
+def _frozen_parameters(plan: str):
+    """Each rank builds its model from its own seed; the middle layer is frozen (requires_grad=False)."""
+    torch.manual_seed(100 + dist.get_rank())
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    module[1].requires_grad_(False)
+    sharding = mx.ShardingPlan.zero3() if plan == "zero3" else mx.ShardingPlan()
+    model = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=40, sharding=sharding))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-2), model)
+    frozen_after_wrap = module[1].weight.detach().clone()
+    for step in range(2):
+        model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))).sum().backward()
+        model.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    model.force_param_sync()
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    mismatch = None
+    try:   # rank 1's frozen layer has another shape: found at wrap time on every rank
+        odd = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 8 + dist.get_rank()))
+        odd[1].requires_grad_(False)
+        mx.OverlappedDDP(odd, mx.OverlapConfig())
+    except ValueError as e:
+        mismatch = str(e)
+    return frozen_after_wrap, weights, model.memory_report()["frozen_parameters"], mismatch
+
+
+@pytest.mark.parametrize("plan", ["zero2", "zero3"])
+def test_frozen_parameters_start_from_rank_0_and_are_reported(spawn, plan):
+    """Frozen parameters are broadcast from DP rank 0 with the trainable ones (megatron-core's DDP broadcasts every
+    parameter): ranks seeded differently train one model, the frozen layer unchanged by the steps."""
+    results = spawn(_frozen_parameters, 2, plan)
+    frozen0, weights0, _, _ = results[0]
+    for frozen, weights, frozen_bytes, mismatch in results:
+        assert torch.equal(frozen, frozen0)
+        assert torch.equal(weights["1.weight"], frozen0) and torch.equal(weights["1.bias"], weights0["1.bias"])
+        assert all(torch.equal(weights[n], weights0[n]) for n in weights0), plan
+        assert frozen_bytes == (8 * 8 + 8) * 4
+        assert mismatch and "ranks wrap different models" in mismatch and "frozen 1.weight:(8, 8)" in mismatch
