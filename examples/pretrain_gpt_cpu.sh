@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 
 NPROC=${NPROC:-4}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
+WARMUP_ITERS=$(( TRAIN_ITERS / 10 < 10 ? TRAIN_ITERS / 10 : 10 ))   # 10, or a tenth of a shorter run
 GRAD_REDUCE=${GRAD_REDUCE:-qgz}      # plain | qgz | bytegrad
 PARAM_GATHER=${PARAM_GATHER:-qwz}    # plain | qwz
 SAVE_DIR=${SAVE_DIR:-/tmp/megatron_ext_cpu_demo/ckpt}
@@ -29,7 +30,7 @@ exec python -m torch.distributed.run --nproc-per-node "$NPROC" --standalone \
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --micro-batch-size 4 --global-batch-size 32 \
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
-    --optimizer adam --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
+    --optimizer adam --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP_ITERS" \
     --weight-decay 0.01 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 \
     --train-iters "$TRAIN_ITERS" --log-interval 10 --eval-interval 50 --eval-iters 2 --seed 1234 \
     --use-distributed-optimizer --use-overlapped-distributed-optimizer \

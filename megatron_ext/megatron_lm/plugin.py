@@ -141,6 +141,7 @@ def overlap_config_from_megatron_args(args: Any):
     Raises ValueError naming the flag for what the plug-in cannot honour (see :func:`check_megatron_lm_args`).
     """
     import megatron_ext as mx
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.arguments import dp_ranks_per_node, sharding_plan_from_args
@@ -156,6 +157,9 @@ def overlap_config_from_megatron_args(args: Any):
         rpn = dp_ranks_per_node(view)
     except ArgumentError as e:
         raise ValueError(str(e)) from None
+    notice = getattr(view, "topology_notice", None)
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
     try:
         plan = sharding_plan_from_args(args, dp, rpn)
     except ArgumentError as e:

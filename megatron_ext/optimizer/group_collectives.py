@@ -70,10 +70,23 @@ def collective_device(group: Optional[dist.ProcessGroup], preferred: torch.devic
     return choose_device(group_device_types(group), torch.device(preferred), cuda_index)
 
 
+_ranks_per_node: Optional[int] = None
+
+
+def set_ranks_per_node(ranks_per_node: Optional[int]) -> None:
+    """Processes per node for this process's world, when the launcher's LOCAL_WORLD_SIZE is not the layout to count
+    by: pretrain_gpt's ``--ranks-per-node`` simulating nodes on one machine. None: LOCAL_WORLD_SIZE again."""
+    global _ranks_per_node
+    if ranks_per_node is not None and ranks_per_node <= 0:
+        raise ValueError(f"ranks per node must be positive, got {ranks_per_node}")
+    _ranks_per_node = ranks_per_node
+
+
 def node_peers(group: dist.ProcessGroup) -> Tuple[int, int]:
-    """(same-node peers, other-node peers) of this rank in ``group``, nodes being blocks of LOCAL_WORLD_SIZE."""
+    """(same-node peers, other-node peers) of this rank in ``group``, nodes being blocks of ``set_ranks_per_node``'s
+    count, else of LOCAL_WORLD_SIZE (the ledger's intra/inter split of model-parallel reductions)."""
     ranks = dist.get_process_group_ranks(group)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or dist.get_world_size()
+    per_node = _ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or dist.get_world_size()
     me = dist.get_rank() // per_node
     intra = sum(1 for r in ranks if r // per_node == me) - 1
     return intra, len(ranks) - 1 - intra

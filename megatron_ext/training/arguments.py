@@ -505,7 +505,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
     # Optimizer and schedule.
-    if args.lr_decay_iters is None:
+    decay_default = args.lr_decay_iters is None
+    if decay_default:
         args.lr_decay_iters = args.train_iters
     if args.lr_decay_iters <= 0:
         _fail(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
@@ -518,7 +519,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             _fail(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-              f"({args.lr_decay_iters})")
+              f"({args.lr_decay_iters}{', by default --train-iters' if decay_default else ''})")
     if args.lr < 0 or args.min_lr < 0:
         _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
@@ -750,16 +751,33 @@ def dp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
 
     megatron-core orders ranks TP-fastest, then DP, then PP, so a node of R ranks holds R / TP consecutive members
     of each DP group (all of them when a node spans whole pipeline stages; fewer when a stage straddles two
-    nodes, which is computed from the actual DP groups). None keeps the ODO's default (LOCAL_WORLD_SIZE).
+    nodes, which is computed from the actual DP groups). None keeps the ODO's default (no LOCAL_WORLD_SIZE: one node).
+
+    A layout no hierarchical split describes (a TP group or a pipeline stage across nodes, DP groups sitting unevenly)
+    is an error naming ``--ranks-per-node`` when the user gave it. Derived from torchrun's ``LOCAL_WORLD_SIZE``, it
+    is a layout Megatron-LM runs, so it runs here too: each DP group is then treated as one node (the ODO's
+    documented fallback; hierarchical backends take their one-hop form), said in ``args.topology_notice``.
     """
     import os
 
     rpn = args.ranks_per_node
-    flag = "--ranks-per-node"
     if rpn is None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
             return None
-        rpn, flag = int(os.environ["LOCAL_WORLD_SIZE"]), "LOCAL_WORLD_SIZE"
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        try:
+            return _dp_members_per_node(args, local, "LOCAL_WORLD_SIZE")
+        except ArgumentError as e:
+            args.topology_notice = (f"> the data-parallel groups do not split into nodes of LOCAL_WORLD_SIZE "
+                                    f"({local}) ranks ({e}), a layout Megatron-LM runs: each is treated as one node "
+                                    "(hierarchical backends take their one-hop form, and the log counts all of their "
+                                    "bytes as intra-node); give --ranks-per-node to choose another split")
+            return args.data_parallel_size
+    return _dp_members_per_node(args, rpn, "--ranks-per-node")
+
+
+def _dp_members_per_node(args: argparse.Namespace, rpn: int, flag: str) -> int:
+    """Members of each DP group per node of ``rpn`` ranks; ArgumentError naming ``flag`` when no split fits."""
     tp, dp = args.tensor_model_parallel_size, args.data_parallel_size
     if rpn <= 0:
         _fail(f"{flag} must be positive, got {rpn}")

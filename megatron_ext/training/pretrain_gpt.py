@@ -112,6 +112,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     Works inside an existing process group (tests) or creates one from torchrun's environment.
     """
     from . import checkpointing
+    from ..optimizer.group_collectives import set_ranks_per_node
     from .arguments import ignored_flag_notice, parse_args
     from .data import MicroBatchIterator
     from .initialize import init_distributed, init_model_parallel, teardown
@@ -142,10 +143,11 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
         _print_args(args)
-        notice = ignored_flag_notice(args)
-        if notice:
-            print_rank_0(notice)
+        for notice in (ignored_flag_notice(args), getattr(args, "topology_notice", None)):
+            if notice:
+                print_rank_0(notice)
         module = build_model(args)
+        set_ranks_per_node(args.ranks_per_node)   # the log's intra/inter split of TP/PP reductions too
         model = mx.OverlappedDDP(module, _overlap_config(args), dp_group=ps.get_data_parallel_group())
         optimizer, scheduler = _build_optimizer(args, model)
         n_params = sum(p.numel() for p in module.parameters())

@@ -88,3 +88,23 @@ def test_optimizer_scalars_on_a_cpu_only_group(spawn):
         row = ledger[DP_SCALAR]
         assert row["calls"] == 4, row
         assert row["intra"] == sum(math.ceil(2 * b / dp) * (dp - 1) for b in (16, 16, 8, 8)) and row["inter"] == 0
+
+
+def _peers_by_layout():
+    from megatron_ext.optimizer.group_collectives import node_peers, set_ranks_per_node
+
+    out = {"local_world_size": node_peers(dist.group.WORLD)}   # the harness: LOCAL_WORLD_SIZE = 4, one node
+    for rpn in (1, 2):
+        set_ranks_per_node(rpn)   # pretrain_gpt --ranks-per-node simulating nodes
+        out[rpn] = node_peers(dist.group.WORLD)
+    set_ranks_per_node(None)
+    out["reset"] = node_peers(dist.group.WORLD)
+    return out
+
+
+def test_model_parallel_peers_follow_simulated_nodes(spawn):
+    """The ledger's intra/inter split of TP/PP reductions counts nodes as --ranks-per-node says (on one machine
+    LOCAL_WORLD_SIZE is the whole world: a tied-embedding all-reduce between simulated nodes was logged intra-node)."""
+    for out in spawn(_peers_by_layout, 4):
+        assert out["local_world_size"] == out["reset"] == (3, 0)
+        assert out[1] == (0, 3) and out[2] == (1, 2)

@@ -202,6 +202,22 @@ def test_dp_ranks_per_node_from_the_actual_dp_groups():
         per_node(24, 12, 2, 4)             # stage 1 (ranks 8-15) straddles nodes 0 and 1
 
 
+def test_layouts_megatron_lm_runs_are_one_node_per_dp_group_from_local_world_size(monkeypatch, capsys):
+    """A pipeline stage or a TP group across nodes, found from torchrun's LOCAL_WORLD_SIZE, runs (Megatron-LM runs
+    it): each DP group is one node, said in a notice; the same layout given as --ranks-per-node stays an error."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = parse_args(BASE + ["--pipeline-model-parallel-size", "2"], world_size=24)   # 3 nodes x 8, PP 2
+    assert args.dp_ranks_per_node == args.data_parallel_size == 12
+    assert "LOCAL_WORLD_SIZE (8)" in args.topology_notice and "--ranks-per-node" in args.topology_notice
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    args = parse_args(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)       # TP across 2 nodes of 1
+    assert args.dp_ranks_per_node == 1 and "TP group" in args.topology_notice
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not hasattr(parse_args(BASE, world_size=16), "topology_notice")               # a regular layout
+    err = _error(capsys, ["--pipeline-model-parallel-size", "2", "--ranks-per-node", "8"], world_size=24)
+    assert "--ranks-per-node (8)" in err and "uneven ranks per node" in err
+
+
 def test_tokenizer_problems_are_flag_errors_before_training(capsys, tmp_path):
     """A tokenizer that cannot be loaded is a parse error naming the flag (before any process group exists)."""
     err = _error(capsys, ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer"])
@@ -366,3 +382,10 @@ def test_unwritable_save_directory_is_found_by_a_real_write(capsys, tmp_path, mo
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)   # what a read-only mount or another owner's directory does
     err = _error(capsys, ["--save", str(tmp_path / "ckpt")], world_size=1)
     assert "--save" in err and "cannot write into" in err and "Permission denied" in err
+
+
+def test_warmup_error_says_where_the_decay_iterations_came_from(capsys):
+    err = _error(capsys, ["--lr-warmup-iters", "10"])   # BASE: --train-iters 10, no --lr-decay-iters
+    assert "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10, by default --train-iters)" in err
+    err = _error(capsys, ["--lr-warmup-iters", "10", "--lr-decay-iters", "5"])
+    assert "--lr-decay-iters (5)" in err and "by default" not in err
