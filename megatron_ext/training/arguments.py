@@ -810,13 +810,36 @@ def _validate_later_features(args: argparse.Namespace) -> None:
             _fail("--ladder-residual/--ladder-residual-layers/--desync-residual: megatron_ext.transformer is not "
                   "available in this build")
         try:
-            LadderConfig(ladder=args.ladder_residual, ladder_layers=args.ladder_residual_layers,
-                         desync=args.desync_residual).num_ladder_layers(args.num_layers)
+            ladder = LadderConfig(ladder=args.ladder_residual, ladder_layers=args.ladder_residual_layers,
+                                  desync=args.desync_residual)
+            n_ladder = ladder.num_ladder_layers(args.num_layers)
         except ValueError as e:
             _fail(str(e))
+        args.wiring_notice = _stage_wiring_notice(args, ladder, n_ladder)
         if args.sequence_parallel:
             _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
                   "all-reduces of full-sequence partial sums)")
+
+
+def _stage_wiring_notice(args: argparse.Namespace, ladder, n_ladder: int) -> Optional[str]:
+    """A start-up notice when a pipeline-stage boundary changes the Ladder/Desync network: a stage ends by adding
+    its pending outputs (ladder) or re-synchronising the residual (desync, after a module that keeps no all-reduce),
+    so the trained function depends on the stage layout, unlike a standard model's."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if pp <= 1 or layers % pp:
+        return None
+    bounds = [layers * k // pp for k in range(1, pp)]
+    if ladder.desync:
+        inside = [b for b in bounds if not ladder.reduces(2 * b - 1)]
+        what = "re-synchronises the residual there (an all-reduce Desync drops at --pipeline-model-parallel-size 1)"
+    else:
+        inside = [b for b in bounds if b > layers - n_ladder]
+        what = "adds the pending outputs there (at --pipeline-model-parallel-size 1 they are added one module later)"
+    if not inside:
+        return None
+    return (f"> pipeline stages end after layer(s) {', '.join(map(str, inside))} inside the "
+            f"{'Desync' if ladder.desync else 'Ladder'} layers: each stage {what}, so this network depends on "
+            f"--pipeline-model-parallel-size {pp}; evaluate, fine-tune and serve it with the same stage layout")
 
 
 def _validate_recompute(args: argparse.Namespace, pp: int) -> None:

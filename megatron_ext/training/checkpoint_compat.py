@@ -71,25 +71,38 @@ SCHEDULER_FIELDS: Tuple[SchedulerField, ...] = (
 )
 
 
+# Flags that change how the layers are wired, not the parameters' names or shapes: a --finetune run may change them
+# (seed 002 section 4.2: a pretrained standard model rewired as a Ladder hybrid and fine-tuned).
+WIRING_FLAGS = ("ladder_residual", "ladder_residual_layers", "desync_residual")
+
+
 def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
     """Values as the model sees them: defaults that depend on other flags resolved, so ``--kv-channels 16`` equals
-    leaving it out when 16 is hidden size / heads."""
+    leaving it out when 16 is hidden size / heads, and ``--ladder-residual`` equals ``--ladder-residual-layers``
+    set to ``--num-layers`` (``--ladder-residual-layers 0``: a standard model)."""
     out = dict(d)
     if d.get("hidden_size") and d.get("num_attention_heads"):
         out["kv_channels"] = d.get("kv_channels") or d["hidden_size"] // d["num_attention_heads"]
         out["num_query_groups"] = (d.get("num_query_groups") if d.get("group_query_attention")
                                    else d["num_attention_heads"])
+    if "ladder_residual" in d:
+        layers = d.get("ladder_residual_layers")
+        n = (d.get("num_layers") if layers is None else layers) if d.get("ladder_residual") else 0
+        out["ladder_residual"], out["ladder_residual_layers"] = bool(n), n
     return out
 
 
 def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
-    """Flags that fix the model's shape and differ between the saving run (``saved``) and this one.
+    """Flags that fix the model's shape and differ between the saving run (``saved``) and this one; under
+    ``--finetune`` the wiring flags (:data:`WIRING_FLAGS`) may differ.
 
     Names missing from ``saved`` (older checkpoints) are not compared.
     """
     old, new = _effective(saved), _effective(vars(args))
     problems = []
     for name, flag in MODEL_FLAGS:
+        if getattr(args, "finetune", False) and name in WIRING_FLAGS:
+            continue
         if name in saved and old.get(name) != new.get(name):
             problems.append(f"{flag}: checkpoint {old.get(name)!r}, this run {new.get(name)!r}")
     return problems

@@ -143,7 +143,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    args.tensor_model_parallel_size)
         _print_args(args)
-        for notice in (ignored_flag_notice(args), getattr(args, "topology_notice", None)):
+        for notice in (ignored_flag_notice(args), getattr(args, "topology_notice", None),
+                       getattr(args, "wiring_notice", None)):
             if notice:
                 print_rank_0(notice)
         module = build_model(args)

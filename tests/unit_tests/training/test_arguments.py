@@ -389,3 +389,20 @@ def test_warmup_error_says_where_the_decay_iterations_came_from(capsys):
     assert "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10, by default --train-iters)" in err
     err = _error(capsys, ["--lr-warmup-iters", "10", "--lr-decay-iters", "5"])
     assert "--lr-decay-iters (5)" in err and "by default" not in err
+
+
+def test_pipeline_stages_inside_ladder_or_desync_layers_are_named_at_start_up():
+    """A stage boundary inside the Ladder layers (or after a Desync module without an all-reduce) changes the
+    network; one outside them, or at PP 1, does not."""
+    def notice(*extra, pp=2, layers=4):
+        args = parse_args(BASE[:1] + [str(layers)] + BASE[2:] + ["--pipeline-model-parallel-size", str(pp),
+                                                                 *extra], world_size=pp)
+        return getattr(args, "wiring_notice", None)
+
+    assert "after layer(s) 2 inside the Ladder layers" in notice("--ladder-residual")
+    assert notice("--ladder-residual", "--ladder-residual-layers", "2") is None     # the stage holds all of them
+    assert "after layer(s) 2 inside" in notice("--ladder-residual", "--ladder-residual-layers", "3")
+    assert notice("--desync-residual", "2x") is None                                 # every MLP keeps its reduce
+    assert notice("--desync-residual", "4x") is None                                 # layer 2's MLP is module 3
+    assert "after layer(s) 1, 3 inside the Desync layers" in notice("--desync-residual", "4x", pp=4)
+    assert notice("--ladder-residual", pp=1) is None

@@ -161,6 +161,17 @@ def test_checkpoint_args_mismatch_names_the_flags():
                  "--make-vocab-size-divisible-by", "--kv-channels"):
         assert flag in problems, problems
     assert "--num-layers" not in problems
+    # --ladder-residual alone is --ladder-residual-layers set to --num-layers; layers 0 is the standard model
+    ladder = dict(saved, ladder_residual=True, ladder_residual_layers=None)
+    assert check_checkpoint_args(ladder, argparse.Namespace(**{**ladder, "ladder_residual_layers": 2})) == []
+    zero = argparse.Namespace(**{**saved, "ladder_residual": True, "ladder_residual_layers": 0})
+    assert check_checkpoint_args(saved, zero) == []
+    # a standard checkpoint rewired as a Ladder hybrid (seed 002 section 4.2): refused on resume, free to --finetune
+    hybrid = {**saved, "ladder_residual": True, "ladder_residual_layers": 1}
+    assert "--ladder-residual" in "; ".join(check_checkpoint_args(saved, argparse.Namespace(**hybrid)))
+    assert check_checkpoint_args(saved, argparse.Namespace(**hybrid, finetune=True)) == []
+    assert check_checkpoint_args(saved, argparse.Namespace(**{**hybrid, "ffn_hidden_size": 128}, finetune=True)) == [
+        "--ffn-hidden-size: checkpoint 256, this run 128"]   # shapes are still compared
 
 
 def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():
