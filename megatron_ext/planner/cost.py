@@ -27,8 +27,9 @@ What the ODO overlaps:
 - the optimizer runs after every reduction completed; then the next step's gathers are issued.
 
 Compute per bucket is proportional to its parameters (a transformer's FLOPs are); backward is twice the forward
-(three times with full recompute), plus the gradient hooks' copies into the bucket buffers; compute overlapped by
-communication is ``overlap_slowdown`` slower (the profile's note). Work that differs between a node's ranks
+(three times for the layers fully recomputed: all of them, or with ``block`` the first ``recompute_num_layers``
+of a stage), plus the gradient hooks' copies into the bucket buffers; compute overlapped by communication is
+``overlap_slowdown`` slower (the profile's note). Work that differs between a node's ranks
 (ByteGrad's leader quantizes and broadcasts, the others do not) is the busiest rank's on GPUs, and the node's mean
 where the ranks share the processors (CPU profiles: ``kernels_on_compute``, ``intra_on_compute``): a rank that waits
 gives its cores to the one that works. The step time is the second of two replayed steps (steady state: the first
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
@@ -61,9 +62,24 @@ class Workload:
     micro_batches: int                # per step and DP rank: global batch / (micro batch x DP)
     tp: int = 1
     pp: int = 1
-    recompute: str = "none"
+    recompute: str = "none"           # --recompute-granularity: none | selective | full
     setup: TrainingSetup = TrainingSetup()
     sequence_parallel: bool = False
+    # With recompute = "full": --recompute-method (uniform | block) and --recompute-num-layers. None: every layer
+    # recomputed on its own (uniform, 1), the seeds' full recomputation.
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+
+    @property
+    def recomputed_fraction(self) -> float:
+        """Share of a stage's layers whose forward runs again in backward: every one with full uniform
+        recomputation, the first ``recompute_num_layers`` with block."""
+        if self.recompute != "full":
+            return 0.0
+        if self.recompute_method == "block":
+            layers = -(-self.spec.num_layers // self.pp)
+            return min(self.recompute_num_layers or 1, layers) / layers
+        return 1.0
 
     @property
     def has_deferred_params(self) -> bool:
@@ -292,7 +308,7 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     per_micro = _per_micro_s(wl, profile)
     fwd = per_micro / 3.0
     grad_copy = sum(data) * profile.grad_s_per_element
-    bwd = per_micro * 2.0 / 3.0 + (fwd if wl.recompute == "full" else 0.0) + grad_copy
+    bwd = per_micro * 2.0 / 3.0 + fwd * wl.recomputed_fraction + grad_copy
     share = [d / sum(data) for d in data]
     fwd_order = list(reversed(range(K)))
     tail = _optimizer_s(wl, profile, buckets) + _scalar_s(wl, profile) + (wl.pp - 1) * per_micro
@@ -349,7 +365,7 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
 
 def _per_micro_s(wl: Workload, profile: HardwareProfile) -> float:
     return (wl.spec.flops_per_sequence() * wl.micro_batch / (wl.tp * wl.pp)
-            / profile.compute_for(wl.spec.name))
+            / profile.compute_for(wl.spec.num_layers, wl.spec.hidden_size))
 
 
 def _optimizer_s(wl: Workload, profile: HardwareProfile, buckets: Sequence[BucketShape]) -> float:
@@ -376,7 +392,7 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
         r = _Replayed(*(vb + x * (vb - va) for va, vb in zip(dataclasses.astuple(a), dataclasses.astuple(b))))
     per_micro = _per_micro_s(wl, profile)
     grad_copy = sum(data) * profile.grad_s_per_element
-    recompute = per_micro / 3.0 if wl.recompute == "full" else 0.0
+    recompute = per_micro / 3.0 * wl.recomputed_fraction
     compute_s = (M * (per_micro + recompute + grad_copy) + _optimizer_s(wl, profile, buckets)
                  + (wl.pp - 1) * per_micro)
     step_s = r.step_s + profile.overlap_slowdown * min(r.busy_s, M * per_micro)
@@ -385,7 +401,9 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     states = model_state_memory(cand, plan, buckets, data, wl.setup, M, deferred=wl.has_deferred_params)
     model_states = sum(states.values())
     activations = wl.spec.activation_bytes(wl.micro_batch, tp=wl.tp, pp=wl.pp, micro_batches=M,
-                                           recompute=wl.recompute, sequence_parallel=wl.sequence_parallel,
+                                           recompute=wl.recompute, recompute_method=wl.recompute_method,
+                                           recompute_num_layers=wl.recompute_num_layers,
+                                           sequence_parallel=wl.sequence_parallel,
                                            stores_attention_scores=profile.stores_attention_scores)
     transient = transient_memory(plan, buckets, wl.setup)
     memory = {"model_states": model_states, "activations": activations, "transient": transient,

@@ -129,25 +129,41 @@ class ModelSpec:
 
     # -- activations ------------------------------------------------------------------------------------------
     def activation_bytes(self, micro_batch: int, *, tp: int = 1, pp: int = 1, micro_batches: int = 1,
-                         recompute: str = "none", sequence_parallel: bool = True,
+                         recompute: str = "none", recompute_method: Optional[str] = None,
+                         recompute_num_layers: Optional[int] = None, sequence_parallel: bool = True,
                          stores_attention_scores: bool = False) -> int:
         """Activation bytes on the busiest rank (pipeline stage 0) for 16-bit activations.
 
         Korthikanti et al. 2022 per layer and micro-batch: ``s*b*h*(34 + 5*a*s/h)/t`` with sequence parallelism
         (``10 + 24/t`` instead of ``34/t`` without); flash/fused attention keeps no ``a*s*s`` scores
-        (``stores_attention_scores=False``, the GPU default); selective recompute drops the scores too; full
-        recompute keeps each layer's input (``2*s*b*h/t``) plus one layer's working set. Stage 0 of a 1F1B
+        (``stores_attention_scores=False``, the GPU default); selective recompute drops the scores too. Full
+        recompute follows megatron-core's grouping (``transformer/recompute_plan.py``) of a stage's layers:
+        ``block`` -- the first ``recompute_num_layers`` layers keep only their input (``2*s*b*h/t``), the others
+        everything; ``uniform`` -- chunks of ``recompute_num_layers`` layers keep only the chunk's input; plus, in
+        backward, the working set of what is recomputed at once (one layer for block, one chunk for uniform).
+        ``recompute_method=None`` is uniform with one layer per chunk (every layer recomputed). Stage 0 of a 1F1B
         pipeline holds ``min(pp, M)`` micro-batches of its ``L/pp`` layers. The logits (fp32, with their
         gradient) are added on the last stage's share.
         """
         s, b, h, a = self.seq_length, micro_batch, self.hidden_size, self.num_attention_heads
         base = 34.0 / tp if sequence_parallel else 10.0 + 24.0 / tp
-        scores = 5.0 * a * s / h / tp if (stores_attention_scores and recompute == "none") else 0.0
+        scores = 5.0 * a * s / h / tp if (stores_attention_scores and recompute != "selective") else 0.0
         per_layer = s * b * h * (base + scores)
+        layer_input = 2.0 * s * b * h / (tp if sequence_parallel else 1)
         layers = -(-self.num_layers // pp)
         in_flight = min(pp, micro_batches)
         if recompute == "full":
-            held = layers * 2.0 * s * b * h / (tp if sequence_parallel else 1) * in_flight + per_layer
+            n = recompute_num_layers if recompute_num_layers is not None else 1
+            if n < 1:
+                raise ValueError(f"recompute_num_layers (--recompute-num-layers) must be >= 1, got {n}")
+            if recompute_method == "block":
+                n = min(n, layers)
+                held = (n * layer_input + (layers - n) * per_layer) * in_flight + per_layer
+            elif recompute_method in (None, "uniform"):
+                held = -(-layers // n) * layer_input * in_flight + min(n, layers) * per_layer
+            else:
+                raise ValueError("recompute_method must be uniform or block (--recompute-method), got "
+                                 f"{recompute_method!r}")
         elif recompute in ("none", "selective"):
             held = layers * per_layer * in_flight
         else:

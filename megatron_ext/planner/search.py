@@ -109,7 +109,10 @@ class Ranking:
 def solve(wl: Workload, profile: HardwareProfile, memory_cap: Optional[int] = None, *,
           allow_quantized: bool = False, bucket_sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
           candidates: Optional[Iterable[Candidate]] = None) -> Ranking:
-    """Rank every admissible candidate (or the given ones) by predicted step time under the memory cap."""
+    """Rank every admissible candidate (or the given ones) by predicted step time under the memory cap.
+
+    ``memory_cap=None`` is the whole device (``profile.gpu_memory_bytes``: what the at-scale simulation compares
+    against the papers); the CLI and ``--auto-plan`` pass ``profile.default_memory_cap``, which keeps a reserve."""
     cap = memory_cap if memory_cap is not None else profile.gpu_memory_bytes
     cands = list(candidates) if candidates is not None else enumerate_candidates(
         wl, allow_quantized=allow_quantized, bucket_sizes=bucket_sizes)

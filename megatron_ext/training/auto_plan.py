@@ -13,9 +13,12 @@ The planner sees the model pretrain_gpt will build: the Megatron model flags, th
 ``model.padded_vocab_size`` pads it (the tokenizer's size read from its files; the default corpus's BPE is
 trained to ``corpus.DEFAULT_VOCAB_SIZE`` tokens), the DP size and DP ranks per node the ODO resolves
 (``--ranks-per-node`` or ``LOCAL_WORLD_SIZE``; one node without either), TP, PP, the micro-batches per step,
-the params dtype and the optimizer. With pipeline parallelism the plan is sized for the stage with the most
-parameters, with the first stage's activations (conservative). Activation recomputation is not modelled
-(pretrain_gpt has none).
+the params dtype, the optimizer, sequence parallelism and activation recomputation (``--recompute-granularity``,
+and for full recomputation ``--recompute-method`` and ``--recompute-num-layers``: which layers keep only their
+input). With pipeline parallelism the plan is sized for the stage with the most parameters, with the first
+stage's activations (conservative). The default cap is the profile's device memory less a reserve for the CUDA
+context, NCCL and fragmentation (``planner/profile.py``'s note [the memory cap]); ``--plan-gpu-memory`` is taken as
+given.
 
 The Megatron-LM plug-in rejects ``--auto-plan`` by name (``arguments.NOT_IN_MEGATRON_LM``): the checkout pads the
 vocabulary only after parsing, and the planner may choose parameter sharding, which the plug-in does not run.
@@ -67,7 +70,8 @@ def add_auto_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--plan-hardware", default=None, choices=sorted(PRESETS),
                    help="--auto-plan: a named hardware profile (python -m megatron_ext.planner --list-hardware)")
     g.add_argument("--plan-gpu-memory", default=None, metavar="SIZE",
-                   help="--auto-plan: memory cap per GPU, e.g. 80GB (default: the profile's GPU memory)")
+                   help="--auto-plan: memory cap per GPU, e.g. 70GB, taken as given (default: the profile's GPU "
+                   "memory less a reserve for the CUDA context, NCCL and fragmentation: 2 GiB + 5%%)")
     g.add_argument("--plan-allow-quantized", action="store_true",
                    help="--auto-plan: also consider the lossy backends (qwZ, qgZ INT4/INT8, ByteGrad)")
     return parser
@@ -127,7 +131,7 @@ def load_plan_profile(args: argparse.Namespace) -> "HardwareProfile":
         try:
             return HardwareProfile.load(args.plan_profile)
         except ValueError as e:
-            _fail(str(e).replace("--profile", "--plan-profile", 1))
+            _fail(f"--plan-profile {e}")
     try:
         return hardware_preset(args.plan_hardware)
     except ValueError as e:
@@ -135,18 +139,13 @@ def load_plan_profile(args: argparse.Namespace) -> "HardwareProfile":
 
 
 def plan_memory_cap(args: argparse.Namespace) -> int:
-    """Bytes per GPU: ``--plan-gpu-memory``, else the profile's GPU memory."""
-    from megatron_ext.planner.cli import parse_bytes
+    """Bytes per GPU: ``--plan-gpu-memory`` as given, else the profile's device memory less the reserve."""
+    from megatron_ext.planner.cli import memory_cap
 
-    if args.plan_gpu_memory is None:
-        return load_plan_profile(args).gpu_memory_bytes
     try:
-        cap = parse_bytes(args.plan_gpu_memory)
-    except ValueError:
-        _fail(f"--plan-gpu-memory: cannot read {args.plan_gpu_memory!r} (e.g. 80GB)")
-    if cap <= 0:
-        _fail(f"--plan-gpu-memory must be positive, got {args.plan_gpu_memory!r}")
-    return cap
+        return memory_cap(args.plan_gpu_memory, load_plan_profile(args), "--plan-gpu-memory")
+    except ValueError as e:
+        _fail(str(e))
 
 
 def tokenizer_vocab_size(args: argparse.Namespace) -> int:
@@ -197,7 +196,9 @@ def workload_from_args(args: argparse.Namespace) -> "Workload":
     return Workload(model_spec_from_args(args), dp, rpn, args.micro_batch_size, args.num_micro_batches,
                     args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                     getattr(args, "recompute_granularity", None) or "none", setup,
-                    sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+                    sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                    recompute_method=getattr(args, "recompute_method", None),
+                    recompute_num_layers=getattr(args, "recompute_num_layers", None))
 
 
 def choose(args: argparse.Namespace) -> Tuple["Ranking", "Prediction"]:
@@ -212,7 +213,8 @@ def choose(args: argparse.Namespace) -> Tuple["Ranking", "Prediction"]:
         leanest = solve(wl, profile, float("inf"), allow_quantized=args.plan_allow_quantized).ranked
         need = min(p.memory["total"] for p in leanest) if leanest else 0
         what = ("--plan-gpu-memory" if args.plan_gpu_memory
-                else f"the {profile.name} profile's GPU memory; --plan-gpu-memory sets another cap")
+                else f"the {profile.name} profile's GPU memory less the reserve for the CUDA context, NCCL and "
+                "fragmentation; --plan-gpu-memory sets another cap")
         _fail(f"--auto-plan: no sharding plan fits in {_size(cap)} per GPU ({what}): the leanest of "
               f"{ranking.infeasible} plans needs {_size(need)}; raise --plan-gpu-memory, lower "
               "--micro-batch-size, or add tensor/pipeline parallelism or GPUs")

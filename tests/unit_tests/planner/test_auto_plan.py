@@ -221,3 +221,61 @@ def test_ranks_that_planned_differently_all_fail_naming_the_profile(spawn):
     assert spawn(_agree, 2, ["p1.g1.o2.h1 plain+plain b40M"] * 2) == [None, None]
     errors = spawn(_agree, 2, ["p1.g1.o2.h1 plain+plain b40M", "p1.g2.o2.h1 plain+plain b40M"])
     assert all(e is not None and "--plan-profile" in e for e in errors)
+
+
+# LLaMA-7B as pretrain_gpt flags on 64 ranks (nodes of 8), 40 GiB cap: the reviewer's case of partial recomputation.
+LLAMA_7B_64 = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size",
+               "11008", "--seq-length", "4096", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+               "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--bf16",
+               "--micro-batch-size", "1", "--global-batch-size", "64", "--lr", "1e-4", "--train-iters", "10",
+               "--mock-data", "--vocab-size", "31999", "--ranks-per-node", "8", "--auto-plan", "--plan-hardware",
+               "dgx-a100", "--plan-gpu-memory", "40GB"]
+
+
+def test_auto_plan_sizes_activations_for_the_layers_actually_recomputed():
+    """--recompute-method block --recompute-num-layers 1 recomputes 1 of 32 layers: the other 31 keep all their
+    activations, which the plan's memory must count (it used to count every layer as recomputed)."""
+    from megatron_ext.planner import parse_candidate, predict
+    from megatron_ext.training.auto_plan import workload_from_args
+
+    full = ["--recompute-granularity", "full", "--recompute-num-layers", "1"]
+    block = parse_args(LLAMA_7B_64 + full + ["--recompute-method", "block"], world_size=64)
+    uniform = parse_args(LLAMA_7B_64 + full + ["--recompute-method", "uniform"], world_size=64)
+    wl_b, wl_u = workload_from_args(block), workload_from_args(uniform)
+    assert (wl_b.recompute, wl_b.recompute_method, wl_b.recompute_num_layers) == ("full", "block", 1)
+    spec = wl_b.spec
+    act = spec.activation_bytes(1, micro_batches=1, recompute="full", recompute_method="block",
+                                recompute_num_layers=1, sequence_parallel=False)
+    layer = 4096 * 4096 * 34            # Korthikanti's s b h 34 (no sequence parallelism, TP 1)
+    assert act - spec.activation_bytes(1, micro_batches=1, recompute="full", sequence_parallel=False) == \
+        31 * (layer - 2 * 4096 * 4096)
+    prof = hardware_preset("dgx-a100")
+    for args, wl in ((block, wl_b), (uniform, wl_u)):
+        label = re.search(r"\((p\d+\.g\d+\.o\d+\.h\d+ \S+ b\S+)\)", args.auto_plan_summary).group(1)
+        p = predict(parse_candidate(label), wl, prof)
+        assert p.memory["total"] <= 40 * 2 ** 30
+        assert p.memory["activations"] == spec.activation_bytes(
+            1, micro_batches=1, recompute="full", recompute_method=wl.recompute_method, recompute_num_layers=1,
+            sequence_parallel=False)
+    # the same plan is predicted 31 layers' activations heavier with block than with uniform
+    c = parse_candidate(re.search(r"\((p\d+\.g\d+\.o\d+\.h\d+ \S+ b\S+)\)", uniform.auto_plan_summary).group(1))
+    diff = predict(c, wl_b, prof).memory["total"] - predict(c, wl_u, prof).memory["total"]
+    assert diff == pytest.approx(31 * (layer - 2 * 4096 * 4096), abs=2 ** 20)
+
+
+def test_default_cap_is_the_device_memory_less_the_reserve():
+    """Without --plan-gpu-memory the cap leaves room for the CUDA context, NCCL and fragmentation; a cap typed is
+    taken as given."""
+    from megatron_ext.planner.profile import MEMORY_RESERVE_BYTES, MEMORY_RESERVE_FRACTION
+    from megatron_ext.training.auto_plan import plan_memory_cap
+
+    h100 = hardware_preset("h100")
+    assert h100.gpu_memory_bytes == 81559 * 2 ** 20           # an H100 80GB's memory, not 80 GiB
+    assert hardware_preset("dgx-a100").gpu_memory_bytes == 81920 * 2 ** 20
+    default = parse_args(BASE + ["--global-batch-size", "8"] + AUTO, world_size=4)
+    assert plan_memory_cap(default) == h100.default_memory_cap == int(
+        h100.gpu_memory_bytes * (1 - MEMORY_RESERVE_FRACTION)) - MEMORY_RESERVE_BYTES
+    assert 73 * 2 ** 30 < h100.default_memory_cap < 74 * 2 ** 30
+    assert f"of {h100.default_memory_cap / 2 ** 30:.2f} GiB" in default.auto_plan_summary
+    typed = parse_args(BASE + ["--global-batch-size", "8"] + AUTO + ["--plan-gpu-memory", "80GB"], world_size=4)
+    assert plan_memory_cap(typed) == 80 * 2 ** 30 and "of 80.00 GiB" in typed.auto_plan_summary

@@ -151,3 +151,52 @@ def test_stages_partition_the_model(untie):
     tied_copy = 0 if untie else 256 * 64       # with PP > 1 the last stage allocates its own output weight
     assert sum(map(sum, stages)) == spec.num_params + tied_copy
     assert sum(spec.busiest_stage_numels(1, 4)) == max(map(sum, stages)) < spec.num_params
+
+
+@pytest.mark.parametrize("method, n, pp, tp, sp", [
+    ("block", 1, 1, 1, False), ("block", 3, 2, 2, True), ("block", 8, 1, 1, False), ("uniform", 1, 1, 1, False),
+    ("uniform", 3, 1, 2, True), ("uniform", 4, 2, 1, False), ("uniform", 8, 1, 1, False),
+], ids=lambda x: str(x))
+def test_activations_follow_the_layers_pretrain_gpt_recomputes(method, n, pp, tp, sp):
+    """Full recomputation as pretrain_gpt groups a stage's layers (``recompute_plan.plan_segments``, megatron-core's
+    grouping): a checkpointed segment keeps its input only, the other layers everything, plus in backward the
+    working set of the largest checkpointed segment."""
+    from megatron_ext.transformer.recompute_plan import plan_segments
+
+    spec = ModelSpec("t", num_layers=16, hidden_size=256, num_attention_heads=8, vocab_size=512, seq_length=128)
+    kw = dict(tp=tp, pp=pp, micro_batches=4, sequence_parallel=sp)
+    layers, in_flight = 16 // pp, min(pp, 4)
+    logits = 8 * 128 * 2 * 512 / tp
+    per_layer = (spec.activation_bytes(2, **kw) - logits) / (layers * in_flight)
+    layer_input = 2 * 128 * 2 * 256 / (tp if sp else 1)
+    segments = plan_segments(layers, layers, "full", method, n, training=True)
+    expected = logits + max(s.stop - s.start for s in segments if s.checkpointed) * per_layer + in_flight * sum(
+        layer_input if s.checkpointed else (s.stop - s.start) * per_layer for s in segments)
+    got = spec.activation_bytes(2, recompute="full", recompute_method=method, recompute_num_layers=n, **kw)
+    assert got == int(expected)
+    # block over every layer of the stage, and uniform chunks of one layer: the old "every layer" model
+    every = spec.activation_bytes(2, recompute="full", **kw)
+    assert every == spec.activation_bytes(2, recompute="full", recompute_method="uniform", recompute_num_layers=1,
+                                          **kw) == spec.activation_bytes(2, recompute="full", recompute_method="block",
+                                                                         recompute_num_layers=layers, **kw)
+    if method == "block" and n < layers:
+        assert got > every
+
+
+def test_block_recomputation_costs_only_its_layers_forward():
+    """The recomputed forward is charged for the recomputed layers: block over 1 of 32 layers adds 1/32 of a
+    forward, uniform all of it."""
+    from megatron_ext.planner import Candidate, hardware_preset, model_preset, predict
+    from megatron_ext.planner.cli import workload_from
+
+    spec, prof = model_preset("llama-7b"), hardware_preset("dgx-a100")
+    cand = Candidate(1, 8, 8, 1, "plain", "plain", 4, 40_000_000)
+
+    def compute_s(**kw):
+        wl = workload_from(spec, gpus=8, gpus_per_node=8, micro_batch=1, global_batch=8, **kw)
+        return predict(cand, wl, prof).compute_s
+
+    none, uniform = compute_s(), compute_s(recompute="full", recompute_method="uniform", recompute_num_layers=2)
+    block = compute_s(recompute="full", recompute_method="block", recompute_num_layers=1)
+    forward = (uniform - none)          # one whole forward, a third of a step's model compute
+    assert forward > 0 and block - none == pytest.approx(forward / 32, rel=1e-9)
