@@ -42,10 +42,16 @@ class _Base(MegatronTokenizerBase):
 
 class ByteLevelBPE(_Base):
     """A tokenizer of the ``tokenizers`` library (a byte-level BPE, GPT-2 style, or any ``tokenizer.json``), with
-    ``eod_token`` (default ``<|endoftext|>``) as the end of a document."""
+    ``eod_token`` (default ``<|endoftext|>``) as the end of a document.
+
+    Truncation and padding saved in a ``tokenizer.json`` are switched off (on ``hf_tokenizer`` itself): documents are
+    tokenized whole and unpadded, as Megatron-LM's HuggingFaceTokenizer gets them from transformers, not cut at the
+    file's ``max_length`` nor padded with pad ids inside the data."""
 
     def __init__(self, hf_tokenizer, path: str, eod_token: str = EOD_TOKEN) -> None:
         super().__init__(path)
+        hf_tokenizer.no_truncation()
+        hf_tokenizer.no_padding()
         self._tok = hf_tokenizer
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
