@@ -27,9 +27,11 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     g = p.add_argument_group("input data")
-    g.add_argument("--input", nargs="+", required=True, help="JSONL files (one document per line) or text files "
-                   "(one document per file)")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys to extract (one dataset each)")
+    g.add_argument("--input", nargs="+", required=True, help="JSON lines files (one document per line: *.jsonl, "
+                   "*.json, or any file whose first non-empty line is a JSON object) or text files (one document "
+                   "per file)")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract (one dataset each); a "
+                   "value is a string, or a list of strings (sentences, one sequence each, as Megatron-LM)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
@@ -59,6 +61,14 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:   # bad input or tokenizer: the message names it
+        print(f"preprocess_data.py: error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     t0 = time.time()
     if args.train_tokenizer_vocab_size is not None:
         path = args.output_prefix + "_tokenizer.json"
@@ -66,17 +76,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                         args.train_tokenizer_vocab_size, path)
         print(f"trained byte-level BPE (vocab {tok.vocab_size}) -> {path}")
     else:
-        try:
-            tok = load_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                 vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"preprocess_data.py: error: {e}", file=sys.stderr)
-            return 2
+        tok = load_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                             vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
     for key in args.json_keys:
         stats = build_indexed_dataset(iter_documents(args.input, args.json_keys, key), tok,
                                       output_prefix_for(args.output_prefix, key), append_eod=args.append_eod)
-        print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
-              f"({stats['dtype']})")
+        print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']} documents, {stats['sequences']} sequences, "
+              f"{stats['tokens']} tokens ({stats['dtype']})")
     print(f"done in {time.time() - t0:.1f}s")
     return 0
 
