@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-COMPONENTS = ("parameters", "hpz_secondary", "gradients", "master_weights", "optimizer_states", "bucket_pool",
-              "frozen_parameters")
-
 
 def model_state_bytes(*, padded_numel: int, owned_numel: int, param_bytes: int, grad_bytes: int, param_shards: int,
                       optim_shards: int, full_grad_buffer: bool, master_bytes: int, state_bytes: int,
