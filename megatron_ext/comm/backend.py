@@ -30,6 +30,8 @@ same points of its command sequence on every rank (see [Note: progress engine]).
 from __future__ import annotations
 
 import abc
+import queue
+import threading
 import dataclasses
 from typing import Callable, ClassVar, Dict, List, Optional, Type
 
@@ -121,15 +123,36 @@ class TorchWork(Work):
         self._epilogue = epilogue
         self._done = False
         self._signalled = False
+        self._reaped: Optional[threading.Lock] = None   # set when _REAPER waits for the handle too
+        self._handle_result: Optional[BaseException] = None
+        self._handle_waited = False
+
+    def _wait_handle(self) -> None:
+        """The handle's ``wait()``, once: gloo's reduce-scatter gives wrong sums when two threads wait for it at once
+        (seen with torch 2.13), so with the reaper watching, the first waiter waits and the other takes its
+        outcome."""
+        if self._reaped is None:
+            self._handle.wait()
+            return
+        with self._reaped:
+            if not self._handle_waited:
+                self._handle_waited = True
+                try:
+                    self._handle.wait()
+                except BaseException as e:  # noqa: BLE001 -- raised again where the consumer waits
+                    self._handle_result = e
+        if self._handle_result is not None:
+            raise self._handle_result
 
     def wait(self) -> None:
         if self._done:
             return
         if self._handle is not None:
-            self._handle.wait()
+            self._wait_handle()
             self._handle = None    # the last reference is dropped here, with the GIL, not on the backend's thread
         if self._epilogue is not None:
-            self._epilogue()
+            epilogue, self._epilogue = self._epilogue, None   # its tensors go with it, whoever still holds this
+            epilogue()
         self._done = True
 
     @property
@@ -143,17 +166,55 @@ class TorchWork(Work):
     def notify_when_ready(self, callback: Callable[[], None]) -> bool:
         if self._handle is None:
             return False
-        try:
-            future = self._handle.get_future()
-        except (AttributeError, RuntimeError):   # a process group without futures: the engine polls
-            return False
 
-        def finished(_future) -> None:
+        def finished(_future=None) -> None:
             self._signalled = True
             callback()
 
+        try:
+            future = self._handle.get_future()
+        except (AttributeError, RuntimeError):   # no future (gloo's reduce-scatter): waited for on a thread
+            self._reaped = threading.Lock()
+            _REAPER.watch(self, finished)
+            return True
         future.add_done_callback(finished)
         return True
+
+
+class _HandleReaper:
+    """Waits, on a daemon thread of its own, for the handles that cannot report that they finished: gloo's
+    reduce-scatter has no future, and its ``is_completed()`` stays false until ``wait()`` (torch 2.13). Without it
+    the progress engine polled them every millisecond (each poll takes the GIL from the training thread) and still
+    learnt of them only at their ``COMPLETE``; the speculative step could not hand their buckets over in backward.
+    The thread only waits (a second ``wait()`` returns at once, or raises the stored error where the consumer waits)
+    and never issues anything. Handles are waited for in the order they are watched: a later one that finishes
+    first is reported when the older ones are."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, work: "TorchWork", on_done: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="megatron-ext-handle-reaper", daemon=True)
+                self._thread.start()
+        self._queue.put((work, on_done))
+
+    def _run(self) -> None:
+        while True:
+            work, on_done = self._queue.get()
+            try:
+                if work._handle is not None:
+                    work._wait_handle()
+            except BaseException:  # noqa: BLE001 -- the consumer's own wait() raises it
+                pass
+            on_done()
+            work = on_done = None   # nothing of a finished work stays alive here (its buffers are the pool's)
+
+
+_REAPER = _HandleReaper()
 
 
 class StagedWork(Work):
