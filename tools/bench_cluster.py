@@ -265,8 +265,9 @@ def _gpt_loss(model, batch):
 
 
 def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: Optional[int] = None,
-               engine: bool = True) -> Dict:
-    """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off."""
+               engine: bool = True, speculative: bool = False) -> Dict:
+    """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off;
+    ``speculative``: the speculative step (optimizer/speculative_step.py)."""
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
@@ -276,9 +277,11 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
                             progress_engine=engine,
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
                             quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or None,
-                            qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node))
+                            qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node),
+                            speculative_step=speculative)
     ddp = mx.OverlappedDDP(model, ocfg)
-    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False), ddp)
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False,
+                                                            clip_grad=a.clip_grad), ddp)
     step = odo_step(ddp, opt, batches)
 
     ddp.ledger.enabled = False
@@ -290,7 +293,11 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     ddp.ledger.reset()
     step()
     mem = ddp.memory_report()
+    rounds = {"committed": sum(x.committed for x in opt.speculation),
+              "rolled_back": sum(x.rolled_back for x in opt.speculation),
+              "in_backward": sum(x.in_backward for x in opt.speculation)} if speculative else None
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
+            "speculative_rounds": rounds,
             "bucket_numel": bucket or a.bucket_numel, "buckets": len(ddp.buckets), "progress_engine": engine,
             "buffer_pool_size": ddp.buffer_pool_size, "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
@@ -480,6 +487,9 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
         store[key].pop("phases_s", None)
     row = store[key]
     row["times_s"] += r["times_s"]
+    if r.get("speculative_rounds") and row.get("speculative_rounds") is not r["speculative_rounds"]:
+        row["speculative_rounds"] = {k: row["speculative_rounds"].get(k, 0) + v
+                                     for k, v in r["speculative_rounds"].items()}
     if r.get("cpu_s"):
         row.setdefault("cpu_s", []).extend(r["cpu_s"])
     for k, v in (r.get("phases_s") or {}).items():
@@ -490,36 +500,39 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
 def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
     """One round over every row (and sweep point); ``--repeats`` rounds interleave the rows, so a slow spell of the
     machine is spread over all of them instead of falling on one."""
+    specs = {"off": [False], "on": [True], "both": [False, True]}[a.speculative_step] if a.mode == "gpt" else [False]
     for plan_name in plans:
         for combo in COMBOS:
             label = combo.label
             if a.combos and label not in a.combos.split(","):
                 continue
-            base_row = label if len(plans) == 1 else f"{plan_name} {label}"
             extra = {"qgz_bits": combo.qgz_bits}
-            for engine in engines:
-                row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
-                if a.mode == "raw":
-                    r = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
-                else:
+            for spec in specs:
+                base_row = (label if len(plans) == 1 else f"{plan_name} {label}") + (SPEC_SUFFIX if spec else "")
+                for engine in engines:
+                    row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
+                    if a.mode == "raw":
+                        r = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
+                    else:
+                        r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                                       engine=engine, speculative=spec)
+                    _add(results, row, r)
+                    if a.rank == 0:
+                        print(f"  {row:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step"
+                              + (f" (rounds {r['speculative_rounds']})" if spec else ""), flush=True)
+                # The sweep: the same row at every other bucket size (progress engine as the first setting).
+                for size in sizes:
+                    key = str(size)
+                    if size == a.bucket_numel:
+                        r = results[base_row]   # all repeats so far: the point is replaced, not added to
+                        sweep.setdefault(base_row, {})[key] = _sweep_point(_add({}, key, r))
+                        continue
                     r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
-                                   engine=engine)
-                _add(results, row, r)
-                if a.rank == 0:
-                    print(f"  {row:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step", flush=True)
-            # The sweep: the same combination at every other bucket size (progress engine as the first setting).
-            for size in sizes:
-                key = str(size)
-                if size == a.bucket_numel:
-                    r = results[base_row]   # all repeats so far: the point is replaced, not added to
-                    sweep.setdefault(base_row, {})[key] = _sweep_point(_add({}, key, r))
-                    continue
-                r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
-                               bucket=size, engine=engines[0])
-                point = _add(sweep.setdefault(base_row, {}), key, _sweep_point(r))
-                if a.rank == 0:
-                    print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
-                          f"({point['buckets']} buckets)", flush=True)
+                                   bucket=size, engine=engines[0], speculative=spec)
+                    point = _add(sweep.setdefault(base_row, {}), key, _sweep_point(r))
+                    if a.rank == 0:
+                        print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
+                              f"({point['buckets']} buckets)", flush=True)
 
 
 def worker(a) -> None:
@@ -611,6 +624,7 @@ def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
 
 
 SYNC_SUFFIX = " (sync)"
+SPEC_SUFFIX = " +spec"
 
 
 def sweep_sizes(a) -> List[int]:
@@ -625,7 +639,8 @@ def _sweep_point(r: Dict) -> Dict:
     return {"times_s": r["times_s"], "cpu_s": r.get("cpu_s"), "wire_per_node": r.get("wire_per_node"),
             "buckets": r.get("buckets"),
             "ledger_inter_per_node": (ledger.get("per_node") or {}).get("inter"),
-            "phases_s": r.get("phases_s"), "wire_split": r.get("wire_split")}
+            "phases_s": r.get("phases_s"), "wire_split": r.get("wire_split"),
+            "speculative_rounds": r.get("speculative_rounds")}
 
 
 def rate_bits_per_s(rate: str) -> Optional[float]:
@@ -827,6 +842,11 @@ def main(argv=None) -> int:
     ap.add_argument("--progress-engine", choices=["on", "off", "both"], default="on",
                     help="gpt mode: the ODO's progress engine (comm/progress.py); both: every combo also without it, "
                     "as row '<combo> (sync)'")
+    ap.add_argument("--speculative-step", choices=["off", "on", "both"], default="off",
+                    help="gpt mode: rows with the speculative step (optimizer/speculative_step.py), labelled '"
+                    + SPEC_SUFFIX.strip() + "'; both: beside the usual rows")
+    ap.add_argument("--clip-grad", type=float, default=1.0,
+                    help="gpt mode: the ODO rows' global gradient clipping (Megatron's default 1.0; 0: none)")
     ap.add_argument("--sweep", default="",
                     help="gpt mode: comma-separated bucket sizes (elements); every combo also runs at each, and the "
                     "summary compares each at its best (--bucket-numel is the common size)")

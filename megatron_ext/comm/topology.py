@@ -86,17 +86,18 @@ class Topology:
             self._intra_group = _subgroup(intra, tag)
             self._inter_group = _subgroup(inter, tag)
 
-    def engine_clone(self) -> "Topology":
+    def engine_clone(self, tag: str = "engine") -> "Topology":
         """This topology over fresh groups with the same ranks, for the progress engine's collectives.
 
         The engine issues from its own thread; the optimizer's scalar all-reduces stay on the original groups, so
         no group ever sees collectives from two threads (see [Note: progress engine] in progress.py). Members
-        only, same order on every rank; cached like every subgroup.
+        only, same order on every rank; cached like every subgroup. ``tag`` names the clone (``"speculative"``:
+        the speculative step's weight gathers, optimizer/speculative_step.py).
         """
         clone = copy.copy(self)
         if self.size > 1:
-            clone.group = _subgroup(self.global_ranks, "engine")
-        clone.create_subgroups("engine")
+            clone.group = _subgroup(self.global_ranks, tag)
+        clone.create_subgroups(tag)
         return clone
 
     @property

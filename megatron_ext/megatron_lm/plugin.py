@@ -178,6 +178,8 @@ def overlap_config_from_megatron_args(args: Any):
         kw["quant_group_size"] = int(args.quant_group_size)
     if getattr(args, "odo_progress_engine", None) is not None:
         kw["progress_engine"] = bool(args.odo_progress_engine)
+    if getattr(args, "odo_speculative_step", False):
+        kw["speculative_step"] = True
     kw.update(qgz_stages_config(args))
     return mx.OverlapConfig(**kw)
 

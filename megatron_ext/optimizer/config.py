@@ -50,6 +50,10 @@ class OverlapConfig:
     # CUDA + NCCL); off: the synchronous path (hops advanced on the training thread). Default:
     # MEGATRON_EXT_PROGRESS_ENGINE.
     progress_engine: bool = dataclasses.field(default_factory=engine_enabled_by_default)
+    # --odo-speculative-step: each bucket's update and weight gather start in backward, as soon as its gradient is
+    # reduced, assuming the global clipping will not scale it; undone and redone exactly when it does
+    # (optimizer/speculative_step.py). ZeRO-1/2, CPU (gloo), without fp16 loss scaling.
+    speculative_step: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:

@@ -30,6 +30,7 @@ from .group_collectives import DP_SCALAR, MP_SCALAR, all_reduce_, collective_dev
 from .inner_optimizer import build_inner_optimizer
 from .model_parallel import counts_towards_norm, model_parallel_group
 from .overlapped_ddp import OverlappedDDP
+from .speculative_step import SpeculativeStep
 
 
 @dataclasses.dataclass
@@ -104,6 +105,12 @@ class OverlappedDistributedOptimizer:
                     self.pieces.append(_Piece(ci, name, p, a, e, master, grad,
                                               counts_towards_norm(p) and counted_replica, counted_replica))
         self.inner = build_inner_optimizer(config, self._param_groups())
+        # [Note: speculative step] (speculative_step.py): chunks whose buckets are stepped and gathered in backward.
+        if config.fp16 and any(c.overlap_config.speculative_step for c in chunks):
+            raise ValueError("speculative_step (--odo-speculative-step) does not work with fp16 (--fp16): the loss "
+                             "scaler's overflow check is global like the clipping norm; use bf16")
+        self.speculation = [SpeculativeStep(self, ci) for ci, c in enumerate(chunks)
+                            if c.overlap_config.speculative_step]
         if config.fp16:
             if config.loss_scale:
                 self.grad_scaler = ConstantLossScaler(config.loss_scale)
@@ -223,11 +230,10 @@ class OverlappedDistributedOptimizer:
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         norm = self.get_grad_norm()
-        if clip_grad and clip_grad > 0:
-            coeff = clip_grad / (norm + 1.0e-6)
-            if coeff < 1.0:
-                for c in self.chunks:
-                    c.main_grad_partition.mul_(coeff)
+        coeff = _clip_coeff(clip_grad, norm)
+        if coeff is not None:
+            for c in self.chunks:
+                c.main_grad_partition.mul_(coeff)
         return norm
 
     def count_zeros(self) -> int:
@@ -241,6 +247,9 @@ class OverlappedDistributedOptimizer:
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
+        for s in self.speculation:   # called on its own: the usual step of every piece (see speculative_step.py)
+            if s.open:
+                s.close(commit=False, upto=s.agreed_length())
         for c, aliased in zip(self.chunks, self._aliased):
             if aliased:
                 c.param_sync.wait_all()   # the masters are the ParameterBuffer shards a gather may still send
@@ -251,17 +260,84 @@ class OverlappedDistributedOptimizer:
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         """``(success, grad_norm, num_zeros)``; ``(False, None, None)`` when the step is skipped on overflow."""
-        if self.prepare_grads():
-            return False, None, None
-        grad_norm = self.clip_grad_norm(self.config.clip_grad)
-        if not math.isfinite(grad_norm) and any(c.overlap_config.check_for_nan_in_grad for c in self.chunks):
-            # the norm is global, so every rank raises here; nothing was applied
-            raise RuntimeError(f"the gradient norm is {grad_norm} (--check-for-nan-in-loss-and-grad): a NaN or inf "
-                               "gradient on some rank; the step was not applied")
+        try:
+            if self.prepare_grads():
+                return False, None, None
+            grad_norm = self.get_grad_norm()
+            if not math.isfinite(grad_norm) and any(c.overlap_config.check_for_nan_in_grad for c in self.chunks):
+                # the norm is global, so every rank raises here; nothing was applied
+                raise RuntimeError(f"the gradient norm is {grad_norm} (--check-for-nan-in-loss-and-grad): a NaN or "
+                                   "inf gradient on some rank; the step was not applied")
+        except RuntimeError:
+            # every rank raises together (global flag or norm): undo what was stepped in backward, on every rank
+            self._abort_speculation("the step failed")
+            raise
+        coeff = _clip_coeff(self.config.clip_grad, grad_norm)
+        rounds = [(s, s.agreed_length()) for s in self.speculation if s.open]
+        commit = bool(rounds) and coeff is None and all(s.hyper_unchanged() for s, _ in rounds)
+        if not commit:
+            for s, upto in rounds:
+                s.close(commit=False, upto=upto)
+            if coeff is not None:
+                for c in self.chunks:
+                    c.main_grad_partition.mul_(coeff)
         num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
-        ok = self.step_with_ready_grads()
+        if commit:
+            self._step_after_commit(rounds)   # first: the forward reads these first (another group: order is free)
+            for s, upto in rounds:
+                s.close(commit=True, upto=upto)
+        else:
+            self.step_with_ready_grads()
+        for s in self.speculation:
+            s.end_step()
         self._last_norm = grad_norm
-        return ok, grad_norm, num_zeros
+        return True, grad_norm, num_zeros
+
+    def step_pieces(self, pieces: Sequence[_Piece]) -> None:
+        """The inner optimizer's step on ``pieces`` alone (elementwise: each element as in the whole step)."""
+        keep = {id(pc.master) for pc in pieces}
+        groups = self.inner.param_groups
+        sub = [dict(g, params=[p for p in g["params"] if id(p) in keep]) for g in groups]
+        sub = [g for g in sub if g["params"]]
+        if not sub:
+            return
+        self.inner.param_groups = sub
+        try:
+            self.inner.step()
+        finally:
+            self.inner.param_groups = groups
+
+    def _step_after_commit(self, rounds) -> None:
+        """With committed rounds: step every bucket beyond each round's agreed length (the ones reduced last, which
+        the forward reads first), deferred buckets and chunks without a round, and gather them in forward order on
+        the original group (see [Note: speculative step])."""
+        taken = {s.ci: {b.index for b in s.taken(upto)} for s, upto in rounds}
+        stepped = {s.ci: {b.index for b in s.buckets[:s.stepped]} for s, _ in rounds}
+        rest = [[b for b in getattr(c.param_sync, "forward_order", c.buckets) if b.index not in taken.get(ci, ())]
+                for ci, c in enumerate(self.chunks)]
+        pieces = []
+        for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
+            mine = {b.index for b in buckets if b.index not in stepped.get(ci, ())}
+            for b in buckets:
+                c.param_sync.wait_bucket(b.index)
+            pieces += [pc for pc in self.pieces
+                       if pc.chunk == ci and c.param_sync.bucket_of_param[id(pc.param)] in mine]
+        self.step_pieces(pieces)
+        for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
+            if buckets:
+                self._copy_masters(ci, buckets)
+                c.param_sync.launch_buckets(buckets)
+
+    def all_ranks_max(self, value: int) -> int:
+        """The largest ``value`` over the DP group (a scalar all-reduce on the original group)."""
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.grad_device)
+        c = self.chunks[0]
+        all_reduce_(t, dist.ReduceOp.MAX, self.dp_group, c.ledger, DP_SCALAR, c.topology.peers(), self._dp_device)
+        return int(t.item())
+
+    def _abort_speculation(self, why: str) -> None:
+        for s in self.speculation:
+            s.abort(why)
 
     def force_param_sync(self) -> None:
         for c in self.chunks:
@@ -269,6 +345,7 @@ class OverlappedDistributedOptimizer:
 
     def _settle(self) -> None:
         """No gather in flight: ZeRO-2's weights are then current; ZeRO-3's shards are never touched by one."""
+        self._abort_speculation("the optimizer state was read or loaded between a backward and its step")
         for c in self.chunks:
             c.param_sync.wait_all()
 
@@ -278,6 +355,7 @@ class OverlappedDistributedOptimizer:
         if state_dict is not None:
             raise NotImplementedError("reload_model_params(state_dict): load the weights into the model first "
                                       "(model.load_state_dict), then call reload_model_params() without arguments")
+        self._abort_speculation("the model's weights were reloaded between a backward and its step")
         for ci, c in enumerate(self.chunks):
             c.param_sync.wait_all()
             for b in c.buckets:
@@ -402,14 +480,23 @@ class OverlappedDistributedOptimizer:
 
     def _publish_masters(self) -> None:
         """Cast masters into the ParameterBuffer shards and all-gather every bucket."""
-        for ci, c in enumerate(self.chunks):
-            c.param_sync.wait_all()
-            for b in c.buckets:
-                view = c.param_buffer.shard_view(b, c.shard_rank)
-                master = self.master_shards[ci][b.index]
-                if master.data_ptr() != view.data_ptr():
-                    view.copy_(master)
-            c.param_sync.launch()
+        for ci in range(len(self.chunks)):
+            self.publish_chunk(ci)
+
+    def publish_chunk(self, ci: int) -> None:
+        """:meth:`_publish_masters` for chunk ``ci``."""
+        c = self.chunks[ci]
+        c.param_sync.wait_all()
+        self._copy_masters(ci, c.buckets)
+        c.param_sync.launch()
+
+    def _copy_masters(self, ci: int, buckets) -> None:
+        c = self.chunks[ci]
+        for b in buckets:
+            view = c.param_buffer.shard_view(b, c.shard_rank)
+            master = self.master_shards[ci][b.index]
+            if master.data_ptr() != view.data_ptr():
+                view.copy_(master)
 
     def _memory_report(self) -> Dict[str, int]:
         """Bytes of master weights and optimizer states this rank holds (see optimizer/memory.py)."""
@@ -440,6 +527,16 @@ class OverlappedDistributedOptimizer:
         if self.mp_group is not None:
             all_reduce_(t, op, self.mp_group, c.ledger, MP_SCALAR, self._mp_peers, self._mp_device)
         return t
+
+
+def _clip_coeff(clip_grad: float, norm: float) -> Optional[float]:
+    """The factor global clipping scales the gradients by, None when it leaves them (megatron-core's rule; a NaN
+    norm is not clipped)."""
+    if clip_grad and clip_grad > 0:
+        coeff = clip_grad / (norm + 1.0e-6)
+        if coeff < 1.0:
+            return coeff
+    return None
 
 
 def check_optimizer_config(config) -> None:

@@ -53,6 +53,7 @@ together, before any weight changes.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -138,6 +139,10 @@ class GradSync:
         # ZeRO-3: told when a bucket's gradients are all in (its weights can go) and when a backward ends.
         self.on_bucket_complete: Optional[Callable[[Bucket], None]] = None
         self.on_backward_end: Optional[Callable[[], None]] = None
+        # The speculative step (speculative_step.py), set by the optimizer: told of the step's final launches, and
+        # handed each regular bucket, in order, once its step's gradient is reduced (see _poll_speculation).
+        self.speculation = None
+        self._final_launch: Dict[int, Callable[[], None]] = {}   # bucket -> completion of its final reduction
         self.first_backward_order: Optional[List[int]] = None
         self._order_seen: Optional[List[int]] = []
         for b in buckets:
@@ -167,6 +172,8 @@ class GradSync:
         st.dirty = not st.pooled
         st.arrived.add(id(param))
         if len(st.arrived) < len(b.params):
+            if self.speculation is not None and self.speculation.open:
+                self._poll_speculation()   # hand over what finished since, without waiting for a bucket to fill
             return
         if self.on_bucket_complete is not None:
             self.on_bucket_complete(b)
@@ -174,6 +181,8 @@ class GradSync:
             self._order_seen.append(b.index)
         if self._comm_this_micro and not b.deferred and (self.overlap or st.pooled):
             self._launch_ready(complete_all=False, final=self.sync_enabled)
+        elif self.speculation is not None:
+            self._poll_speculation()
 
     def _record_late_gradient(self, b: Bucket, param: torch.Tensor) -> None:
         msg = (f"the gradient of {self._param_name(param)} arrived after its bucket's reduce-scatter was launched "
@@ -198,6 +207,7 @@ class GradSync:
             self.wait_all()
         self._next_launch = 0
         self._reset_launch_flags()
+        self._final_launch.clear()   # this micro-batch's final reductions only, never an earlier step's
         Variable._execution_engine.queue_callback(self._end_micro)
 
     def _end_micro(self) -> None:
@@ -247,6 +257,8 @@ class GradSync:
                 return
             self._launch(b, final)
             self._next_launch += 1
+        if self.speculation is not None:
+            self._poll_speculation()
 
     def _launch(self, b: Bucket, final: bool) -> None:
         """Reduce bucket ``b`` into its partition slice; ``final``: this micro-batch completes the step's gradients
@@ -322,8 +334,12 @@ class GradSync:
                 self._inflight.remove(complete)
             if work in self._inflight_works:
                 self._inflight_works.remove(work)
-            work = target = buffer = epilogue = None
+            work = target = buffer = epilogue = complete.work = None
 
+        complete.work = work   # read by _poll_speculation, which must not block
+        if final and not b.deferred and self.speculation is not None:
+            self._final_launch[b.index] = complete
+            self.speculation.note_final_launch()
         if pool is not None:
             pool.track(complete)
             st.buffer = None  # the pool owns it again once complete() runs
@@ -333,6 +349,26 @@ class GradSync:
         self._inflight.append(complete)
         if pool is not None and not self.overlap:
             complete()  # overlap off: blocking, so the buffer returns to the pool at once
+
+    def _poll_speculation(self) -> None:
+        """Hand the speculative step each of its buckets whose final reduction has finished, in bucket order
+        (see [Note: speculative step]). Never blocks and never issues a collective on the engine's groups: a bucket
+        is handed over only when its reduction and every older one in flight are finished, so completing them
+        here runs their epilogues only (an engine work's COMPLETE then finds nothing left to issue)."""
+        spec = self.speculation
+        if spec.accepting:
+            spec.pump()
+        while spec.accepting and spec.stepped < len(spec.buckets):
+            b = spec.buckets[spec.stepped]
+            complete = self._final_launch.get(b.index)
+            if complete is None:
+                return
+            if complete in self._inflight:
+                upto = self._inflight[:self._inflight.index(complete) + 1]
+                if not all(_finished(getattr(c, "work", None), POLL_PATIENCE_S) for c in upto):
+                    return
+                complete()
+            spec.on_reduced(b)
 
     def _reset_launch_flags(self) -> None:
         for st in self._state:
@@ -387,6 +423,8 @@ class GradSync:
             self._inflight.remove(complete)
             if work in self._inflight_works:
                 self._inflight_works.remove(work)
+            complete.work = None
+        complete.work = work
         return complete
 
     def finish_grad_sync(self) -> None:
@@ -436,6 +474,7 @@ class GradSync:
             st.dirty = False
         self.step_mode = None
         self.error = None
+        self._final_launch.clear()
         self._pending_local = False
         self._deferred_done = False
         self._next_launch = 0
@@ -450,3 +489,23 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+# Test hook: how long _poll_speculation waits for a reduction to finish before leaving it for later (0: never).
+POLL_PATIENCE_S = 0.0
+
+
+def _finished(work: Optional[Work], patience_s: float = 0.0) -> bool:
+    """Whether ``work`` is finished with nothing left to issue, known without blocking: an engine work the engine
+    has completed, or a finished single-phase handle (timing-dependent: only for the speculative step's polling,
+    whose collectives go to a group of their own). ``patience_s``: look again until then (tests)."""
+    if work is None:
+        return False
+    deadline = time.monotonic() + patience_s
+    while True:
+        finished = getattr(work, "finished", None)
+        if finished if finished is not None else (not work.multi_phase and work.ready):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)

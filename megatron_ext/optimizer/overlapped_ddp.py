@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm.backend import available_grad_reduce, available_param_gather
+from ..comm.backend import available_grad_reduce, available_param_gather, build_param_gather
 from ..comm.ledger import CommLedger
 from ..comm.plain import all_gather_recorded
 from ..comm.progress import engine_for
@@ -65,6 +65,8 @@ class OverlappedDDP(torch.nn.Module):
         # The plan's rules are checked before any group is created (group creation is a collective).
         self.topology = Topology(dp_group, config.ranks_per_node, create_subgroups=False)
         self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
+        if config.speculative_step:
+            _check_speculative_step(config, self.plan.param, device)
         self.topology.create_subgroups()
         self.ledger = CommLedger()
         # One progress engine per process and DP group (shared by the wrappers of one group, e.g. model chunks).
@@ -77,6 +79,12 @@ class OverlappedDDP(torch.nn.Module):
                                     config.backend_options(), engine=self.engine)
         self.grad_backend = self.comm.grad_reduce
         self.param_backend = self.comm.param_gather
+        # The weight gathers a speculative step issues in backward, on a clone of the optim group of their own
+        # (see [Note: speculative step] in speculative_step.py); the optimizer attaches its SpeculativeStep.
+        self.speculative_gather = (build_param_gather(config.param_gather, self.comm.optim.engine_clone("speculative"),
+                                                      self.ledger, config.backend_options())
+                                   if config.speculative_step else None)
+        self.speculation = None
         alignment = _lcm(config.shard_alignment, self.comm.shard_alignment)
         mp = model_parallel_grad_reductions(module)
         params = [p for _, p in named]
@@ -167,11 +175,15 @@ class OverlappedDDP(torch.nn.Module):
         # Gathers are launched by the optimizer right after its step; nothing else is ever stale.
 
     def zero_grad_buffer(self) -> None:
+        if self.speculation is not None:
+            self.speculation.abort("the gradients were zeroed before the step")
         self.grad_sync.zero_grad()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale this rank's reduced gradient shard. With ``calculate_per_token_loss`` the shard holds the sum over
         DP (megatron-core's contract, see megatron_config.py) and ``finalize_model_grads`` passes 1 / global tokens."""
+        if self.speculation is not None and scaling_factor != 1.0:
+            self.speculation.abort("the gradients were scaled after the backward (scale_gradients)")
         self.main_grad_partition.mul_(scaling_factor)
 
     def enable_forward_pre_hook(self) -> None:
@@ -311,3 +323,17 @@ def _lcm(*xs: int) -> int:
     for x in xs:
         out = out * x // math.gcd(out, x)
     return out
+
+
+def _check_speculative_step(config: OverlapConfig, param_shards: int, device: torch.device) -> None:
+    """What the speculative step needs, checked before any collective (optimizer/speculative_step.py)."""
+    flag = "speculative_step (--odo-speculative-step)"
+    if param_shards > 1:
+        raise ValueError(f"{flag} needs ZeRO-1/2 (full weights between steps); this plan shards parameters "
+                         "(ZeRO-3 gathers each bucket's weights at its forward anyway)")
+    if device.type != "cpu":
+        raise ValueError(f"{flag} runs on CPU (gloo) in this version; on {device.type} the update would run on the "
+                         "compute stream in the middle of backward")
+    if not (config.overlap_grad_reduce and config.overlap_param_gather):
+        raise ValueError(f"{flag} needs overlap_grad_reduce and overlap_param_gather (--overlap-grad-reduce, "
+                         "--overlap-param-gather)")

@@ -25,7 +25,7 @@ Anything that writes weights (step, load) or reads them in bulk (state_dict) cal
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -127,6 +127,9 @@ class ParamSync:
         self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
         self._audit: Optional[ParamUseAudit] = None
         self._handles: List = []
+        # Called at the root's forward pre-hook before anything is waited for (the speculative step's abort: a
+        # forward between a backward and its step, see speculative_step.py).
+        self.before_forward: Optional[Callable[[], None]] = None
         drain_at_exit(self)   # the last step's gathers may still be in flight when the interpreter exits
         # module.state_dict() iterates _parameters without the read guard: it waits for the gathers itself
         module.register_state_dict_pre_hook(lambda *_: self.wait_all())
@@ -157,6 +160,8 @@ class ParamSync:
         return bool(self._handles)
 
     def _root_pre_hook(self, module, args) -> None:
+        if self.before_forward is not None:
+            self.before_forward()
         if self.learning and self._audit is None:
             self.wait_all()  # nothing is read stale while the audit learns
             self._audit = ParamUseAudit(self.bucket_of_param, self._note_uncovered)
@@ -200,6 +205,15 @@ class ParamSync:
                                                           self.param_buffer.bucket_view(b))
         if not (self.overlap and self.hooks_enabled):
             self.wait_all()
+
+    def launch_buckets(self, buckets: Sequence[Bucket], backend: Optional[ParamGather] = None) -> None:
+        """All-gather ``buckets`` in the order given over ``backend`` (default: this sync's), leaving the other
+        buckets' gathers in flight; each is waited for where its weights are read, like :meth:`launch`'s."""
+        backend = backend if backend is not None else self.backend
+        for b in buckets:
+            self.wait_bucket(b.index)
+            self._work[b.index] = backend.all_gather(self.param_buffer.shard_view(b, self.rank),
+                                                     self.param_buffer.bucket_view(b))
 
     def wait_bucket(self, idx: int) -> None:
         w = self._work.pop(idx, None)

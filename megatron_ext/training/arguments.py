@@ -182,6 +182,11 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    "epilogues while forward and backward run: a thread on CPU, inline on the communication stream "
                    "on CUDA with NCCL (default: on, unless MEGATRON_EXT_PROGRESS_ENGINE=0); "
                    "--no-odo-progress-engine: the synchronous path")
+    g.add_argument("--odo-speculative-step", action="store_true",
+                   help="step each bucket and start its weight gather in backward, as soon as its gradient is "
+                   "reduced, assuming global clipping leaves the step alone; undone and redone bit for bit when it "
+                   "does not (costs a second gather then, and 12 bytes per parameter / DP size for the undo copy). "
+                   "Hides the weight gathers behind the backward on slow links; ZeRO-1/2 on CPU, not with --fp16")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
                    "the world size simulates several nodes on one machine")
@@ -621,6 +626,17 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         auto_plan(args)
         _check_planned_backends(args)
         sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
+    if args.odo_speculative_step:
+        if args.fp16:
+            _fail("--odo-speculative-step does not work with --fp16 (the loss scaler's overflow check is global like "
+                  "the clipping norm); use --bf16")
+        if (args.param_shard_size or 1) > 1:
+            _fail("--odo-speculative-step needs ZeRO-1/2 (--param-shard-size 1): ZeRO-3 gathers each bucket at its "
+                  "forward anyway")
+        if torch.cuda.is_available():
+            _fail("--odo-speculative-step runs on CPU (gloo) in this version")
+        if not (args.overlap_grad_reduce and args.overlap_param_gather):
+            _fail("--odo-speculative-step needs --overlap-grad-reduce and --overlap-param-gather")
     return args
 
 

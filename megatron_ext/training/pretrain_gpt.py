@@ -93,7 +93,8 @@ def _overlap_config(args: argparse.Namespace):
                             overlap_param_gather=args.overlap_param_gather, grad_reduce=args.grad_reduce,
                             param_gather=args.param_gather, ranks_per_node=args.dp_ranks_per_node,
                             check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-                            quant_group_size=args.quant_group_size, qgz_bits=args.qgz_bits)
+                            quant_group_size=args.quant_group_size, qgz_bits=args.qgz_bits,
+                            speculative_step=args.odo_speculative_step)
 
 
 def _print_args(args: argparse.Namespace) -> None:

@@ -124,3 +124,43 @@ def test_recompute_trains_exactly_like_no_recompute(spawn, text_dataset, tiny_mo
     assert plain_calls == {"layer": 6, "core_attention": 6} == z3_calls, plain_calls
     assert sel_calls == {"layer": 6, "core_attention": 12}, sel_calls
     assert uni_calls["layer"] == 12 and blk_calls["layer"] == 9 and z3r_calls["layer"] == 12, (uni_calls, blk_calls)
+
+
+def _runs_with_stats(argvs):
+    """Each run's losses, grad norms and its speculative rounds (committed, rolled back)."""
+    from megatron_ext.optimizer import speculative_step
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    out, seen = [], []
+    init = speculative_step.SpeculativeStep.__init__
+
+    def recording_init(self, *a, **kw):
+        init(self, *a, **kw)
+        seen.append(self)
+
+    speculative_step.SpeculativeStep.__init__ = recording_init
+    try:
+        for argv in argvs:
+            seen.clear()
+            res = pretrain(argv)
+            out.append((res["losses"], res.get("grad_norms"),
+                        (sum(s.committed for s in seen), sum(s.rolled_back for s in seen))))
+    finally:
+        speculative_step.SpeculativeStep.__init__ = init
+    return out
+
+
+def test_speculative_step_trains_exactly_like_the_usual_step(spawn, text_dataset, tiny_model_flags):
+    """--odo-speculative-step through pretrain_gpt, 2 DP ranks on 2 simulated nodes, 2 micro-batches per step: the
+    same losses bit for bit as without it, with --clip-grad 0 (every round commits) and with a clip every step
+    exceeds (every round rolls back)."""
+    base = tiny_model_flags + _data_flags(text_dataset) + [
+        "--global-batch-size", "8", "--train-iters", "3", "--ranks-per-node", "1", "--grad-reduce", "qgz"]
+    spec = ["--odo-speculative-step"]
+    variants = [["--clip-grad", "0"], ["--clip-grad", "0"] + spec, ["--clip-grad", "1e-4"],
+                ["--clip-grad", "1e-4"] + spec]
+    (usual0, _, r0), (spec0, _, r1), (usual1, _, r2), (spec1, _, r3) = spawn(
+        _runs_with_stats, 2, [base + v for v in variants], timeout=240)[0]
+    assert spec0 == usual0 and spec1 == usual1, (usual0, spec0, usual1, spec1)
+    assert usual0 != usual1   # the clip bites
+    assert r0 == r2 == (0, 0) and r1 == (3, 0) and r3 == (0, 3), (r0, r1, r2, r3)
