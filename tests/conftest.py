@@ -18,7 +18,8 @@ def spawn():
 # collection order, so a long file collected late would run alone at the end while the other worker idles.
 LONGEST_FIRST = ("comm/test_convergence.py", "kernels/test_compiled.py", "comm/test_progress_engine.py",
                  "training/test_checkpoint_resume.py", "kernels/test_native.py", "kernels/test_triton_interpreted.py",
-                 "optimizer/test_sharding_plans.py", "optimizer/test_param_sync_and_errors.py")
+                 "optimizer/test_sharding_plans.py", "optimizer/test_speculative_step.py",
+                 "optimizer/test_param_sync_and_errors.py")
 
 
 def pytest_collection_modifyitems(config, items):

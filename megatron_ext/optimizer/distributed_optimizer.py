@@ -33,6 +33,10 @@ from .overlapped_ddp import OverlappedDDP
 from .speculative_step import SpeculativeStep
 
 
+class StepAbortedOnAllRanks(RuntimeError):
+    """Raised by every DP rank at the same point of ``step()``, after the all-reduce that told them all."""
+
+
 @dataclasses.dataclass
 class _Piece:
     """The slice ``[start, end)`` of a flattened parameter that this rank owns."""
@@ -266,10 +270,10 @@ class OverlappedDistributedOptimizer:
             grad_norm = self.get_grad_norm()
             if not math.isfinite(grad_norm) and any(c.overlap_config.check_for_nan_in_grad for c in self.chunks):
                 # the norm is global, so every rank raises here; nothing was applied
-                raise RuntimeError(f"the gradient norm is {grad_norm} (--check-for-nan-in-loss-and-grad): a NaN or "
-                                   "inf gradient on some rank; the step was not applied")
-        except RuntimeError:
-            # every rank raises together (global flag or norm): undo what was stepped in backward, on every rank
+                raise StepAbortedOnAllRanks(f"the gradient norm is {grad_norm} (--check-for-nan-in-loss-and-grad): a "
+                                            "NaN or inf gradient on some rank; the step was not applied")
+        except StepAbortedOnAllRanks:
+            # every rank raises here together (global flag or norm): undo what was stepped in backward, everywhere
             self._abort_speculation("the step failed")
             raise
         coeff = _clip_coeff(self.config.clip_grad, grad_norm)
@@ -517,8 +521,8 @@ class OverlappedDistributedOptimizer:
         if failed > 0:
             local = [c.grad_sync.error for c in self.chunks if c.grad_sync.error]
             where = local[0] if local else "on another rank (see that rank's log)"
-            raise RuntimeError(f"gradient synchronisation failed in the last backward, step aborted on every rank "
-                               f"before any weight changed: {where}")
+            raise StepAbortedOnAllRanks(f"gradient synchronisation failed in the last backward, step aborted on every "
+                                        f"rank before any weight changed: {where}")
 
     def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         """Reduce a small tensor over the DP group, then the model-parallel group (devices and ledger handled)."""

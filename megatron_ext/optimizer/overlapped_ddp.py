@@ -177,6 +177,7 @@ class OverlappedDDP(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         if self.speculation is not None:
             self.speculation.abort("the gradients were zeroed before the step")
+            self.speculation.end_step()   # zeroed: a new step begins
         self.grad_sync.zero_grad()
 
     def scale_gradients(self, scaling_factor: float) -> None:

@@ -215,6 +215,11 @@ class ParamSync:
             self._work[b.index] = backend.all_gather(self.param_buffer.shard_view(b, self.rank),
                                                      self.param_buffer.bucket_view(b))
 
+    def gathering(self, idx: int) -> bool:
+        """Whether bucket ``idx``'s gather is in flight and not yet finished (timing-dependent: for pacing only)."""
+        w = self._work.get(idx)
+        return w is not None and not w.ready
+
     def wait_bucket(self, idx: int) -> None:
         w = self._work.pop(idx, None)
         if w is not None:

@@ -126,8 +126,7 @@ class SpeculativeStep:
         """Gather stepped buckets while fewer than GATHERS_IN_FLIGHT are on the link (see *Which first*)."""
         ps = self.chunk.param_sync
         while self.next < self.stepped:
-            busy = sum(1 for b in self.buckets[max(0, self.next - GATHERS_IN_FLIGHT):self.next]
-                       if b.index in ps._work and not ps._work[b.index].ready)
+            busy = sum(ps.gathering(b.index) for b in self.buckets[max(0, self.next - GATHERS_IN_FLIGHT):self.next])
             if busy >= GATHERS_IN_FLIGHT:
                 return
             self._gather(self.buckets[self.next])
