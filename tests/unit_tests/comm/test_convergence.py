@@ -18,8 +18,8 @@ Measured at 150 steps (final loss vs plain, seed 1234 / seed 4321): qwZ -0.02 / 
 qgZ INT8 +0.00 / -0.01%, ByteGrad -0.06 / -0.30%, qwZ+qgZ INT4 +0.59 / +0.34%, qwZ+qgZ INT8 +0.02 / +0.04%,
 qwZ+ByteGrad -0.05 / -0.28%: the 2% criterion has a margin of 3.4x; plain's final loss, 5.13 / 5.12 from 6.24,
 clears the learning check (0.8 below the first) by 0.3. At 200 steps (the suite's budget cut them) the same runs
-gave +0.36 / +0.50% for qgZ INT4 and at most +0.46% for any combination. The whole module (5 runs in one gloo
-world of 4 ranks; ``TESTED`` says which) takes about 1.5 minutes of wall time on 2 cores.
+gave +0.36 / +0.50% for qgZ INT4 and at most +0.46% for any combination. The whole module (4 runs in one gloo
+world of 4 ranks; ``TESTED`` says which) takes about 1.2 minutes of wall time on 2 cores.
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ from unit_tests.dist_harness import run_distributed
 from unit_tests.training.conftest import text_dataset  # noqa: F401 - the real-text dataset fixture, reused
 
 STEPS, FINAL_WINDOW, TOLERANCE = 150, 20, 0.02
-# Every backend alone at its lossiest setting and the headline pairing, for the suite's 10-minute budget (a run is
-# about 17 s). Left out: qgZ INT8 (the INT4 path with 8-bit codes, which the kernel and backend tests hold to the
-# reference bit for bit; +0.00 / -0.01% at 150 steps), qwZ + qgZ INT8 and qwZ + ByteGrad, whose halves all run here
-# alone and whose pairing runs at INT4; tools/bench_convergence.py runs all eight (measured in the module note).
-TESTED = [label for label in COMBOS if label not in ("qgZ INT8", "qwZ+qgZ INT8", "qwZ+ByteGrad")]
+# qwZ and ByteGrad alone and the headline pairing qwZ + qgZ INT4, for the suite's 10-minute budget (a run is about
+# 17 s). Left out: qgZ INT4 alone (it runs inside the pairing, whose loss tracks it: +0.59 / +0.34% against +0.59 /
+# +0.35% in the module note; the kernel and backend tests hold its path to the reference bit for bit), qgZ INT8 (the
+# INT4 path with 8-bit codes; +0.00 / -0.01% at 150 steps), qwZ + qgZ INT8 and qwZ + ByteGrad, whose halves run
+# here; tools/bench_convergence.py runs all eight (measured in the module note).
+TESTED = [label for label in COMBOS if label not in ("qgZ INT4", "qgZ INT8", "qwZ+qgZ INT8", "qwZ+ByteGrad")]
 QUANT_GROUP = 128
 
 
