@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
@@ -50,8 +50,10 @@ def _fmt_significant(x: float) -> str:
 def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int, elapsed_ms: float,
                       tflops_per_rank: float, tokens_per_sec_per_rank: float, lr: float, global_batch_size: int,
                       lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float], skipped: int,
-                      nan_iters: int, intra_bytes: float, inter_bytes: float, plan: Optional[str] = None) -> str:
-    """One Megatron-LM-style log line (values averaged over the log interval)."""
+                      nan_iters: int, intra_bytes: float, inter_bytes: float, plan: Optional[str] = None,
+                      speculative: Optional[Tuple[int, int]] = None) -> str:
+    """One Megatron-LM-style log line (values averaged over the log interval); ``speculative``: the interval's
+    speculative rounds (committed, rolled back) under --odo-speculative-step."""
     ts = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{ts}] iteration {iteration:8d}/{train_iters:8d}",
@@ -70,6 +72,8 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan_iters:3d}"]
     if plan is not None:
         parts.append(f"sharding: {plan}")
+    if speculative is not None:
+        parts.append(f"speculative steps committed: {speculative[0]}/{sum(speculative)}")
     parts += [f"bytes sent per step intra-node: {_fmt_bytes(intra_bytes)}",
               f"inter-node: {_fmt_bytes(inter_bytes)}"]
     return " | ".join(parts) + " |"

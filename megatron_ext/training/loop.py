@@ -233,6 +233,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     total_skipped = 0
     exited = False
     model.train()
+    spec = getattr(model, "speculation", None)   # --odo-speculative-step: rounds counted per log interval
+    spec_seen = (spec.committed, spec.rolled_back) if spec is not None else None
     while iteration < args.train_iters:
         loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
         iteration += 1
@@ -250,13 +252,17 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             lr = optimizer.param_groups[0]["lr"]
             lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
+            rounds = None
+            if spec is not None:
+                rounds = (spec.committed - spec_seen[0], spec.rolled_back - spec_seen[1])
+                spec_seen = (spec.committed, spec.rolled_back)
             print_rank_last(format_train_line(
                 iteration=iteration, train_iters=args.train_iters, consumed_samples=consumed_train_samples,
                 elapsed_ms=elapsed * 1000, tflops_per_rank=flops_per_iter / (elapsed * args.world_size * 1e12),
                 tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
                 global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
                 skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
-                plan=model.plan.short()))
+                plan=model.plan.short(), speculative=rounds))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
                                    "loss-scale": scale, "iteration-time": elapsed,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})

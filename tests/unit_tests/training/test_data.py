@@ -100,6 +100,12 @@ def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
                              global_batch_size=8, lm_loss=stats.lm_loss, loss_scale=1.0, grad_norm=2.5, skipped=2,
                              nan_iters=1, intra_bytes=0, inter_bytes=0)
     assert "(TFLOP/s/GPU): 0.000123 |" in line and "lm loss: 4.000000E+00" in line
+    assert "speculative" not in line
+    spec = format_train_line(iteration=4, train_iters=10, consumed_samples=32, elapsed_ms=120.0, tflops_per_rank=1.0,
+                             tokens_per_sec_per_rank=1000.0, lr=1e-3, global_batch_size=8, lm_loss=4.0,
+                             loss_scale=1.0, grad_norm=2.5, skipped=0, nan_iters=0, intra_bytes=0, inter_bytes=0,
+                             speculative=(3, 1))
+    assert "| speculative steps committed: 3/4 |" in spec
 
 
 def test_eod_mask_loss_and_reset_position_ids_reach_the_dataset(text_dataset, tmp_path):
