@@ -151,8 +151,8 @@ class TorchWork(Work):
             self._wait_handle()
             self._handle = None    # the last reference is dropped here, with the GIL, not on the backend's thread
         if self._epilogue is not None:
-            epilogue, self._epilogue = self._epilogue, None   # its tensors go with it, whoever still holds this
-            epilogue()
+            self._epilogue()
+            self._epilogue = None   # its tensors go with it, whoever still holds this work
         self._done = True
 
     @property

@@ -110,11 +110,20 @@ class OverlappedDistributedOptimizer:
                                               counts_towards_norm(p) and counted_replica, counted_replica))
         self.inner = build_inner_optimizer(config, self._param_groups())
         # [Note: speculative step] (speculative_step.py): chunks whose buckets are stepped and gathered in backward.
-        if config.fp16 and any(c.overlap_config.speculative_step for c in chunks):
-            raise ValueError("speculative_step (--odo-speculative-step) does not work with fp16 (--fp16): the loss "
-                             "scaler's overflow check is global like the clipping norm; use bf16")
+        if any(c.overlap_config.speculative_step for c in chunks):
+            if config.fp16:
+                raise ValueError("speculative_step (--odo-speculative-step) does not work with fp16 (--fp16): the "
+                                 "loss scaler's overflow check is global like the clipping norm; use bf16")
+            if len(chunks) > 1:
+                raise ValueError("speculative_step (--odo-speculative-step) supports one model chunk (no virtual "
+                                 "pipeline, --num-layers-per-virtual-pipeline-stage): the chunks' rounds would share "
+                                 "one gather group and one progress engine, whose order they do not agree on")
         self.speculation = [SpeculativeStep(self, ci) for ci, c in enumerate(chunks)
                             if c.overlap_config.speculative_step]
+        # Inner-optimizer parameters no piece covers (a rank owning only padding gets an empty one): stepped with
+        # the rest after a committed round, as the whole step would.
+        covered = {id(pc.master) for pc in self.pieces}
+        self._uncovered = [p for g in self.inner.param_groups for p in g["params"] if id(p) not in covered]
         if config.fp16:
             if config.loss_scale:
                 self.grad_scaler = ConstantLossScaler(config.loss_scale)
@@ -297,9 +306,10 @@ class OverlappedDistributedOptimizer:
         self._last_norm = grad_norm
         return True, grad_norm, num_zeros
 
-    def step_pieces(self, pieces: Sequence[_Piece]) -> None:
-        """The inner optimizer's step on ``pieces`` alone (elementwise: each element as in the whole step)."""
-        keep = {id(pc.master) for pc in pieces}
+    def step_pieces(self, pieces: Sequence[_Piece], extra: Sequence[torch.Tensor] = ()) -> None:
+        """The inner optimizer's step on ``pieces`` (and the parameters ``extra``) alone (elementwise: each element
+        as in the whole step)."""
+        keep = {id(pc.master) for pc in pieces} | {id(p) for p in extra}
         groups = self.inner.param_groups
         sub = [dict(g, params=[p for p in g["params"] if id(p) in keep]) for g in groups]
         sub = [g for g in sub if g["params"]]
@@ -326,7 +336,7 @@ class OverlappedDistributedOptimizer:
                 c.param_sync.wait_bucket(b.index)
             pieces += [pc for pc in self.pieces
                        if pc.chunk == ci and c.param_sync.bucket_of_param[id(pc.param)] in mine]
-        self.step_pieces(pieces)
+        self.step_pieces(pieces, extra=self._uncovered)
         for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
             if buckets:
                 self._copy_masters(ci, buckets)
@@ -359,7 +369,8 @@ class OverlappedDistributedOptimizer:
         if state_dict is not None:
             raise NotImplementedError("reload_model_params(state_dict): load the weights into the model first "
                                       "(model.load_state_dict), then call reload_model_params() without arguments")
-        self._abort_speculation("the model's weights were reloaded between a backward and its step")
+        # (a model load_state_dict inside the round rolled it back already, before the new weights came in)
+        self._abort_speculation("reload_model_params() ran between a backward and its step")
         for ci, c in enumerate(self.chunks):
             c.param_sync.wait_all()
             for b in c.buckets:

@@ -501,6 +501,8 @@ def _finished(work: Optional[Work], patience_s: float = 0.0) -> bool:
     whose collectives go to a group of their own). ``patience_s``: look again until then (tests)."""
     if work is None:
         return False
+    if getattr(work, "_error", None) is not None:
+        return False   # a failed engine work: raised where the step waits for it, not inside the backward
     deadline = time.monotonic() + patience_s
     while True:
         finished = getattr(work, "finished", None)

@@ -66,7 +66,7 @@ class OverlappedDDP(torch.nn.Module):
         self.topology = Topology(dp_group, config.ranks_per_node, create_subgroups=False)
         self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
         if config.speculative_step:
-            _check_speculative_step(config, self.plan.param, device)
+            _check_speculative_step(config, self.plan.param, device, per_token_loss(module))
         self.topology.create_subgroups()
         self.ledger = CommLedger()
         # One progress engine per process and DP group (shared by the wrappers of one group, e.g. model chunks).
@@ -326,9 +326,14 @@ def _lcm(*xs: int) -> int:
     return out
 
 
-def _check_speculative_step(config: OverlapConfig, param_shards: int, device: torch.device) -> None:
+def _check_speculative_step(config: OverlapConfig, param_shards: int, device: torch.device,
+                            per_token: bool) -> None:
     """What the speculative step needs, checked before any collective (optimizer/speculative_step.py)."""
     flag = "speculative_step (--odo-speculative-step)"
+    if per_token:
+        raise ValueError(f"{flag} does not work with calculate_per_token_loss (--calculate-per-token-loss): "
+                         "finalize_model_grads scales every step's gradients after the backward, which would roll "
+                         "every round back")
     if param_shards > 1:
         raise ValueError(f"{flag} needs ZeRO-1/2 (full weights between steps); this plan shards parameters "
                          "(ZeRO-3 gathers each bucket's weights at its forward anyway)")

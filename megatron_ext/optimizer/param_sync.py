@@ -127,9 +127,14 @@ class ParamSync:
         self.root_buckets: Set[int] = set()   # buckets read outside mechanisms 1-2: waited for at the root
         self._audit: Optional[ParamUseAudit] = None
         self._handles: List = []
-        # Called at the root's forward pre-hook before anything is waited for (the speculative step's abort: a
-        # forward between a backward and its step, see speculative_step.py).
+        # Called before every forward of the root, whether the waiting hooks are on or off (the speculative step's
+        # abort: a forward between a backward and its step, see speculative_step.py).
         self.before_forward: Optional[Callable[[], None]] = None
+        module.register_forward_pre_hook(self._before_forward_hook, prepend=True)
+        # Called before the module loads a state dict (the speculative step's abort), which then waits for the
+        # gathers in flight: none may land on the loaded weights.
+        self.before_load: Optional[Callable[[], None]] = None
+        module.register_load_state_dict_pre_hook(self._before_load_hook)
         drain_at_exit(self)   # the last step's gathers may still be in flight when the interpreter exits
         # module.state_dict() iterates _parameters without the read guard: it waits for the gathers itself
         module.register_state_dict_pre_hook(lambda *_: self.wait_all())
@@ -159,9 +164,17 @@ class ParamSync:
     def hooks_enabled(self) -> bool:
         return bool(self._handles)
 
-    def _root_pre_hook(self, module, args) -> None:
+    def _before_load_hook(self, *unused) -> None:
+        if self.before_load is not None:
+            self.before_load()
+        self.wait_all()
+
+    def _before_forward_hook(self, module, args) -> None:
         if self.before_forward is not None:
             self.before_forward()
+
+    def _root_pre_hook(self, module, args) -> None:
+        self._before_forward_hook(module, args)   # first: an abort launches gathers this hook must then see
         if self.learning and self._audit is None:
             self.wait_all()  # nothing is read stale while the audit learns
             self._audit = ParamUseAudit(self.bucket_of_param, self._note_uncovered)
@@ -214,6 +227,9 @@ class ParamSync:
             self.wait_bucket(b.index)
             self._work[b.index] = backend.all_gather(self.param_buffer.shard_view(b, self.rank),
                                                      self.param_buffer.bucket_view(b))
+        if not (self.overlap and self.hooks_enabled):
+            for b in buckets:   # nothing would wait before a read: as launch()
+                self.wait_bucket(b.index)
 
     def gathering(self, idx: int) -> bool:
         """Whether bucket ``idx``'s gather is in flight and not yet finished (timing-dependent: for pacing only)."""

@@ -25,9 +25,11 @@ waits for the gather as after any step (param_sync.py). At ``step()`` the norm d
   waited for, the snapshots restored, and the usual step follows (clip, update every piece, gather every bucket
   on the original group).
 
-A forward, ``zero_grad_buffer``, ``scale_gradients`` (by another factor than 1), an optimizer ``state_dict`` /
-``load_state_dict`` or ``reload_model_params`` inside an open round rolls it back first (and re-gathers the
-restored weights); speculation then rests until the step ends (a warning names the cause once). So the weights
+A forward, ``zero_grad_buffer``, ``scale_gradients`` (by another factor than 1), the model's ``load_state_dict``,
+an optimizer ``state_dict`` / ``load_state_dict`` or ``reload_model_params`` inside an open round rolls it back
+first (and re-gathers the restored weights, which a load then overwrites). The model's own ``state_dict()`` inside
+a round waits for the gathers but does not roll back (a save may run on one rank only, where an all-reduce would
+hang): it reads the weights stepped so far, so save after ``step()``, as Megatron-LM does; speculation then rests until the step ends (a warning names the cause once). So the weights
 after every step, and every tensor of the optimizer state, are those of the usual step bit for bit: the inner
 optimizer is elementwise (Adam, AdamW, SGD, foreach), so stepping a bucket's pieces alone computes each element as
 the whole step does, and a rollback restores the exact bytes it replaces.
@@ -53,7 +55,10 @@ are mostly unclipped (``clip_grad`` 0, or a norm usually below it) and the link 
 ``rolled_back`` count the rounds.
 
 *Limits.* ZeRO-1/2 on CPU (gloo), without fp16 loss scaling (its overflow check and unscaling are global like the
-norm), with torch's inner optimizers; checked at construction. On CUDA the update would have to run on the
+norm) or a per-token loss (finalize_model_grads scales every step's gradients after the backward), one model chunk
+(chunks would share the gather group and the progress engine without agreeing on their interleaving), torch's inner
+optimizers; checked at construction. No round opens while the forward pre-hooks are off (Megatron-LM's first
+iteration): nothing would wait for the gathers lazily. On CUDA the update would have to run on the
 communication stream (not built).
 """
 from __future__ import annotations
@@ -100,6 +105,7 @@ class SpeculativeStep:
         gs.speculation = self
         ps.before_forward = lambda: self.abort("a forward ran between a backward and its step (gradient "
                                                "accumulation without no_sync(), or an evaluation)")
+        ps.before_load = lambda: self.abort("the model's weights were loaded between a backward and its step")
         self.chunk.speculation = self
 
     # -- driven by GradSync ---------------------------------------------------------------------------------------
@@ -111,7 +117,8 @@ class SpeculativeStep:
         """A final reduction was launched (the same program point on every rank): open the round. The param
         groups' hyper-parameters are noted here, not at the first hand-over (timing), so every rank compares the
         same values at step()."""
-        if not self.open and not self.resting:
+        if not self.open and not self.resting and self.chunk.param_sync.hooks_enabled:
+            # (hooks off, as Megatron-LM's first iteration: every gather would be waited for at once in backward)
             self.open = True
             self.stepped = self.next = 0
             self._hyper = _hyper(self.opt.inner)

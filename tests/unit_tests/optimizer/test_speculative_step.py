@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import pytest
 import torch
@@ -53,16 +54,25 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
             x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, 5, generator=g)
             if step == 1:
                 model.ledger.reset()
+            if misuse and step == 4:
+                start = {k: v.clone() for k, v in module.state_dict().items()}
             if step % 3 == 2:   # two micro-batches, accumulated inside no_sync() (or, misused, without it)
                 with (model.no_sync() if not misuse else torch.enable_grad()):
                     torch.nn.functional.mse_loss(model(x[:4]), y[:4]).backward()
+                if misuse and step == 5:
+                    model.disable_forward_pre_hook(param_sync=False)   # the abort must not depend on the hooks
                 torch.nn.functional.mse_loss(model(x[4:]), y[4:]).backward()
+                if misuse and step == 5:
+                    model.enable_forward_pre_hook()
             else:
                 torch.nn.functional.mse_loss(model(x), y).backward()
             if misuse and step % 4 == 1:
                 opt.param_groups[0]["lr"] *= 0.5    # after the backward: the round used the old value
             if misuse and step % 4 == 3:
                 opt.state_dict()                    # a checkpoint read inside the round
+            if misuse and step == 4:                # weights loaded inside the round (the step's own start)
+                module.load_state_dict(start)
+                opt.reload_model_params()
             model.finish_grad_sync()
             opt.step()
             if step == 1:
@@ -132,15 +142,17 @@ def _clip_and_interrupted():
 
 def test_rounds_roll_back_exactly_when_the_norm_clips_or_the_round_is_interrupted():
     """Steps alternating between no clipping and clipping at 1e-4 (every norm above it): half commit, half roll
-    back. Then accumulation without no_sync() (a forward inside the round), a learning rate changed after the
-    backward and a state_dict() read inside the round: each rolls back. The weights are the usual ones throughout."""
+    back. Then accumulation without no_sync() (a forward inside the round, once with the waiting hooks off), a
+    learning rate changed after the backward, a state_dict() read and a load_state_dict() + reload_model_params()
+    inside the round: each rolls back. The weights are the usual ones throughout."""
     res = run_distributed(_clip_and_interrupted, DP, timeout=600)
     _assert_same([r["clip"] for r in res], "clip")
     _assert_same([r["misuse"] for r in res], "misuse")
     for key, r in res[0]["clip"].items():
         assert r["spec"]["committed"] == STEPS // 2 and r["spec"]["rolled_back"] == STEPS // 2, (key, r["spec"])
-    for key, r in res[0]["misuse"].items():   # rolled back: steps 1, 5 (lr), 2, 5 (forward), 3 (state_dict)
-        assert r["spec"]["rolled_back"] == 4 and r["spec"]["committed"] == 2, (key, r["spec"])
+    # rolled back: steps 1, 5 (lr), 2, 5 (a forward; at 5 with the waiting hooks off), 3 (state_dict), 4 (reload)
+    for key, r in res[0]["misuse"].items():
+        assert r["spec"]["rolled_back"] == 5 and r["spec"]["committed"] == 1, (key, r["spec"])
 
 
 def test_random_delays_never_change_the_weights_or_hang():
@@ -178,12 +190,25 @@ def _refusals():
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    per_token = torch.nn.Linear(8, 8)
+    per_token.config = types.SimpleNamespace(calculate_per_token_loss=True)
+    try:
+        mx.OverlappedDDP(per_token, mx.OverlapConfig(speculative_step=True))
+        out["per-token loss"] = None
+    except ValueError as e:
+        out["per-token loss"] = str(e)
     model = mx.OverlappedDDP(module, mx.OverlapConfig(speculative_step=True))
     try:
         mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3, fp16=True), model)
         out["fp16"] = None
     except ValueError as e:
         out["fp16"] = str(e)
+    second = mx.OverlappedDDP(torch.nn.Linear(8, 8), mx.OverlapConfig(speculative_step=True))
+    try:
+        mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [model, second])
+        out["two chunks"] = None
+    except ValueError as e:
+        out["two chunks"] = str(e)
     return out
 
 
@@ -193,3 +218,4 @@ def test_what_it_cannot_do_is_refused_by_name():
         for name, msg in r.items():
             assert msg is not None and "--odo-speculative-step" in msg, (name, msg)
         assert "ZeRO-1/2" in r["zero3"] and "--overlap-param-gather" in r["no overlap"] and "--fp16" in r["fp16"]
+        assert "--calculate-per-token-loss" in r["per-token loss"] and "one model chunk" in r["two chunks"]
