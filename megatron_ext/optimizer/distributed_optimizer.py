@@ -339,7 +339,7 @@ class OverlappedDistributedOptimizer:
         self.step_pieces(pieces, extra=self._uncovered)
         for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
             if buckets:
-                self._copy_masters(ci, buckets)
+                self.copy_masters(ci, buckets)
                 c.param_sync.launch_buckets(buckets)
 
     def all_ranks_max(self, value: int) -> int:
@@ -502,10 +502,11 @@ class OverlappedDistributedOptimizer:
         """:meth:`_publish_masters` for chunk ``ci``."""
         c = self.chunks[ci]
         c.param_sync.wait_all()
-        self._copy_masters(ci, c.buckets)
+        self.copy_masters(ci, c.buckets)
         c.param_sync.launch()
 
-    def _copy_masters(self, ci: int, buckets) -> None:
+    def copy_masters(self, ci: int, buckets) -> None:
+        """Cast chunk ``ci``'s masters of ``buckets`` into their ParameterBuffer shards (the gathers' sources)."""
         c = self.chunks[ci]
         for b in buckets:
             view = c.param_buffer.shard_view(b, c.shard_rank)

@@ -356,9 +356,9 @@ class GradSync:
         is handed over only when its reduction and every older one in flight are finished, so completing them
         here runs their epilogues only (an engine work's COMPLETE then finds nothing left to issue)."""
         spec = self.speculation
-        if spec.accepting:
+        if spec.open:
             spec.pump()
-        while spec.accepting and spec.stepped < len(spec.buckets):
+        while spec.open and spec.stepped < len(spec.buckets):
             b = spec.buckets[spec.stepped]
             complete = self._final_launch.get(b.index)
             if complete is None:

@@ -109,10 +109,6 @@ class SpeculativeStep:
         self.chunk.speculation = self
 
     # -- driven by GradSync ---------------------------------------------------------------------------------------
-    @property
-    def accepting(self) -> bool:
-        return self.open
-
     def note_final_launch(self) -> None:
         """A final reduction was launched (the same program point on every rank): open the round. The param
         groups' hyper-parameters are noted here, not at the first hand-over (timing), so every rank compares the
@@ -203,9 +199,7 @@ class SpeculativeStep:
         if snapshot:
             self._snapshots[b.index] = (master.clone(), [(pc, _copy_state(self.opt.inner, pc.master)) for pc in pcs])
         self.opt.step_pieces(pcs)
-        view = self.chunk.param_buffer.shard_view(b, self.chunk.shard_rank)
-        if master.data_ptr() != view.data_ptr():
-            view.copy_(master)
+        self.opt.copy_masters(self.ci, [b])
         self.stepped += 1
 
     def _gather(self, b: Bucket) -> None:
