@@ -325,7 +325,7 @@ class OverlappedDistributedOptimizer:
         """With committed rounds: step every bucket beyond each round's agreed length (the ones reduced last, which
         the forward reads first), deferred buckets and chunks without a round, and gather them in forward order on
         the original group (see [Note: speculative step])."""
-        taken = {s.ci: {b.index for b in s.taken(upto)} for s, upto in rounds}
+        taken = {s.ci: {b.index for b in s.buckets[:upto]} for s, upto in rounds}   # on the speculative group
         stepped = {s.ci: {b.index for b in s.buckets[:s.stepped]} for s, _ in rounds}
         rest = [[b for b in getattr(c.param_sync, "forward_order", c.buckets) if b.index not in taken.get(ci, ())]
                 for ci, c in enumerate(self.chunks)]

@@ -143,10 +143,6 @@ class SpeculativeStep:
         all-reduce, at a program point every rank reaches: step() or an abort)."""
         return self.opt.all_ranks_max(self.next)
 
-    def taken(self, upto: int) -> List[Bucket]:
-        """The buckets a round of length ``upto`` gathers on its own group; the optimizer gathers the others."""
-        return self.buckets[:upto]
-
     def close(self, commit: bool, upto: int) -> None:
         """End the round at ``upto`` (:meth:`agreed_length`): commit (step and gather on this group up to there;
         the optimizer steps and gathers the rest, skipping what :attr:`stepped` covers) or roll back (gather up to
