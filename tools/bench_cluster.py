@@ -58,7 +58,7 @@ HELPER = os.path.join(HERE, "netns_cluster.sh")
 sys.path.insert(0, ROOT)
 from megatron_ext.comm.combos import select_combos  # noqa: E402
 
-COMBOS = select_combos(["plain", "qwZ", "qgZ INT4", "qwZ+qgZ INT4", "ByteGrad"])
+COMBOS = select_combos(["plain", "ring", "qwZ", "qgZ INT4", "qwZ+qgZ INT4", "ByteGrad"])
 SEED_000_LOW_BW = ("seed 000 Table 2, 384 V100, 1 IB link (100 Gbit/s): ZeRO++ over ZeRO-3 end to end 1.79x-2.16x; "
                    "8 IB links: 1.13x-1.30x")
 

@@ -389,7 +389,7 @@ def _import_builtin_backends() -> None:
     # Importing a backend module registers it; quantized backends are optional modules added later.
     import importlib
 
-    for mod in ("plain", "qwz", "qgz", "bytegrad"):
+    for mod in ("plain", "qwz", "qgz", "bytegrad", "ring"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:

@@ -167,8 +167,9 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--odo-accumulate", choices=("auto", "shard", "local"), default="auto",
                    help="gradient accumulation: reduce-scatter every micro-batch (shard), once per step (local), "
                    "or pick the cheaper (auto)")
-    g.add_argument("--grad-reduce", choices=("plain", "qgz", "bytegrad"), default="plain",
-                   help="gradient reduce-scatter backend")
+    g.add_argument("--grad-reduce", choices=("plain", "qgz", "bytegrad", "ring"), default="plain",
+                   help="gradient reduce-scatter backend (ring: NCCL's ring as point-to-point hops, for gloo, whose "
+                        "reduce-scatter sends an all-reduce's bytes)")
     g.add_argument("--param-gather", choices=("plain", "qwz"), default="plain", help="parameter all-gather backend")
     g.add_argument("--qgz-bits", type=int, choices=(4, 8), default=None, help="qgZ gradient bits (default 4)")
     g.add_argument("--qgz-pipeline-stages", type=_qgz_stages, default=None, metavar="{N,auto}",

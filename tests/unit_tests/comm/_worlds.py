@@ -16,6 +16,7 @@ GRAD_CASES: List[Tuple[str, str, Dict]] = [
     ("qgz4", "qgz", {"qgz_bits": 4}),
     ("qgz8", "qgz", {"qgz_bits": 8}),
     ("bytegrad", "bytegrad", {}),
+    ("ring", "ring", {}),
 ]
 
 

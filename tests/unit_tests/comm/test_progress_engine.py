@@ -479,8 +479,10 @@ def test_random_engine_delays_give_the_same_weights_and_never_hang():
 
 def test_dp8_engine_and_delays_match_the_synchronous_path():
     """2 nodes x 4 ranks: the engine under random delays gives the synchronous path's weights (the
-    inline engine runs these backends at DP 4 above; skipped here for the suite's time)."""
-    cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2)]
+    inline engine runs these backends at DP 4 above; skipped here for the suite's time), and the ring's 7 hops a
+    bucket."""
+    cases = [("qgz", "qwz", "zero2", 2), ("bytegrad", "plain", "zero2", 2), ("qgz", "plain", "mics", 2),
+             ("ring", "plain", "zero2", 2)]
     _check_same_weights(run_distributed(_all_variants, 8, cases, 10, 4, inline=False, timeout=600))
 
 

@@ -16,6 +16,7 @@ from megatron_ext.comm.bytegrad import bytegrad_bytes, bytegrad_row_bytes
 from megatron_ext.comm.qgz import qgz_bytes, qgz_geometry
 from megatron_ext.comm.topology import group_members_per_node
 from megatron_ext.comm.qwz import qwz_group, qwz_row_bytes
+from megatron_ext.comm.ring import ring_bytes
 
 # name: (world, ranks_per_node, shard numel n, options, dtype)
 CONFIGS = {
@@ -74,6 +75,9 @@ def test_grad_reduce_within_analytic_bound_of_plain(name):
         assert excess.max() <= 0, (f"{label}: worst element {int(excess.argmax())} err {err.max():.3g} exceeds "
                                    f"bound {bound[int(excess.argmax())]:.3g}")
         assert err.max() > 0, f"{label} did not quantize anything?"
+    # ring: the same sum in another order (fp32: rounding only; bf16: one bf16 rounding per partial sum, as plain)
+    ring = _gathered(res, "ring")
+    assert (ring - exact).abs().max() <= (P * 2 ** -8 * scale if bf16 else 1e-5 * scale)
     # sanity on the bounds themselves: INT8 is tighter than INT4, and actually observed errors follow
     assert (_gathered(res, "qgz8") - exact).abs().mean() < (_gathered(res, "qgz4") - exact).abs().mean()
 
@@ -137,6 +141,10 @@ def test_ledger_equals_closed_form(name):
         tot = {k: (v["total"]["intra"], v["total"]["inter"]) for k, v in led.items()}
         assert tot["plain"] == (n * e * (rpn - 1), n * e * (P - rpn))
         assert tot["plain_ag"] == (n * e * (rpn - 1), n * e * (P - rpn))
+        # ring: (P-1)*n elements to the next rank, across nodes from the last rank of each node (NCCL's ring)
+        assert tot["ring"] == ring_bytes(n, e, P, rpn, r)
+        assert sum(ring_bytes(n, e, P, rpn, q)[1] for q in range(P)) == (P // rpn if rpn < P else 0) * (P - 1) * n * e
+        assert led["ring"]["ring_reduce_scatter"]["calls"] == P - 1
         for bits in (4, 8):
             assert tot[f"qgz{bits}"] == qgz_bytes(n, N, rpn, bits, S, g)
         assert tot["bytegrad"] == bytegrad_bytes(n, N, rpn, e, opts.get("bytegrad_chunk_size", 0),
@@ -214,7 +222,7 @@ def test_tiny_and_empty_buckets(name):
         xs = [W.make_bucket(SEED + 1, r, P * tiny).double() for r in range(P)]
         exact = sum(xs) / P
         scale = max([x.abs().max().item() for x in xs if x.numel()] + [0.0])
-        for label in ("plain", "qgz4", "qgz8", "bytegrad"):
+        for label in ("plain", "qgz4", "qgz8", "bytegrad", "ring"):
             got = torch.cat([r["tiny"][(label, tiny)].double() for r in res])
             assert got.shape == exact.shape
             assert torch.isfinite(got).all()
@@ -249,6 +257,9 @@ def test_advance_in_fifo_order_is_bit_identical_and_launches_the_next_hop(name):
                     scatters = max(0, k - 1) if N > 1 and rpn > 1 else 0
                     assert calls.get("bytegrad_intra_scatter", 0) == scatters, (r, k, calls)
                     assert "bytegrad_inter_all_gather" not in calls and "bytegrad_intra_broadcast" not in calls
+                elif label == "ring":       # bucket j < k advanced k - j times, one hop each, P - 1 hops at most
+                    hops = sum(min(P - 1, 1 + k - j) for j in range(k + 1))
+                    assert calls.get("ring_reduce_scatter", 0) == hops, (r, k, calls)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
