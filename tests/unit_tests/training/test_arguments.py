@@ -114,6 +114,12 @@ def test_qgz_pipeline_stages_reach_the_config(flag, stages):
     assert _overlap_config(args).qgz_pipeline_stages == stages
 
 
+def test_ring_reduce_scatter_reaches_the_config():
+    from megatron_ext.training.pretrain_gpt import _overlap_config
+
+    assert _overlap_config(parse_args(BASE + ["--grad-reduce", "ring"], world_size=4)).grad_reduce == "ring"
+
+
 def test_unimplemented_backend_rejected_by_flag_name(capsys, monkeypatch):
     import megatron_ext.comm as comm
 
