@@ -28,6 +28,7 @@ COMBOS: Dict[str, BackendCombo] = {c.label: c for c in (
     BackendCombo("plain", "plain", "plain"),
     BackendCombo("ring", "ring", "plain"),   # plain's reduction as NCCL's ring (comm/ring.py): gloo's baseline
     BackendCombo("qwZ", "plain", "qwz"),
+    BackendCombo("qwZ+ring", "ring", "qwz"),
     BackendCombo("qgZ INT4", "qgz", "plain", 4),
     BackendCombo("qgZ INT8", "qgz", "plain", 8),
     BackendCombo("ByteGrad", "bytegrad", "plain"),

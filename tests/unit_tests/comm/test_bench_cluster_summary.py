@@ -53,7 +53,17 @@ def test_summary_best_bucket_limit_and_speedup():
     p = s["200mbit"]["plain"]
     assert p["best_bucket"] == "400" and p["limit_ms"] == pytest.approx(40 * mb * 8 / 2e8 * 1e3)
     assert q["speedup_vs_best_plain"] == pytest.approx(2000 / 600)
+    assert q["speedup_vs_best_lossless"] == pytest.approx(2000 / 600)   # no ring row: plain is the baseline
     assert "quant" in text and "200mbit" in text
+    # with a ring row (NCCL's reduce-scatter) faster than plain, the lossless baseline is the ring
+    results["200mbit"]["ring"] = _row(1500, 400, 27 * mb)
+    results["unlimited"]["ring"] = _row(510, 400, 27 * mb)
+    with loaded_tool("bench_cluster") as bc:
+        s = bc.summarize(results, sweeps, [])
+    q = s["200mbit"]["quant"]
+    assert q["speedup_vs_best_plain"] == pytest.approx(2000 / 600)
+    assert q["speedup_vs_best_lossless"] == pytest.approx(1500 / 600)
+    assert s["unlimited"]["quant"]["speedup_vs_best_lossless"] == pytest.approx(450 / 480)   # plain's 4000 point
 
 
 def test_phase_limit_pipes_gathers_through_forward_and_reductions_through_backward():
