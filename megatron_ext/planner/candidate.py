@@ -11,7 +11,7 @@ from typing import List
 
 from ..optimizer.sharding import ShardingPlan
 
-LOSSLESS = ("plain",)
+LOSSLESS = ("plain", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Candidate:
     grad: int
     optim: int
     hpz: int = 1
-    grad_reduce: str = "plain"       # plain | qgz | bytegrad
+    grad_reduce: str = "plain"       # plain | ring | qgz | bytegrad
     param_gather: str = "plain"      # plain | qwz
     qgz_bits: int = 4
     bucket_size: int = 40_000_000
@@ -71,14 +71,14 @@ class Candidate:
         return out
 
 
-_LABEL = re.compile(r"^p(\d+)\.g(\d+)\.o(\d+)\.h(\d+)(?: (plain|qgz4|qgz8|bytegrad)\+(plain|qwz))?(?: b(\S+))?$")
+_LABEL = re.compile(r"^p(\d+)\.g(\d+)\.o(\d+)\.h(\d+)(?: (plain|ring|qgz4|qgz8|bytegrad)\+(plain|qwz))?(?: b(\S+))?$")
 
 
 def parse_candidate(label: str, bucket_size: int = 40_000_000) -> Candidate:
     """The inverse of ``Candidate.label`` (backends and bucket optional: plain+plain, ``bucket_size``)."""
     m = _LABEL.match(label.strip())
     if not m:
-        raise ValueError(f"plan label {label!r} is not of the form 'p1.g1.o8.h1 [plain|qgz4|qgz8|bytegrad+plain|qwz] "
+        raise ValueError(f"plan label {label!r} is not of the form 'p1.g1.o8.h1 [plain|ring|qgz4|qgz8|bytegrad+plain|qwz] "
                          "[b40M]'")
     p, g, o, h = (int(x) for x in m.group(1, 2, 3, 4))
     gr, pg, b = m.group(5) or "plain", m.group(6) or "plain", m.group(7)

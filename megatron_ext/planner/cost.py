@@ -125,14 +125,16 @@ def _time_calls(cand: Candidate, wl: Workload, profile: HardwareProfile, buckets
     """Each call of rank 0 with its duration; per step: cross-node bytes per node (ledger model and on the wire
     under the profile's algorithm) and bytes per rank inside a node."""
     rpn = wl.ranks_per_node
-    # Every rank of a node sends alike, except ByteGrad's leaders: one representative rank per leader pattern
-    # (``group_local_ranks``), weighted by the ranks of the node that share it.
-    roles: Dict[Tuple[bool, bool], List] = {}
-    for r in (range(rpn) if cand.grad_reduce == "bytegrad" else range(1)):
+    # Every rank of a node sends alike, except ByteGrad's leaders and the ring's node-crossing last rank: one
+    # representative rank per pattern (``group_local_ranks``), weighted by the ranks of the node that share it.
+    roles: Dict[Tuple, List] = {}
+    by_role = cand.grad_reduce in ("bytegrad", "ring")
+    for r in (range(rpn) if by_role else range(1)):
         plan_r = cand.sharding_plan().resolve(wl.dp, rpn, r)
         optim_local, replica_local = group_local_ranks(plan_r)
-        roles.setdefault((optim_local == 0, replica_local == 0), [plan_r, 0])[1] += 1
-    weights = [n for _, n in roles.values()] if cand.grad_reduce == "bytegrad" else [rpn]
+        role = (optim_local, replica_local) if cand.grad_reduce == "ring" else (optim_local == 0, replica_local == 0)
+        roles.setdefault(role, [plan_r, 0])[1] += 1
+    weights = [n for _, n in roles.values()] if by_role else [rpn]
     per_rank = [step_calls(cand, plan_r, buckets, wl.micro_batches, wl.wire()) for plan_r, _ in roles.values()]
     if len({len(c) for c in per_rank}) != 1:
         raise AssertionError("ranks of a node issue different call sequences")

@@ -8,7 +8,10 @@ Sharding factors are the divisors of the DP size that fit inside a node or span 
 Every plan is checked by ``ShardingPlan.resolve`` -- the rules the ODO itself enforces -- so the planner can never
 return a plan the ODO would refuse. Backends: the gradient reduction (plain, qgZ INT4/INT8, ByteGrad) matters
 only when a stage crosses nodes and the weight gather (plain, qwZ) only when it does; quantized backends are
-lossy and searched only when allowed. Bucket sizes come from a short list (or the user's). The search is
+lossy and searched only when allowed. On a process group whose reduce-scatter is an all-reduce (gloo:
+``HardwareProfile.reduce_scatter_as_all_reduce``) the ring reduce-scatter (comm/ring.py, lossless, half the bytes)
+is searched beside plain; on NCCL it would be plain's own algorithm with more launches. Bucket sizes come from a
+short list (or the user's). The search is
 exhaustive: a few hundred to a few thousand candidates, each replayed in milliseconds.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .profile import HardwareProfile
 
 DEFAULT_BUCKET_SIZES = (10_000_000, 40_000_000, 100_000_000)
 GRAD_BACKENDS = (("plain", 4), ("qgz", 4), ("qgz", 8), ("bytegrad", 4))
+RING = ("ring", 4)
 GATHER_BACKENDS = ("plain", "qwz")
 
 
@@ -45,7 +49,8 @@ def candidate_plans(dp: int, ranks_per_node: int) -> List[Tuple[int, int, int, i
 
 
 def enumerate_candidates(wl: Workload, *, allow_quantized: bool = False,
-                         bucket_sizes: Sequence[int] = DEFAULT_BUCKET_SIZES) -> List[Candidate]:
+                         bucket_sizes: Sequence[int] = DEFAULT_BUCKET_SIZES, ring: bool = False) -> List[Candidate]:
+    """``ring``: search the ring reduce-scatter too (a gloo profile, see the module note)."""
     from ..comm import available_grad_reduce, available_param_gather
 
     dp, rpn = wl.dp, wl.ranks_per_node
@@ -58,6 +63,8 @@ def enumerate_candidates(wl: Workload, *, allow_quantized: bool = False,
         crosses = o > rpn or (dp // o > 1 and dp > rpn)
         gather_crosses = o > rpn
         grads = all_grads if (allow_quantized and crosses) else all_grads[:1]
+        if ring and crosses and RING[0] in have_grad:
+            grads = grads[:1] + [RING] + grads[1:]
         gathers = all_gathers if (allow_quantized and gather_crosses) else all_gathers[:1]
         for gr, bits in grads:
             for pg in gathers:
@@ -115,7 +122,7 @@ def solve(wl: Workload, profile: HardwareProfile, memory_cap: Optional[int] = No
     against the papers); the CLI and ``--auto-plan`` pass ``profile.default_memory_cap``, which keeps a reserve."""
     cap = memory_cap if memory_cap is not None else profile.gpu_memory_bytes
     cands = list(candidates) if candidates is not None else enumerate_candidates(
-        wl, allow_quantized=allow_quantized, bucket_sizes=bucket_sizes)
+        wl, allow_quantized=allow_quantized, bucket_sizes=bucket_sizes, ring=profile.reduce_scatter_as_all_reduce)
     preds = [predict(c, wl, profile) for c in cands]
     feasible = [p for p in preds if p.memory["total"] <= cap]
     feasible.sort(key=lambda p: (round(p.step_s, 9), p.candidate.lossy, p.memory["total"]))

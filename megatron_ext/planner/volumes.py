@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..comm.bytegrad import bytegrad_bytes
 from ..comm.qgz import qgz_bytes
 from ..comm.qwz import qwz_row_bytes
+from ..comm.ring import ring_bytes
 from ..optimizer.plan_comm import stage_backend_names, stage_group_shapes
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
@@ -113,6 +114,11 @@ def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOp
         return calls
     if backend == "bytegrad":
         return _bytegrad(n, g, e, o, local_rank, all_reduce=False, **tag)
+    if backend == "ring":   # P-1 hops, one partial sum to the next rank each (comm/ring.py); the node's last rank
+        # sends across nodes, and every hop waits for that edge
+        intra, inter = ring_bytes(n, e, g.size, g.per_node, local_rank)
+        return [Call("ring_reduce_scatter", "all_to_all", intra=intra // (g.size - 1), inter=inter // (g.size - 1),
+                     group=g, hop=k, reduce_elems=n, **tag) for k in range(g.size - 1)]
     a, b = g.peers
     return [Call("reduce_scatter", "reduce_scatter", intra=a * n * e, inter=b * n * e, group=g, **tag)]
 
@@ -155,7 +161,13 @@ def _all_reduce(backend: str, bits: int, numel: int, g: Group, e: int, o: WireOp
         return [Call("all_reduce", "all_reduce", intra=a * per_peer, inter=b * per_peer, group=g, **tag)]
     if backend == "bytegrad":   # Bagua's own flow is an all-reduce
         return _bytegrad(numel // g.size, g, e, o, local_rank, all_reduce=True, **tag)
-    piece = numel // g.size     # qgZ: quantized reduce-scatter, then a quantized all-gather of the pieces
+    piece = numel // g.size
+    if backend == "ring":       # the ring reduce-scatter, then a full-precision all-gather of the pieces
+        calls = _reduce_scatter("ring", bits, piece, g, e, o, local_rank, **tag)
+        a, b = g.peers
+        return calls + [Call("all_reduce_all_gather", "all_gather", intra=a * piece * e, inter=b * piece * e,
+                             group=g, hop=len(calls), **tag)]
+    # qgZ: quantized reduce-scatter, then a quantized all-gather of the pieces
     calls = _reduce_scatter("qgz", bits, piece, g, e, o, local_rank, **tag)
     row = qwz_row_bytes(piece, o.quant_group_size, bits)
     a, b = g.peers

@@ -110,3 +110,29 @@ def test_ranks_sharing_processors_pool_the_bytegrad_leaders_work():
             seen.add(t.call.name)
         assert {n for n in seen if n.startswith("bytegrad")} == {"bytegrad_inter_all_to_all", "bytegrad_intra_reduce",
                                                                 "bytegrad_intra_scatter"}
+
+
+def test_ring_sends_what_nccl_reduce_scatter_sends_and_is_searched_on_gloo_only():
+    """The ring reduce-scatter (comm/ring.py) moves NCCL's ring bytes, half of what gloo's reduce-scatter (an
+    all-reduce) moves; on a slow link its step is the faster one, and the solver offers it only where the profile's
+    reduce-scatter is an all-reduce."""
+    from megatron_ext.planner import solve
+    from megatron_ext.planner.search import enumerate_candidates
+
+    wl = workload_from(SPEC, gpus=4, gpus_per_node=2, micro_batch=1, global_batch=4)
+    plain, ring = (parse_candidate(f"p1.g4.o4.h1 {b}+plain b250k") for b in ("plain", "ring"))
+    inter = {op: LinkCost(1e-5, 2.5e7) for op in hardware_preset("dgx-a100").links["inter"]}   # 200 Mbit/s
+    links = {"intra": hardware_preset("dgx-a100").links["intra"], "inter": inter}
+    nccl = dataclasses.replace(hardware_preset("dgx-a100"), links=links)
+    gloo = dataclasses.replace(nccl, reduce_scatter_as_all_reduce=True)
+    p_nccl, p_gloo, r = predict(plain, wl, nccl), predict(plain, wl, gloo), predict(ring, wl, gloo)
+    assert r.wire_bytes_per_node == p_nccl.wire_bytes_per_node < p_gloo.wire_bytes_per_node
+    w = wl.wire()
+    rs_nccl = p_nccl.wire_bytes_per_node * w.grad_bytes / (w.grad_bytes + w.param_bytes)
+    assert p_gloo.wire_bytes_per_node - r.wire_bytes_per_node == pytest.approx(rs_nccl, rel=1e-9)
+    assert r.step_s < p_gloo.step_s
+    assert r.collectives == 2 * p_gloo.collectives   # per bucket: 3 ring hops + the gather against 1 + 1
+    found = {c.grad_reduce for c in enumerate_candidates(wl, bucket_sizes=(250_000,), ring=True)}
+    assert found == {"plain", "ring"}
+    assert {p.candidate.grad_reduce for p in solve(wl, nccl, bucket_sizes=(250_000,)).ranked} == {"plain"}
+    assert "ring" in {p.candidate.grad_reduce for p in solve(wl, gloo, bucket_sizes=(250_000,)).ranked}

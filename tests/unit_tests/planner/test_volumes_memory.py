@@ -31,6 +31,8 @@ CASES = [
     (8, 8, 8, 1, "plain", "plain"),     # ZeRO-3
     (8, 8, 8, 2, "qgz", "qwz"),         # ZeRO++
     (2, 2, 2, 1, "plain", "plain"),     # ZeRO-3 inside a node, replicated
+    (1, 8, 8, 1, "ring", "plain"),      # the ring over the whole group (the node's last rank crosses)
+    (1, 4, 4, 1, "ring", "plain"),      # MiCS over 2 nodes: ring in the optim group and across the replicas
 ]
 MICRO = 2
 
