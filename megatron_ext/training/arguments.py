@@ -52,6 +52,17 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not implemented",
     "--fp8-format": "FP8 training is not implemented",
     "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
+    "--use-legacy-models": "the models are megatron-core's (the legacy model code is not used)",
+    "--lr-wsd-decay-samples": "the schedule is given in iterations here: use --lr-wsd-decay-iters",
+}
+
+# Of those, the values that ask for exactly what pretrain_gpt does: scripts pasted from Megatron-LM carry them, so
+# they are accepted (any other value is refused with the reason above).
+NOOP_VALUES = {
+    "--context-parallel-size": "1",
+    "--expert-model-parallel-size": "1",
+    "--dataloader-type": "single",
+    "--ckpt-format": "torch",
 }
 
 # Megatron-LM flags that change how fast a run goes or what it logs, never what it trains: accepted, and named in a
@@ -94,6 +105,10 @@ ACCEPTED_WITHOUT_EFFECT = {
     "--wandb-project": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
     "--wandb-exp-name": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
     "--wandb-save-dir": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
+    "--no-query-key-layer-scaling": (False, "query-key layer scaling is off here (megatron-core's default)"),
+    "--create-attention-mask-in-dataloader": (False, "the dataloader never builds masks here"),
+    "--log-loss-scale-to-tensorboard": (False, "the loss scale is not written to TensorBoard"),
+    "--no-save-rng": (False, "checkpoints hold the RNG states"),
 }
 
 
@@ -113,9 +128,30 @@ class ArgumentError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         ns, extra = self.parse_known_args(args, namespace)
+        extra = _drop_noop_values(extra)
         if extra:
             self.error(_explain_unknown(extra, self))
         return ns
+
+    def error(self, message: str):  # type: ignore[override]
+        """The error alone: argparse's usage of some 200 flags, printed by every rank, buried it."""
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the flags)\n")
+
+
+def _drop_noop_values(extra: Sequence[str]) -> List[str]:
+    """``extra`` without the :data:`NOOP_VALUES` flags given their no-op value (``--flag value`` or ``--flag=value``)."""
+    out, i = [], 0
+    while i < len(extra):
+        flag, eq, value = extra[i].partition("=")
+        if flag in NOOP_VALUES:
+            if not eq and i + 1 < len(extra):
+                value = extra[i + 1]
+            if value == NOOP_VALUES[flag]:
+                i += 1 if eq else 2
+                continue
+        out.append(extra[i])
+        i += 1
+    return out
 
 
 def _explain_unknown(extra: Sequence[str], parser: argparse.ArgumentParser) -> str:
@@ -131,11 +167,27 @@ def _explain_unknown(extra: Sequence[str], parser: argparse.ArgumentParser) -> s
         flag = tok.split("=", 1)[0]
         if flag in UNSUPPORTED_MEGATRON_FLAGS:
             msgs.append(f"{flag} is a Megatron-LM flag that pretrain_gpt does not support: "
-                        f"{UNSUPPORTED_MEGATRON_FLAGS[flag]}")
+                        f"{UNSUPPORTED_MEGATRON_FLAGS[flag]}"
+                        + (f" (only {flag} {NOOP_VALUES[flag]} is accepted)" if flag in NOOP_VALUES else ""))
         else:
             close = difflib.get_close_matches(flag, known, n=1)
             msgs.append(f"unrecognized argument {flag}" + (f" (did you mean {close[0]}?)" if close else ""))
     return "; ".join(msgs)
+
+
+def _tokenizer_hint(data_path) -> str:
+    """The flags for the tokenizer tools/preprocess_data.py trained beside ``--data-path``'s first prefix, if any."""
+    import os
+
+    paths = [x for x in (data_path if isinstance(data_path, (list, tuple)) else [data_path])
+             if isinstance(x, str) and not x.replace(".", "", 1).isdigit()]
+    for prefix in paths[:1]:
+        trained = prefix[:-len("_text_document")] + "_tokenizer.json" if prefix.endswith("_text_document") else None
+        if trained and os.path.exists(trained):
+            return f": --tokenizer-type HuggingFaceTokenizer --tokenizer-model {trained} (written by " \
+                   "tools/preprocess_data.py --train-tokenizer-vocab-size)"
+    return ": e.g. --tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER.json, or GPT2BPETokenizer " \
+           "--vocab-file --merge-file"
 
 
 def _qgz_stages(value: str):
@@ -187,7 +239,8 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                    help="step each bucket and start its weight gather in backward, as soon as its gradient is "
                    "reduced, assuming global clipping leaves the step alone; undone and redone bit for bit when it "
                    "does not (costs a second gather then, and 12 bytes per parameter / DP size for the undo copy). "
-                   "Hides the weight gathers behind the backward on slow links; ZeRO-1/2 on CPU, not with --fp16")
+                   "Hides the weight gathers behind the backward on slow links; ZeRO-1/2 on CPU, not with --fp16; "
+                   "needs --overlap-grad-reduce --overlap-param-gather")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for the intra/inter-node split (default: LOCAL_WORLD_SIZE); smaller than "
                    "the world size simulates several nodes on one machine")
@@ -282,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-model-parallel-size > 1; needs --transformer-impl transformer_engine")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -291,8 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="linear")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                   default="linear", help="WSD: warmup, stable, then a decay over the last --lr-wsd-decay-iters")
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   default="exponential", help="the decay of WSD's last phase")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="iterations of WSD's decay phase")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
@@ -330,9 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted: the ODO is a distributed (sharded) optimizer")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="stop with an error, on every rank, when the gradient norm is not finite, before the step "
-                   "changes any weight (fp16 skips such steps anyway)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="on by default, as in Megatron-LM: stop with an error, on every rank, when "
+                   "the gradient norm is not finite, before the step changes any weight (fp16 skips such steps "
+                   "anyway)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="train on through non-finite gradient norms (Megatron-LM's flag)")
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="elements per bucket "
                    "(default max(40M, 1M * DP), like megatron-core)")
     add_megatron_ext_args(p)
@@ -505,9 +565,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     # Precision.
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 conflict: choose one")
-    for flag in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
-        if getattr(args, flag) is not None and not args.fp16:
-            _fail(f"--{flag.replace('_', '-')} applies to --fp16 only")
+    fp16_only = [f"--{flag.replace('_', '-')}" for flag in ("loss_scale", "initial_loss_scale", "min_loss_scale",
+                                                            "loss_scale_window", "hysteresis")
+                 if getattr(args, flag) is not None]
+    if fp16_only and not args.fp16:   # Megatron-LM ignores them too; scripts carry them beside --bf16
+        print(f"WARNING: ignored without --fp16 (as in Megatron-LM): {', '.join(fp16_only)}", file=sys.stderr)
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
     # Optimizer and schedule.
@@ -526,6 +588,15 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
               f"({args.lr_decay_iters}{', by default --train-iters' if decay_default else ''})")
+    if args.lr_decay_style == "WSD":
+        if args.lr_wsd_decay_iters is None:
+            _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (the iterations of its final decay)")
+        if not 0 < args.lr_wsd_decay_iters <= args.lr_decay_iters:
+            _fail(f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) must be in [1, --lr-decay-iters "
+                  f"({args.lr_decay_iters})]")
+    elif args.lr_wsd_decay_iters is not None:
+        print(f"WARNING: --lr-wsd-decay-iters is ignored: --lr-decay-style is {args.lr_decay_style}, not WSD",
+              file=sys.stderr)
     if args.lr < 0 or args.min_lr < 0:
         _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
@@ -562,7 +633,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or 1024
     if args.data_path and args.tokenizer_type is None:
-        _fail("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with)")
+        _fail("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with)"
+              + _tokenizer_hint(args.data_path))
     if not args.data_path and not args.mock_data and args.tokenizer_type is not None:
         _fail("--tokenizer-type without --data-path: the default corpus brings its own tokenizer")
     if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):

@@ -48,6 +48,22 @@ def _build_data(args: argparse.Namespace):
     return tokenizer, datasets
 
 
+def scheduler_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """megatron-core ``OptimizerParamScheduler`` arguments from the flags, as Megatron-LM builds them: steps are
+    samples (a warmup fraction is of the decay's samples, unrounded)."""
+    decay_steps = args.lr_decay_iters * args.global_batch_size
+    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
+                    else args.lr_warmup_iters * args.global_batch_size)
+    wsd = ({"wsd_decay_steps": args.lr_wsd_decay_iters * args.global_batch_size,
+            "lr_wsd_decay_style": args.lr_wsd_decay_style} if args.lr_decay_style == "WSD" else {})
+    return dict(init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
+                lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+                end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+                wd_incr_style=args.weight_decay_incr_style,
+                use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+                override_opt_param_scheduler=args.override_opt_param_scheduler, **wsd)
+
+
 def _build_optimizer(args: argparse.Namespace, model):
     import megatron_ext as mx
     from megatron.core.optimizer import OptimizerConfig
@@ -65,17 +81,7 @@ def _build_optimizer(args: argparse.Namespace, model):
                           sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                           params_dtype=args.params_dtype, use_distributed_optimizer=True, **fp16_kw)
     opt = mx.OverlappedDistributedOptimizer(cfg, model)
-    # Steps are samples, as Megatron-LM counts them (a warmup fraction is of the decay's samples, unrounded).
-    decay_steps = args.lr_decay_iters * args.global_batch_size
-    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
-                    else args.lr_warmup_iters * args.global_batch_size)
-    sched = OptimizerParamScheduler(
-        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
+    sched = OptimizerParamScheduler(opt, **scheduler_kwargs(args))
     return opt, sched
 
 

@@ -49,7 +49,6 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
 
 @pytest.mark.parametrize("argv, names", [
     (["--bf16", "--fp16"], ["--bf16", "--fp16"]),
-    (["--loss-scale", "128"], ["--loss-scale", "--fp16"]),
     (["--qgz-bits", "8"], ["--qgz-bits", "--grad-reduce"]),
     (["--qgz-pipeline-stages", "auto"], ["--qgz-pipeline-stages", "--grad-reduce"]),
     (["--grad-reduce", "qgz", "--qgz-pipeline-stages", "0"], ["--qgz-pipeline-stages", "positive integer or auto"]),
@@ -412,3 +411,68 @@ def test_pipeline_stages_inside_ladder_or_desync_layers_are_named_at_start_up():
     assert notice("--desync-residual", "4x") is None                                 # layer 2's MLP is module 3
     assert "after layer(s) 1, 3 inside the Desync layers" in notice("--desync-residual", "4x", pp=4)
     assert notice("--ladder-residual", pp=1) is None
+
+
+def test_nan_check_is_on_by_default_as_in_megatron_lm():
+    assert parse_args(BASE, world_size=4).check_for_nan_in_loss_and_grad
+    assert parse_args(BASE + ["--check-for-nan-in-loss-and-grad"], world_size=4).check_for_nan_in_loss_and_grad
+    assert not parse_args(BASE + ["--no-check-for-nan-in-loss-and-grad"],
+                          world_size=4).check_for_nan_in_loss_and_grad
+
+
+@pytest.mark.parametrize("argv", [["--context-parallel-size", "1"], ["--expert-model-parallel-size=1"],
+                                  ["--dataloader-type", "single"], ["--ckpt-format", "torch"]])
+def test_unsupported_flags_accepted_at_their_no_op_value(argv):
+    parse_args(BASE + argv + ["--bf16"], world_size=4)
+
+
+def test_unsupported_flag_at_another_value_names_the_accepted_one(capsys):
+    err = _error(capsys, ["--dataloader-type", "cyclic"])
+    assert "--dataloader-type" in err and "only --dataloader-type single is accepted" in err
+
+
+def test_an_argument_error_is_not_buried_under_the_usage(capsys):
+    err = _error(capsys, ["--hiden-size", "3"])
+    assert "usage:" not in err and len(err.splitlines()) == 2
+    assert "error: unrecognized argument --hiden-size" in err and "--help" in err
+
+
+def test_fp16_only_flags_are_ignored_with_a_warning_without_fp16(capsys):
+    args = parse_args(BASE + ["--bf16", "--hysteresis", "2", "--initial-loss-scale", "65536"], world_size=4)
+    assert args.bf16 and args.hysteresis == 2
+    err = capsys.readouterr().err
+    assert "ignored without --fp16 (as in Megatron-LM): --initial-loss-scale, --hysteresis" in err
+
+
+def test_data_path_error_names_the_tokenizer_preprocess_data_trained(capsys, tmp_path):
+    (tmp_path / "x_tokenizer.json").write_text("{}")
+    err = _error(capsys, ["--data-path", str(tmp_path / "x_text_document")])
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'x_tokenizer.json'}" in err
+    assert "--tokenizer-type HuggingFaceTokenizer --tokenizer-model TOKENIZER.json" in _error(
+        capsys, ["--data-path", "1.0", str(tmp_path / "y_text_document")])
+
+
+def test_wsd_schedule_is_megatron_cores(capsys):
+    """WSD: warmup, the peak held, then --lr-wsd-decay-iters of decay ending at --min-lr (megatron-core's own
+    scheduler, fed the samples Megatron-LM feeds it)."""
+    import types
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.training.pretrain_gpt import scheduler_kwargs
+
+    assert "--lr-wsd-decay-iters" in _error(capsys, ["--lr-decay-style", "WSD"])
+    assert "--lr-wsd-decay-iters" in _error(capsys, ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "11"])
+    args = parse_args(BASE + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style",
+                              "linear", "--lr-warmup-iters", "2", "--min-lr", "1e-5", "--global-batch-size", "8"],
+                      world_size=4)
+    opt = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+    sched = OptimizerParamScheduler(opt, **scheduler_kwargs(args))
+    lrs = []
+    for _ in range(10):
+        sched.step(increment=args.global_batch_size)
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[:6] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3])
+    assert lrs[6:] == pytest.approx([1e-5 + (1e-3 - 1e-5) * f for f in (0.75, 0.5, 0.25, 0.0)])
+    parse_args(BASE + ["--lr-wsd-decay-iters", "4"], world_size=4)
+    assert "--lr-wsd-decay-iters is ignored" in capsys.readouterr().err
