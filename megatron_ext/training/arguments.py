@@ -623,6 +623,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.ddp_bucket_size <= 0:
         _fail(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
     args.use_overlapped_distributed_optimizer = True  # the only DP optimizer of this entry point
+    args.use_distributed_optimizer = True             # (a sharded one: the arguments table says so)
     _validate_backends(args)
     _validate_later_features(args)
 
@@ -637,6 +638,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
               + _tokenizer_hint(args.data_path))
     if not args.data_path and not args.mock_data and args.tokenizer_type is not None:
         _fail("--tokenizer-type without --data-path: the default corpus brings its own tokenizer")
+    unused = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
+                             ("--tokenizer-model", args.tokenizer_model)) if v is not None]
+    if unused and args.tokenizer_type is None:
+        _fail(f"{' and '.join(unused)} without --tokenizer-type: name the tokenizer they belong to (and the "
+              "--data-path it tokenized)")
     if args.tokenizer_type == "NullTokenizer" and (args.vocab_size is None or args.vocab_size < 1):
         _fail(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1 (got {args.vocab_size})")
     if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
@@ -645,10 +651,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
               f"the vocabulary size comes from the tokenizer ({args.tokenizer_type or 'the default corpus'})",
               file=sys.stderr)
     try:
-        from .data import parse_split
+        from .data import check_data_path, parse_split
 
         parse_split(args.split)
-    except ValueError as e:
+        if args.data_path and not args.mock_data:   # files and splits now, not after the process group started
+            args.data_notice = check_data_path(args.data_path, args.split, args.eval_iters)
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     if args.tokenizer_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):   # a bad file fails here, on every rank
         from .tokenizer import load_tokenizer

@@ -57,11 +57,7 @@ def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: in
     from megatron.core.datasets.utils import get_blend_from_list
 
     if not mock:
-        for p in _prefixes(data_prefix):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(p + ext):
-                    raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
-                                            "make one with tools/preprocess_data.py)")
+        _check_files(_prefixes(data_prefix))
         split = usable_split(_prefixes(data_prefix), split, num_samples)
     else:
         split = ",".join(f"{w:g}" for w in parse_split(split))
@@ -100,6 +96,28 @@ def parse_split(split: str) -> List[float]:
     if weights[0] == 0.0:
         raise ValueError(f"--split {split!r} gives the train split no data")
     return weights
+
+
+def _check_files(prefixes: List[str]) -> None:
+    for p in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(p + ext):
+                raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
+                                        "make one with tools/preprocess_data.py)")
+
+
+def check_data_path(data_prefix: List[str], split: str, eval_iters: int) -> Optional[str]:
+    """The ``--data-path`` / ``--split`` checks of :func:`build_datasets`, made while the flags are validated (before
+    any process group): missing files and a needed split left empty are errors (``FileNotFoundError`` /
+    ``ValueError`` naming the flag); returns a notice naming the splits that get no documents, or None."""
+    prefixes = _prefixes(data_prefix)
+    _check_files(prefixes)
+    usable = parse_split(usable_split(prefixes, split, [1, eval_iters, eval_iters]))
+    dropped = [SPLIT_NAMES[i] for i, (w, u) in enumerate(zip(parse_split(split), usable)) if w > 0 and u == 0]
+    if not dropped:
+        return None
+    return (f"> --split {split} leaves the {' and '.join(dropped)} split{'s' if len(dropped) > 1 else ''} of "
+            f"--data-path without documents: not evaluated there")
 
 
 def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str:

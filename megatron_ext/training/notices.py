@@ -18,6 +18,10 @@ KNOWN_NOTICES = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
     r"full scope is deprecated",
+    # megatron-core's advice for CUDA and for Transformer Engine, printed by every rank at every TP layer's backward
+    # (tensor_parallel/layers.py) and at config time (transformer_config.py) whatever the device and implementation
+    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"If you are using transformer_engine as the transformer implementation, the core_attn",
 )
 _PATTERNS = [re.compile(p) for p in KNOWN_NOTICES]
 

@@ -476,3 +476,29 @@ def test_wsd_schedule_is_megatron_cores(capsys):
     assert lrs[6:] == pytest.approx([1e-5 + (1e-3 - 1e-5) * f for f in (0.75, 0.5, 0.25, 0.0)])
     parse_args(BASE + ["--lr-wsd-decay-iters", "4"], world_size=4)
     assert "--lr-wsd-decay-iters is ignored" in capsys.readouterr().err
+
+
+def test_tokenizer_files_without_a_tokenizer_type_are_an_error(capsys):
+    err = _error(capsys, ["--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert "--vocab-file and --merge-file without --tokenizer-type" in err
+
+
+def test_data_files_and_splits_checked_with_the_flags(capsys, tmp_path):
+    """Before any process group: a missing .bin/.idx and a split the run needs left empty are errors naming the
+    flag; a split it does not need (test), left empty, is named in a start-up notice."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    err = _error(capsys, ["--data-path", str(tmp_path / "none_text_document"), "--tokenizer-type", "NullTokenizer",
+                          "--vocab-size", "64"])
+    assert "--data-path" in err and "missing" in err
+    prefix = str(tmp_path / "tiny_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in range(40):
+        builder.add_document(np.arange(1, 70, dtype=np.int32) + d, [69])
+    builder.finalize(prefix + ".idx")
+    flags = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+    args = parse_args(BASE + flags, world_size=4)   # the default 969,30,1 of 40 documents: no test documents
+    assert args.data_notice.startswith("> --split 969,30,1 leaves the test split") and "not evaluated" in args.data_notice
+    assert parse_args(BASE + flags + ["--split", "8,1,1"], world_size=4).data_notice is None
+    assert "--split" in _error(capsys, flags + ["--split", "999,1,0"])   # no validation documents, --eval-iters 100

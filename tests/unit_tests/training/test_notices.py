@@ -36,6 +36,11 @@ def test_known_notices_once_on_rank_0_unknown_on_every_rank():
     assert lines1 == [] and usual1 == [unknown]
     assert is_known_notice("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
     assert not is_known_notice("Apex is broken")
+    # megatron-core's CUDA and Transformer Engine advice (every rank, every TP layer's backward)
+    assert is_known_notice("When using async grad allreduce it is recommended to set the environment variable "
+                           "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+    assert is_known_notice("If you are using transformer_engine as the transformer implementation, the core_attn is "
+                           "from transformer_engine and may be the fused version.")
 
 
 def test_entry_point_first_screen_is_quiet(text_dataset, tiny_model_flags, tmp_path):
