@@ -78,8 +78,8 @@ def parse_candidate(label: str, bucket_size: int = 40_000_000) -> Candidate:
     """The inverse of ``Candidate.label`` (backends and bucket optional: plain+plain, ``bucket_size``)."""
     m = _LABEL.match(label.strip())
     if not m:
-        raise ValueError(f"plan label {label!r} is not of the form 'p1.g1.o8.h1 [plain|ring|qgz4|qgz8|bytegrad+plain|qwz] "
-                         "[b40M]'")
+        raise ValueError(f"plan label {label!r} is not of the form "
+                         "'p1.g1.o8.h1 [plain|ring|qgz4|qgz8|bytegrad+plain|qwz] [b40M]'")
     p, g, o, h = (int(x) for x in m.group(1, 2, 3, 4))
     gr, pg, b = m.group(5) or "plain", m.group(6) or "plain", m.group(7)
     bits = 8 if gr == "qgz8" else 4

@@ -139,7 +139,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _drop_noop_values(extra: Sequence[str]) -> List[str]:
-    """``extra`` without the :data:`NOOP_VALUES` flags given their no-op value (``--flag value`` or ``--flag=value``)."""
+    """``extra`` without the :data:`NOOP_VALUES` flags at their no-op value (``--flag value`` or ``--flag=value``)."""
     out, i = [], 0
     while i < len(extra):
         flag, eq, value = extra[i].partition("=")
@@ -654,9 +654,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         from .data import check_data_path, parse_split
 
         parse_split(args.split)
-        if args.data_path and not args.mock_data:   # files and splits now, not after the process group started
-            args.data_notice = check_data_path(args.data_path, args.split, args.eval_iters)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         _fail(str(e))
     if args.tokenizer_type in ("GPT2BPETokenizer", "HuggingFaceTokenizer"):   # a bad file fails here, on every rank
         from .tokenizer import load_tokenizer
@@ -665,6 +663,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             load_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
                            merge_file=args.merge_file)
         except (ValueError, OSError) as e:
+            _fail(str(e))
+    if args.data_path and not args.mock_data:   # the files and splits now, not after the process group started
+        try:
+            args.data_notice = check_data_path(args.data_path, args.split, max(args.eval_iters, 0))
+        except (ValueError, FileNotFoundError) as e:
             _fail(str(e))
 
     # Evaluation and exit.

@@ -9,6 +9,18 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "10"]
 
 
+def _tiny_data(prefix: str, documents: int = 40) -> str:
+    """A preprocessed ``--data-path`` prefix of ``documents`` short documents (ids below 200)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in range(documents):
+        builder.add_document(np.arange(1, 70, dtype=np.int32) + d, [69])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
 def _error(capsys, argv, world_size=4) -> str:
     with pytest.raises(SystemExit) as e:
         parse_args(BASE + argv, world_size=world_size)
@@ -157,8 +169,9 @@ def test_null_tokenizer_needs_vocab_size_and_vocab_size_warns_elsewhere(capsys, 
     err = _error(capsys, ["--mock-data", "--tokenizer-type", "NullTokenizer"])
     assert "--vocab-size" in err and "NullTokenizer" in err
     tok = _word_tokenizer(tmp_path / "tokenizer.json", ["<unk>", "<|endoftext|>", "a"])
-    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
-                       "--vocab-size", "100"], world_size=1)
+    data = _tiny_data(str(tmp_path / "x_text_document"))
+    parse_args(BASE + ["--data-path", data, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
+                       "--vocab-size", "100", "--split", "8,1,1"], world_size=1)
     assert "WARNING: --vocab-size 100 is ignored" in capsys.readouterr().err
     parse_args(BASE + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], world_size=1)
     assert "--vocab-size" not in capsys.readouterr().err
@@ -246,8 +259,8 @@ def test_tokenizer_problems_are_flag_errors_before_training(capsys, tmp_path):
                           str(tmp_path / "cfg")])
     assert "--tokenizer-model" in err and "not valid JSON" in err
     (tmp_path / "cfg" / "tokenizer_config.json").write_text('["a list"]')   # not an object: no eos_token there
-    parse_args(BASE + ["--data-path", "x", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                       str(tmp_path / "cfg")], world_size=1)
+    parse_args(BASE + ["--data-path", _tiny_data(str(tmp_path / "x")), "--split", "8,1,1", "--tokenizer-type",
+                       "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "cfg")], world_size=1)
 
 
 def test_swiglu_ffn_default_is_megatron_lm_rule(capsys):
@@ -486,19 +499,13 @@ def test_tokenizer_files_without_a_tokenizer_type_are_an_error(capsys):
 def test_data_files_and_splits_checked_with_the_flags(capsys, tmp_path):
     """Before any process group: a missing .bin/.idx and a split the run needs left empty are errors naming the
     flag; a split it does not need (test), left empty, is named in a start-up notice."""
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     err = _error(capsys, ["--data-path", str(tmp_path / "none_text_document"), "--tokenizer-type", "NullTokenizer",
                           "--vocab-size", "64"])
     assert "--data-path" in err and "missing" in err
-    prefix = str(tmp_path / "tiny_text_document")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    for d in range(40):
-        builder.add_document(np.arange(1, 70, dtype=np.int32) + d, [69])
-    builder.finalize(prefix + ".idx")
+    prefix = _tiny_data(str(tmp_path / "tiny_text_document"))
     flags = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
     args = parse_args(BASE + flags, world_size=4)   # the default 969,30,1 of 40 documents: no test documents
-    assert args.data_notice.startswith("> --split 969,30,1 leaves the test split") and "not evaluated" in args.data_notice
+    assert args.data_notice.startswith("> --split 969,30,1 leaves the test split")
+    assert "not evaluated" in args.data_notice
     assert parse_args(BASE + flags + ["--split", "8,1,1"], world_size=4).data_notice is None
     assert "--split" in _error(capsys, flags + ["--split", "999,1,0"])   # no validation documents, --eval-iters 100
