@@ -309,6 +309,16 @@ class GradReduce(_Backend):
     @abc.abstractmethod
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work: ...
 
+    def _local_reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Optional[Work]:
+        """Checks a reduce-scatter's sizes; the finished work when nothing needs sending (one rank, empty shard)."""
+        P, n = self.topology.size, out_shard.numel()
+        if bucket.numel() != n * P:
+            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {P} shards of {n}")
+        if P == 1:
+            out_shard.copy_(bucket)
+            return CompletedWork()
+        return CompletedWork() if n == 0 else None
+
     @property
     def all_reduce_alignment(self) -> int:
         """Elements a tensor given to :meth:`all_reduce` must be a multiple of."""

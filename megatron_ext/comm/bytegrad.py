@@ -155,17 +155,7 @@ class ByteGradGradReduce(GradReduce):
             self._warn_once(f"bytegrad on a single node ({topo.size} ranks): using the flat (non-hierarchical) form")
 
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
-        topo = self.topology
-        n = out_shard.numel()
-        P = topo.size
-        if bucket.numel() != n * P:
-            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {P} shards of {n}")
-        if P == 1:
-            out_shard.copy_(bucket)
-            return CompletedWork()
-        if n == 0:
-            return CompletedWork()
-        return self._flow(bucket, out_shard)
+        return self._local_reduce_scatter(bucket, out_shard) or self._flow(bucket, out_shard)
 
     @property
     def all_reduce_alignment(self) -> int:

@@ -15,13 +15,11 @@ from .topology import Topology
 @register_grad_reduce("plain")
 class PlainGradReduce(GradReduce):
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
+        done = self._local_reduce_scatter(bucket, out_shard)
+        if done is not None:
+            return done
         topo = self.topology
         n = out_shard.numel()
-        if bucket.numel() != n * topo.size:
-            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {topo.size} shards of {n}")
-        if topo.size == 1:
-            out_shard.copy_(bucket)
-            return CompletedWork()
         intra, inter = topo.peers()
         self.ledger.record_pairwise("reduce_scatter", n * bucket.element_size(), intra, inter)
         if out_shard.dtype == bucket.dtype:

@@ -44,7 +44,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .backend import BackendOptions, CompletedWork, GradReduce, Work, register_grad_reduce
+from .backend import BackendOptions, GradReduce, Work, register_grad_reduce
 from .ledger import CommLedger
 from .topology import Topology
 from .wire import empty_rows, round_up, row_bytes, unpack_rows
@@ -91,16 +91,7 @@ class QgzGradReduce(GradReduce):
             self._warn_once(f"qgz on a single node ({topo.size} ranks): using the one-hop intra-node all-to-all form")
 
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
-        topo = self.topology
-        n = out_shard.numel()
-        if bucket.numel() != n * topo.size:
-            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {topo.size} shards of {n}")
-        if topo.size == 1:
-            out_shard.copy_(bucket)
-            return CompletedWork()
-        if n == 0:
-            return CompletedWork()
-        return _QgzWork(self, bucket, out_shard)
+        return self._local_reduce_scatter(bucket, out_shard) or _QgzWork(self, bucket, out_shard)
 
     def _gather_piece(self, piece: torch.Tensor, out: torch.Tensor) -> Work:
         """The averaged pieces travel block-quantized with qgZ's bit width, decoded alike on every rank."""

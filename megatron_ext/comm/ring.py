@@ -28,7 +28,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .backend import CompletedWork, GradReduce, Work, register_grad_reduce
+from .backend import GradReduce, Work, register_grad_reduce
 
 
 def ring_bytes(n: int, element_size: int, size: int, ranks_per_node: int, rank: int):
@@ -43,16 +43,7 @@ class RingGradReduce(GradReduce):
     """NCCL's ring reduce-scatter as ``P - 1`` hops (see the module note)."""
 
     def reduce_scatter(self, bucket: torch.Tensor, out_shard: torch.Tensor) -> Work:
-        topo = self.topology
-        n = out_shard.numel()
-        if bucket.numel() != n * topo.size:
-            raise ValueError(f"bucket of {bucket.numel()} elements does not split into {topo.size} shards of {n}")
-        if topo.size == 1:
-            out_shard.copy_(bucket)
-            return CompletedWork()
-        if n == 0:
-            return CompletedWork()
-        return _RingWork(self, bucket, out_shard)
+        return self._local_reduce_scatter(bucket, out_shard) or _RingWork(self, bucket, out_shard)
 
 
 class _RingWork(Work):
