@@ -12,18 +12,19 @@ honest fp32 baseline on gloo, and plain's reduction for users whose cluster is a
 P-1``) sends the partial sum of chunk ``(r-k-1) mod P`` to rank ``r+1`` and receives the partial sum of chunk
 ``(r-k-2) mod P`` from rank ``r-1``, to which it adds its own contribution; after the last hop rank ``r`` holds
 chunk ``r`` summed over every rank, and one pass ``(own + received) * 1/P`` writes the shard. Each hop is one
-``all_to_all_single`` whose only non-empty splits go to the next rank and come from the previous one: a group
-collective, so the progress engine's order rule covers it like any other hop. The bucket is only read; the
+send to the next rank and one receive from the previous (``batch_isend_irecv``: only those two messages, where an
+all-to-all would synchronise the whole group every hop). Every rank issues its hops in the same order (the progress
+engine's rule, as for any multi-hop work), so the point-to-point messages of one pair match in order. The bucket is
+only read; the
 partial sums go through one ``n``-element buffer (a hop has finished sending it before the next sum is written).
 The sums run in the bucket's dtype, as NCCL's, and in ring order, the same on every run.
 
 *Bytes.* Per rank and bucket ``(P-1)*n`` elements to the next rank. Ranks of a node are consecutive, so the last
 rank of each node sends across nodes and ``(P-1)*n`` elements per node cross the link (NCCL's ring; a node-aware
-two-hop reduction would send ``(N-1)*D*n``, qgZ's structure without its quantization).
+two-hop reduction would send ``(N-1)*D*n``, qgZ's structure without its quantization). A DP group whose ranks
+interleave nodes is treated as one node (topology.py, with a warning): there every hop may cross nodes.
 """
 from __future__ import annotations
-
-from typing import List
 
 import torch
 import torch.distributed as dist
@@ -56,9 +57,8 @@ class _RingWork(Work):
         intra, inter = ring_bytes(n, bucket.element_size(), P, topo.ranks_per_node, r)
         self.bytes_per_hop = (intra // (P - 1), inter // (P - 1))
         self.ledger = backend.ledger
-        nxt, prv = (r + 1) % P, (r - 1) % P
-        self.send_splits: List[int] = [n if j == nxt else 0 for j in range(P)]
-        self.recv_splits: List[int] = [n if j == prv else 0 for j in range(P)]
+        self.next_rank = topo.global_ranks[(r + 1) % P]
+        self.prev_rank = topo.global_ranks[(r - 1) % P]
         self.acc = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
         self.recv = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
         self.k = 0
@@ -71,13 +71,14 @@ class _RingWork(Work):
     def _launch(self, send: torch.Tensor) -> None:
         self.ledger.record("ring_reduce_scatter", intra=self.bytes_per_hop[0], inter=self.bytes_per_hop[1])
         self._sent = send   # kept alive while on the wire
-        self._handle = dist.all_to_all_single(self.recv, send, output_split_sizes=self.recv_splits,
-                                              input_split_sizes=self.send_splits, group=self.group, async_op=True)
+        self._handle = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next_rank, self.group),
+                                               dist.P2POp(dist.irecv, self.recv, self.prev_rank, self.group)])
 
     def advance(self) -> None:
         if self._handle is None:
             return
-        self._handle.wait()
+        for h in self._handle:
+            h.wait()
         self._handle = None
         j = (self.r - self.k - 2) % self.P          # the chunk whose partial sum just arrived
         if self.k == self.P - 2:                    # the last hop: j == r, the shard

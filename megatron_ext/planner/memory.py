@@ -85,6 +85,8 @@ def plan_alignment(cand: Candidate, plan: ResolvedPlan, setup: TrainingSetup) ->
             align = _lcm(align, replicas.nodes if replicas.nodes > 1 else replicas.size)
         elif name == "qgz":
             align = _lcm(align, replicas.size * shard_align("qgz"))
+        elif name == "ring":   # GradReduce.all_reduce's default: a piece per replica
+            align = _lcm(align, replicas.size)
     if plan.hpz > 1:
         align = _lcm(align, plan.hpz)
     return align

@@ -115,7 +115,7 @@ def _reduce_scatter(backend: str, bits: int, n: int, g: Group, e: int, o: WireOp
     if backend == "bytegrad":
         return _bytegrad(n, g, e, o, local_rank, all_reduce=False, **tag)
     if backend == "ring":   # P-1 hops, one partial sum to the next rank each (comm/ring.py); the node's last rank
-        # sends across nodes, and every hop waits for that edge
+        # sends across nodes, and every hop waits for that edge; a hop is costed as the calibrated all-to-all's
         intra, inter = ring_bytes(n, e, g.size, g.per_node, local_rank)
         return [Call("ring_reduce_scatter", "all_to_all", intra=intra // (g.size - 1), inter=inter // (g.size - 1),
                      group=g, hop=k, reduce_elems=n, **tag) for k in range(g.size - 1)]

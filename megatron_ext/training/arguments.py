@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from typing import Iterable, List, Optional, Sequence
 
@@ -62,7 +63,6 @@ NOOP_VALUES = {
     "--context-parallel-size": "1",
     "--expert-model-parallel-size": "1",
     "--dataloader-type": "single",
-    "--ckpt-format": "torch",
 }
 
 # Megatron-LM flags that change how fast a run goes or what it logs, never what it trains: accepted, and named in a
@@ -177,8 +177,6 @@ def _explain_unknown(extra: Sequence[str], parser: argparse.ArgumentParser) -> s
 
 def _tokenizer_hint(data_path) -> str:
     """The flags for the tokenizer tools/preprocess_data.py trained beside ``--data-path``'s first prefix, if any."""
-    import os
-
     paths = [x for x in (data_path if isinstance(data_path, (list, tuple)) else [data_path])
              if isinstance(x, str) and not x.replace(".", "", 1).isdigit()]
     for prefix in paths[:1]:
@@ -472,6 +470,12 @@ def _fail(msg: str) -> None:
     raise ArgumentError(msg)
 
 
+def _warn(msg: str) -> None:
+    """A warning about the flags, once per job: every rank validates them, global rank 0 (torchrun's RANK) says it."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        print(f"WARNING: {msg}", file=sys.stderr)
+
+
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                   given: Optional[Iterable[str]] = None) -> argparse.Namespace:
     """Check flag combinations and fill derived values (``data_parallel_size`` ...). Raises ArgumentError.
@@ -554,12 +558,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     if pp > 1 and args.num_micro_batches < pp:
         # megatron-core's 1F1B schedule runs with fewer micro-batches than stages, but it is all bubble.
-        print(f"WARNING: {args.num_micro_batches} micro-batches per step with {pp} pipeline stages: the pipeline "
-              "is mostly idle; raise --global-batch-size", file=sys.stderr)
+        _warn(f"{args.num_micro_batches} micro-batches per step with {pp} pipeline stages: the pipeline "
+              "is mostly idle; raise --global-batch-size")
 
     if args.sequence_parallel and tp == 1:
-        print("WARNING: --sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled",
-              file=sys.stderr)
+        _warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1; disabled")
         args.sequence_parallel = False
 
     # Precision.
@@ -569,7 +572,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                                                             "loss_scale_window", "hysteresis")
                  if getattr(args, flag) is not None]
     if fp16_only and not args.fp16:   # Megatron-LM ignores them too; scripts carry them beside --bf16
-        print(f"WARNING: ignored without --fp16 (as in Megatron-LM): {', '.join(fp16_only)}", file=sys.stderr)
+        _warn(f"ignored without --fp16 (as in Megatron-LM): {', '.join(fp16_only)}")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
     # Optimizer and schedule.
@@ -595,8 +598,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             _fail(f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) must be in [1, --lr-decay-iters "
                   f"({args.lr_decay_iters})]")
     elif args.lr_wsd_decay_iters is not None:
-        print(f"WARNING: --lr-wsd-decay-iters is ignored: --lr-decay-style is {args.lr_decay_style}, not WSD",
-              file=sys.stderr)
+        _warn(f"--lr-wsd-decay-iters is ignored: --lr-decay-style is {args.lr_decay_style}, not WSD")
     if args.lr < 0 or args.min_lr < 0:
         _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
@@ -647,9 +649,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--tokenizer-type NullTokenizer needs --vocab-size >= 1 (got {args.vocab_size})")
     if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
         # Megatron-LM accepts the flag and ignores it for every other tokenizer; say so instead of staying silent.
-        print(f"WARNING: --vocab-size {args.vocab_size} is ignored: only --tokenizer-type NullTokenizer reads it; "
-              f"the vocabulary size comes from the tokenizer ({args.tokenizer_type or 'the default corpus'})",
-              file=sys.stderr)
+        _warn(f"--vocab-size {args.vocab_size} is ignored: only --tokenizer-type NullTokenizer reads it; "
+              f"the vocabulary size comes from the tokenizer ({args.tokenizer_type or 'the default corpus'})")
     try:
         from .data import check_data_path, parse_split
 
@@ -667,8 +668,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.data_path and not args.mock_data:   # the files and splits now, not after the process group started
         try:
             args.data_notice = check_data_path(args.data_path, args.split, max(args.eval_iters, 0))
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, OSError) as e:
             _fail(str(e))
+        except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx
+            _fail(f"--data-path {' '.join(map(str, args.data_path))}: an index file is not a megatron-core .idx ({e})")
 
     # Evaluation and exit.
     if args.eval_iters < 0:

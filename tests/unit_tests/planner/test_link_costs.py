@@ -136,3 +136,14 @@ def test_ring_sends_what_nccl_reduce_scatter_sends_and_is_searched_on_gloo_only(
     assert found == {"plain", "ring"}
     assert {p.candidate.grad_reduce for p in solve(wl, nccl, bucket_sizes=(250_000,)).ranked} == {"plain"}
     assert "ring" in {p.candidate.grad_reduce for p in solve(wl, gloo, bucket_sizes=(250_000,)).ranked}
+
+
+def test_ring_replica_all_reduce_aligns_shards_to_the_replica_count():
+    """The ring's replica all-reduce is GradReduce's default (a piece per replica): with 3 replicas the ODO aligns
+    shards to lcm(64, 3), and so must the planner, or its buckets drift from the ledger."""
+    from megatron_ext.planner.memory import TrainingSetup, plan_alignment
+
+    cand = parse_candidate("p1.g2.o2.h1 ring+plain b250k")
+    plan = cand.sharding_plan().resolve(6, 2, 0)   # optim inside a node, 3 replicas across nodes
+    assert plan_alignment(cand, plan, TrainingSetup()) == 192
+    assert plan_alignment(parse_candidate("p1.g2.o2.h1 plain+plain b250k"), plan, TrainingSetup()) == 64
