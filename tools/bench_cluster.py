@@ -12,7 +12,8 @@ Modes:
   gpt  -- a small megatron-core GPT trained with the ODO (``megatron_ext.OverlappedDDP`` +
           ``OverlappedDistributedOptimizer``), one combo after the other; step time = forward + backward + step.
 
-Combos: plain, qwZ, qgZ (INT4), qwZ+qgZ, ByteGrad, and DeepSpeed ZeRO-2 as the peer (gpt mode, only when
+Combos: plain, ring (plain's reduction as NCCL's ring: on gloo plain's reduce-scatter is an all-reduce), qwZ,
+qwZ+ring, qgZ (INT4), qwZ+qgZ, ByteGrad, and DeepSpeed ZeRO-2 as the peer (gpt mode, only when
 ``deepspeed`` imports; skipped with a message otherwise). Each combo is timed at every ``--rates`` link rate; the
 table shows milliseconds per step (max over ranks, median over iterations) and the speedup over plain, next to
 seed 000's low-bandwidth results (1 IB link, 384 V100: 1.79x-2.16x end to end).
