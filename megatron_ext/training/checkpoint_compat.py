@@ -68,7 +68,27 @@ SCHEDULER_FIELDS: Tuple[SchedulerField, ...] = (
     ("end_wd", "--end-weight-decay (constant style: --weight-decay)", None),
     ("wd_incr_steps", "--train-iters (the weight-decay schedule length)", _steps),
     ("wd_incr_style", "--weight-decay-incr-style", None),
+    ("wsd_decay_steps", "--lr-wsd-decay-iters (WSD)", _steps),
+    ("lr_wsd_decay_style", "--lr-wsd-decay-style (WSD)", None),
 )
+# The scheduler settings megatron-core's state_dict leaves out (WSD's): saved beside it, so a resume compares them.
+EXTRA_SCHEDULER_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")
+
+
+def scheduler_state(scheduler) -> Dict[str, Any]:
+    """What a checkpoint holds of the scheduler: megatron-core's state plus :data:`EXTRA_SCHEDULER_KEYS`."""
+    return {**scheduler.state_dict(), **{k: getattr(scheduler, k, None) for k in EXTRA_SCHEDULER_KEYS}}
+
+
+def load_scheduler_state(scheduler, saved: Dict[str, Any]) -> None:
+    """megatron-core's ``load_state_dict``; with ``--use-checkpoint-opt_param-scheduler`` the checkpoint's WSD
+    settings too (megatron-core keeps this run's, having none saved), and the learning rate recomputed."""
+    scheduler.load_state_dict(saved)
+    if getattr(scheduler, "use_checkpoint_opt_param_scheduler", False) and all(k in saved
+                                                                                for k in EXTRA_SCHEDULER_KEYS):
+        for k in EXTRA_SCHEDULER_KEYS:
+            setattr(scheduler, k, saved[k])
+        scheduler.step(increment=0)
 
 
 # Flags that change how the layers are wired, not the parameters' names or shapes: a --finetune run may change them

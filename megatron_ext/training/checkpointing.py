@@ -62,6 +62,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from .checkpoint_compat import load_scheduler_state, scheduler_state
+
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron_ext.pretrain_gpt/1"
 
@@ -207,7 +209,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     if rank == 0:
         common = {"format": FORMAT, "iteration": iteration, "consumed_train_samples": consumed_train_samples,
                   "consumed_valid_samples": consumed_valid_samples,
-                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                  "scheduler": scheduler_state(scheduler) if scheduler is not None else None,
                   "world_size": dist.get_world_size(),
                   "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                   "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
@@ -484,7 +486,7 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
             for g, b in zip(optimizer.param_groups, bounds):
                 g.update(b)
         if scheduler is not None and common.get("scheduler") is not None:
-            scheduler.load_state_dict(common["scheduler"])
+            load_scheduler_state(scheduler, common["scheduler"])
     else:
         optimizer.reload_model_params()
     if rng_state is not None:

@@ -263,3 +263,37 @@ def test_megatron_lm_checkpoint_without_its_tracker_is_named_as_such(tmp_path):
     torch.save({}, tmp_path / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt")
     with pytest.raises(CheckpointError, match="Megatron-LM"):
         find_checkpoint(str(tmp_path))
+
+
+def test_wsd_settings_are_saved_and_compared_on_resume():
+    """megatron-core's scheduler state leaves WSD's decay length and style out: the checkpoint holds them beside it,
+    a resume with other values is an error naming the flag, and --use-checkpoint-opt_param-scheduler takes the
+    checkpoint's (with the learning rate recomputed)."""
+    import types
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.training.checkpoint_compat import check_scheduler_state, load_scheduler_state, scheduler_state
+
+    def sched(decay_iters, style="linear", use_checkpoint_opt_param_scheduler=False):
+        opt = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+        return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
+                                       lr_decay_steps=80, lr_decay_style="WSD", start_wd=0.0, end_wd=0.0,
+                                       wd_incr_steps=80, wd_incr_style="constant", wsd_decay_steps=decay_iters * 8,
+                                       lr_wsd_decay_style=style,
+                                       use_checkpoint_opt_param_scheduler=use_checkpoint_opt_param_scheduler)
+
+    saved_sched = sched(4)
+    saved_sched.step(increment=56)   # iteration 7: 1 of the 4 decay iterations done
+    saved = scheduler_state(saved_sched)
+    assert saved["wsd_decay_steps"] == 32 and saved["lr_wsd_decay_style"] == "linear"
+    assert check_scheduler_state(saved, sched(4), saved_gbs=8, gbs=8) == []
+    problems = check_scheduler_state(saved, sched(2, "cosine"), saved_gbs=8, gbs=8)
+    assert problems == ["--lr-wsd-decay-iters (WSD): checkpoint 32 samples (4 iterations of --global-batch-size 8), "
+                        "this run 16 samples (2 iterations of --global-batch-size 8)",
+                        "--lr-wsd-decay-style (WSD): checkpoint 'linear', this run 'cosine'"], problems
+    resumed = sched(2, "cosine", use_checkpoint_opt_param_scheduler=True)
+    load_scheduler_state(resumed, saved)
+    assert (resumed.wsd_decay_steps, resumed.lr_wsd_decay_style) == (32, "linear")
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved_sched.optimizer.param_groups[0]["lr"])
+    assert saved_sched.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.75)
