@@ -15,9 +15,8 @@ chunk ``r`` summed over every rank, and one pass ``(own + received) * 1/P`` writ
 send to the next rank and one receive from the previous (``batch_isend_irecv``: only those two messages, where an
 all-to-all would synchronise the whole group every hop). Every rank issues its hops in the same order (the progress
 engine's rule, as for any multi-hop work), so the point-to-point messages of one pair match in order. The bucket is
-only read; the
-partial sums go through one ``n``-element buffer (a hop has finished sending it before the next sum is written).
-The sums run in the bucket's dtype, as NCCL's, and in ring order, the same on every run.
+only read; the partial sums go through one ``n``-element buffer (a hop has finished sending it before the next sum
+is written). The sums run in the bucket's dtype, as NCCL's, and in ring order, the same on every run.
 
 *Bytes.* Per rank and bucket ``(P-1)*n`` elements to the next rank. Ranks of a node are consecutive, so the last
 rank of each node sends across nodes and ``(P-1)*n`` elements per node cross the link (NCCL's ring; a node-aware
