@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -268,10 +268,10 @@ def _gpt_loss(model, batch):
 
 
 def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: Optional[int] = None,
-               engine: bool = True, speculative: Optional[Tuple[float, float]] = None) -> Dict:
+               engine: bool = True, speculative: Optional[float] = None) -> Dict:
     """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off;
-    ``speculative``: the speculative step (optimizer/speculative_step.py) with this range of its gathers held for the
-    forward (``OverlapConfig.speculative_hold``; ``()``: its default); None: off."""
+    ``speculative``: the speculative step (optimizer/speculative_step.py) with this share of its gathers held for the
+    forward; None: off."""
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
@@ -283,7 +283,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
                             quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or None,
                             qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node),
                             speculative_step=speculative is not None,
-                            **({"speculative_hold": speculative} if speculative else {}))
+                            speculative_forward_share=speculative if speculative is not None else 1 / 3)
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False,
                                                             clip_grad=a.clip_grad), ddp)
@@ -302,7 +302,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
               "rolled_back": sum(x.rolled_back for x in opt.speculation),
               "in_backward": sum(x.in_backward for x in opt.speculation)} if speculative is not None else None
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
-            "speculative_rounds": rounds, "speculative_hold": speculative,
+            "speculative_rounds": rounds, "speculative_forward_share": speculative,
             "bucket_numel": bucket or a.bucket_numel, "buckets": len(ddp.buckets), "progress_engine": engine,
             "buffer_pool_size": ddp.buffer_pool_size, "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
@@ -505,9 +505,8 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
 def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
     """One round over every row (and sweep point); ``--repeats`` rounds interleave the rows, so a slow spell of the
     machine is spread over all of them instead of falling on one."""
-    holds = [x for x in a.speculative_hold.split(",") if x]
-    on = [(tuple(float(v) for v in h.split("-")), SPEC_SUFFIX + (f" {h}" if len(holds) > 1 else "")) for h in holds] \
-        or [((), SPEC_SUFFIX)]
+    shares = [float(x) for x in a.speculative_forward_share.split(",")]
+    on = [(s, SPEC_SUFFIX + (f" {s:g}" if len(shares) > 1 else "")) for s in shares]
     specs = {"off": [(None, "")], "on": on, "both": [(None, "")] + on}[a.speculative_step] if a.mode == "gpt" \
         else [(None, "")]
     for plan_name in plans:
@@ -861,10 +860,10 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-step", choices=["off", "on", "both"], default="off",
                     help="gpt mode: rows with the speculative step (optimizer/speculative_step.py), labelled '"
                     + SPEC_SUFFIX.strip() + "'; both: beside the usual rows")
-    ap.add_argument("--speculative-hold", default="",
-                    help="with --speculative-step: the range of the gather bytes, in reduction order, held for the "
-                    "next forward, as LO-HI (OverlapConfig.speculative_hold; default: its default); comma-separated: "
-                    "one row each, labelled '" + SPEC_SUFFIX.strip() + " LO-HI'")
+    ap.add_argument("--speculative-forward-share", default=str(1 / 3),
+                    help="with --speculative-step: the share of the speculative gathers' bytes held for the next "
+                    "forward (OverlapConfig.speculative_forward_share; default a third); comma-separated: one row "
+                    "each, labelled '" + SPEC_SUFFIX.strip() + " <share>'")
     ap.add_argument("--clip-grad", type=float, default=1.0,
                     help="gpt mode: the ODO rows' global gradient clipping (Megatron's default 1.0; 0: none)")
     ap.add_argument("--sweep", default="",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -54,12 +54,11 @@ class OverlapConfig:
     # reduced, assuming the global clipping will not scale it; undone and redone exactly when it does
     # (optimizer/speculative_step.py). ZeRO-1/2, CPU (gloo), without fp16 loss scaling.
     speculative_step: bool = False
-    # With speculative_step: the buckets whose gathers wait for step() and cross during the next forward, as the
-    # range of the gather bytes in reduction order they cover (a bucket is held when its middle byte is inside).
-    # Gathering everything in backward leaves the link idle through the forward; holding a middle range (neither
-    # the first-reduced, available while the link is idle, nor the first-read) fills it (speculative_step.py,
-    # *Pacing*). (0, 0): none held.
-    speculative_hold: Tuple[float, float] = (0.5, 0.65)
+    # With speculative_step: the share of the speculative weight-gather bytes kept for the next forward -- the
+    # buckets the forward reads last (reduced first) are stepped in backward but gathered after the first-read ones,
+    # so the link carries them while the forward runs instead of idling there ([Note: speculative step], *Pacing*).
+    # One third: the forward's share of a step's compute (one forward, a backward of about twice its cost).
+    speculative_forward_share: float = 1 / 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
@@ -69,9 +68,9 @@ class OverlapConfig:
         if self.accumulate is not None:
             object.__setattr__(self, "sharding", fold_accumulate(self.sharding, self.accumulate))
             object.__setattr__(self, "accumulate", None)
-        if not (len(self.speculative_hold) == 2 and 0 <= self.speculative_hold[0] <= self.speculative_hold[1] <= 1):
-            raise ValueError(f"speculative_hold must be a range (lo, hi) with 0 <= lo <= hi <= 1, got "
-                             f"{self.speculative_hold!r}")
+        if not 0 <= self.speculative_forward_share < 1:
+            raise ValueError("speculative_forward_share must be in [0, 1), got "
+                             f"{self.speculative_forward_share!r}")
         if self.gather_pool_size < 1:
             raise ValueError(f"gather_pool_size must be >= 1, got {self.gather_pool_size}")
         if self.buffer_pool_size is not None and (not isinstance(self.buffer_pool_size, int)

@@ -101,14 +101,11 @@ class SpeculativeStep:
                 self.pieces[bucket_of[id(pc.param)]].append(pc)
         self.open = False        # a round: from the step's first final reduction to step() or an abort
         self.resting = False     # a round was aborted in this step: no speculation until the step ends
-        # *Pacing*: the held buckets are stepped in backward but gathered at step(), on the original group; the
-        # others (``order``) may be gathered on the speculative group, in bucket order.
-        held = held_buckets([b.numel for b in self.buckets], self.chunk.overlap_config.speculative_hold)
-        self.held = [self.buckets[i] for i in held]
-        self.order = [b for i, b in enumerate(self.buckets) if i not in held]
-        self._last = {b.index: i for i, b in enumerate(self.buckets)}   # bucket -> its position in reduction order
+        # *Pacing*: the first ``held`` buckets (the forward reads them last) are stepped in backward but gathered at
+        # step(), after the first-read ones, on the original group.
+        self.held = held_buckets([b.numel for b in self.buckets], self.chunk.overlap_config.speculative_forward_share)
         self.stepped = 0         # of self.buckets, stepped in this round (bucket order)
-        self.next = 0            # of self.order, gathered on the speculative group
+        self.next = self.held    # of those, gathered on the speculative group (bucket order, from ``held``)
         self.in_backward = 0     # buckets handed over before step() (for reports and tests)
         self._snapshots: Dict[int, Tuple[torch.Tensor, list]] = {}
         self._hyper: Optional[List[dict]] = None
@@ -130,7 +127,7 @@ class SpeculativeStep:
         if not self.open and not self.resting and self.chunk.param_sync.hooks_enabled:
             # (hooks off, as Megatron-LM's first iteration: every gather would be waited for at once in backward)
             self.open = True
-            self.stepped = self.next = 0
+            self.stepped, self.next = 0, self.held
             self._hyper = _hyper(self.opt.inner)
 
     def on_reduced(self, b: Bucket) -> None:
@@ -142,31 +139,31 @@ class SpeculativeStep:
     def pump(self) -> None:
         """Gather stepped buckets while fewer than GATHERS_IN_FLIGHT are on the link (see *Which first*)."""
         ps = self.chunk.param_sync
-        while self.next < len(self.order) and self._last[self.order[self.next].index] < self.stepped:
-            busy = sum(ps.gathering(b.index) for b in self.order[max(0, self.next - GATHERS_IN_FLIGHT):self.next])
+        while self.next < self.stepped:
+            busy = sum(ps.gathering(b.index)
+                       for b in self.buckets[max(self.held, self.next - GATHERS_IN_FLIGHT):self.next])
             if busy >= GATHERS_IN_FLIGHT:
                 return
-            self._gather(self.order[self.next])
+            self._gather(self.buckets[self.next])
 
     # -- driven by the optimizer ----------------------------------------------------------------------------------
     def hyper_unchanged(self) -> bool:
         return self._hyper == _hyper(self.opt.inner)
 
     def agreed_length(self) -> int:
-        """The round's length on the speculative group: the most buckets of :attr:`order` any DP rank gathered there
-        (one MAX all-reduce, at a program point every rank reaches: step() or an abort)."""
+        """The round's end on the speculative group: the furthest bucket any DP rank gathered there (one MAX
+        all-reduce, at a program point every rank reaches: step() or an abort); at least :attr:`held`."""
         return self.opt.all_ranks_max(self.next)
 
     def step_through(self, upto: int) -> None:
-        """Before a commit: step, in bucket order, what this rank had not stepped up to the round's last bucket, so
-        that every bucket before it (held ones included) is stepped once, before the optimizer steps the rest."""
-        end = self._last[self.order[upto - 1].index] + 1 if upto else 0
-        while self.stepped < end:
+        """Before a commit: step, in bucket order, what this rank had not stepped up to the round's end, so that
+        every bucket below it (the held ones included) is stepped once, before the rest are."""
+        while self.stepped < upto:
             self._step(self.buckets[self.stepped], snapshot=False)
 
     def taken(self, upto: int) -> List[Bucket]:
-        """The buckets a round of length ``upto`` gathers on the speculative group."""
-        return self.order[:upto]
+        """The buckets this round gathers on the speculative group (ending at ``upto``)."""
+        return self.buckets[self.held:upto]
 
     def close(self, commit: bool, upto: int) -> None:
         """End the round at ``upto`` (:meth:`agreed_length`): commit (step and gather on this group up to there;
@@ -177,11 +174,11 @@ class SpeculativeStep:
         if commit:
             self.step_through(upto)   # (step() has done it already, before stepping the rest)
             while self.next < upto:
-                self._gather(self.order[self.next])
+                self._gather(self.buckets[self.next])
             self.committed += 1
         else:
             ps = self.chunk.param_sync
-            ps.launch_buckets(self.order[self.next:upto], self.gather)
+            ps.launch_buckets(self.buckets[self.next:upto], self.gather)
             self.next = upto
             ps.wait_all()
             for idx, (master, states) in self._snapshots.items():
@@ -226,17 +223,17 @@ class SpeculativeStep:
         self.next += 1
 
 
-def held_buckets(sizes: List[int], hold: Tuple[float, float]) -> List[int]:
-    """Positions (in reduction order; ``sizes``: elements per bucket, one dtype) of the buckets whose gathers are
-    held for the forward (*Pacing*): those whose middle byte lies in ``[hold[0], hold[1])`` of the buckets' bytes.
-    The same on every rank: bucket sizes are."""
-    total, seen, out = sum(sizes), 0, []
-    for i, n in enumerate(sizes):
-        middle = (seen + n / 2) / total
-        if hold[0] <= middle < hold[1]:
-            out.append(i)
-        seen += n
-    return out
+def held_buckets(sizes: List[int], share: float) -> int:
+    """How many of the first buckets in reduction order (the forward reads them last) hold at most ``share`` of the
+    gather bytes (``sizes``: elements per bucket, one dtype): those are gathered at step() (*Pacing*). The same
+    on every rank: bucket sizes are."""
+    budget, held = share * sum(sizes), 0
+    for n in sizes:
+        budget -= n
+        if budget < 0:
+            break
+        held += 1
+    return held
 
 
 def _hyper(inner: torch.optim.Optimizer) -> List[dict]:

@@ -21,7 +21,7 @@ WIDTHS = [13, 37, 29, 5]
 
 
 def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine: bool = True,
-           misuse: bool = False, delays: bool = False, patience: float = 0.0, hold=(0.2, 0.8)):
+           misuse: bool = False, delays: bool = False, patience: float = 0.0, share: float = 1 / 3):
     """``clips[step % len(clips)]`` is the step's clip_grad (0: none; 1e-4: every step clips). Returns the weights
     after every step, the rounds committed / rolled back, the buckets stepped in backward, one step's bytes and, per
     step, the weight gathers launched between its backward and its step's end: ``(bucket, on the speculative
@@ -40,7 +40,7 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
     plans = {"zero2": mx.ShardingPlan(), "mics": mx.ShardingPlan.mics(RPN), "local": mx.ShardingPlan()}
     cfg = mx.OverlapConfig(bucket_size=200, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN, quant_group_size=32,
                            sharding=plans[plan], accumulate="local" if plan == "local" else None,
-                           progress_engine=engine, speculative_step=spec, speculative_hold=hold)
+                           progress_engine=engine, speculative_step=spec, speculative_forward_share=share)
     model = mx.OverlappedDDP(module, cfg)
     launches, launch = [], model.param_sync.launch_buckets
 
@@ -99,26 +99,24 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
             "committed": sum(s.committed for s in spec_objs), "rolled_back": sum(s.rolled_back for s in spec_objs),
             "in_backward": sum(s.in_backward for s in spec_objs), "speculated": sum(len(s.buckets) for s in spec_objs),
             "ledger": ledger_bytes, "gathers": gathers,
-            "held": [[b.index for b in s.held] for s in spec_objs],
-            "reduction_order": [[b.index for b in s.buckets] for s in spec_objs],
+            "held": [s.held for s in spec_objs], "reduction_order": [[b.index for b in s.buckets] for s in spec_objs],
             "forward_order": [b.index for b in model.param_sync.forward_order]}
 
 
 # plain, qgZ, ByteGrad and qwZ; a plan with replicas (chained reduce-scatter + all-reduce); local accumulation; every
-# gather speculative (nothing held for the forward); the first-reduced buckets held (the others: the middle ones,
-# _train's default)
+# gather speculative (nothing held for the forward)
 CASES = [("plain", "plain", "zero2"), ("qgz", "qwz", "zero2"), ("bytegrad", "plain", "mics"), ("qgz", "plain", "local"),
-         ("plain", "plain", "zero2", (0.0, 0.0)), ("qgz", "qwz", "zero2", (0.0, 0.4))]
+         ("plain", "plain", "zero2", 0.0)]
 STEPS = 6   # steps 2 and 5 have two micro-batches
 
 
 def _cases(cases, clips, **kw):
     W.capture_logs()
     out = {}
-    for gr, pg, plan, *hold in cases:
-        key = f"{gr}+{pg}/{plan}" + (f"/hold {hold[0]}" if hold else "")
+    for gr, pg, plan, *share in cases:
+        key = f"{gr}+{pg}/{plan}" + (f"/share {share[0]}" if share else "")
         out[key] = {"usual": _train(gr, pg, plan, False, clips, STEPS, **kw),
-                    "spec": _train(gr, pg, plan, True, clips, STEPS, **kw, **({"hold": hold[0]} if hold else {}))}
+                    "spec": _train(gr, pg, plan, True, clips, STEPS, **kw, share=share[0] if share else 1 / 3)}
     return out
 
 
@@ -153,27 +151,25 @@ def test_committed_rounds_give_the_usual_weights_bit_for_bit():
 
 
 def _assert_paced(r, key):
-    """*Pacing*: in every committed step each bucket is gathered once; the speculative group gathers a prefix of the
-    reduction order without the held buckets; the original group gathers the rest in forward order, held ones
-    included."""
+    """*Pacing*: in every committed step each bucket is gathered once; the speculative group gathers a run of the
+    reduction order starting after the held buckets; the original group gathers the rest in forward order, the held
+    ones (reduced first, read last) last."""
     (held,), (order,), forward = r["held"], r["reduction_order"], r["forward_order"]
-    assert (held == []) == ("hold (0.0, 0.0)" in key), (key, held)
-    if "hold (0.0, 0.4)" in key:
-        assert held == order[:len(held)], (key, held, order)
-    unheld = [i for i in order if i not in held]
+    assert held == (0 if "share 0.0" in key else 1), (key, held)   # a third of WIDTHS' gather bytes: one bucket
     for step, gathers in enumerate(r["gathers"]):
         assert sorted(i for i, _ in gathers) == sorted(forward), (key, step, gathers)
         spec = [i for i, on_spec in gathers if on_spec]
-        assert spec == unheld[:len(spec)], (key, step, spec, order, held)
+        assert spec == order[held:held + len(spec)], (key, step, spec, order, held)
         rest = [i for i, on_spec in gathers if not on_spec]
-        assert rest == [i for i in forward if i not in spec] and set(held) <= set(rest), (key, step, rest)
+        assert rest == [i for i in forward if i not in spec], (key, step, rest)
+        assert set(rest[len(rest) - held:]) == set(order[:held]), (key, step, rest, order, held)
 
 
-def test_held_buckets_are_those_whose_middle_byte_is_in_the_range():
+def test_held_buckets_take_at_most_their_share_of_the_bytes():
     from megatron_ext.optimizer.speculative_step import held_buckets
-    assert held_buckets([10, 10, 10], (0.0, 1 / 3)) == [0] and held_buckets([10, 10, 10], (0.0, 0.0)) == []
-    assert held_buckets([40, 10, 10], (0.0, 0.3)) == [] and held_buckets([10] * 10, (0.5, 0.65)) == [5]
-    assert held_buckets([5, 5, 90], (0.0, 0.1)) == [0, 1] and held_buckets([10] * 4, (0.2, 1.0)) == [1, 2, 3]
+    assert held_buckets([10, 10, 10], 1 / 3) == 1 and held_buckets([10, 10, 10], 0.0) == 0
+    assert held_buckets([40, 10, 10], 1 / 3) == 0 and held_buckets([10] * 9, 0.5) == 4
+    assert held_buckets([5, 5, 90], 0.1) == 2 and held_buckets([], 0.3) == 0
 
 
 def _clip_and_interrupted():
