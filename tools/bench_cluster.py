@@ -268,10 +268,9 @@ def _gpt_loss(model, batch):
 
 
 def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: Optional[int] = None,
-               engine: bool = True, speculative: Optional[float] = None) -> Dict:
+               engine: bool = True, speculative: bool = False) -> Dict:
     """``bucket``: elements per bucket (default ``--bucket-numel``); ``engine``: the progress engine on or off;
-    ``speculative``: the speculative step (optimizer/speculative_step.py) with this share of its gathers held for the
-    forward; None: off."""
+    ``speculative``: the speculative step (optimizer/speculative_step.py)."""
     from megatron.core.optimizer import OptimizerConfig
 
     import megatron_ext as mx
@@ -282,8 +281,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
                             ranks_per_node=topo.ranks_per_node, grad_reduce_in_fp32=False,
                             quant_group_size=a.group_size, qgz_pipeline_stages=a.stages or None,
                             qgz_bits=extra.get("qgz_bits", 4), sharding=PLAN_PRESETS[plan_name](topo.ranks_per_node),
-                            speculative_step=speculative is not None,
-                            speculative_forward_share=speculative if speculative is not None else 1 / 3)
+                            speculative_step=speculative)
     ddp = mx.OverlappedDDP(model, ocfg)
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False,
                                                             clip_grad=a.clip_grad), ddp)
@@ -300,9 +298,9 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     mem = ddp.memory_report()
     rounds = {"committed": sum(x.committed for x in opt.speculation),
               "rolled_back": sum(x.rolled_back for x in opt.speculation),
-              "in_backward": sum(x.in_backward for x in opt.speculation)} if speculative is not None else None
+              "in_backward": sum(x.in_backward for x in opt.speculation)} if speculative else None
     return {**out, "ledger": _ledger_over_ranks(ddp.ledger, topo), "plan": ddp.plan.describe(),
-            "speculative_rounds": rounds, "speculative_forward_share": speculative,
+            "speculative_rounds": rounds,
             "bucket_numel": bucket or a.bucket_numel, "buckets": len(ddp.buckets), "progress_engine": engine,
             "buffer_pool_size": ddp.buffer_pool_size, "params": sum(p.numel() for p in model.parameters()),
             "model_state_bytes": sum(v for k, v in mem.items() if k not in ("bucket_pool", "gather_pool")),
@@ -505,18 +503,15 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
 def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
     """One round over every row (and sweep point); ``--repeats`` rounds interleave the rows, so a slow spell of the
     machine is spread over all of them instead of falling on one."""
-    shares = [float(x) for x in a.speculative_forward_share.split(",")]
-    on = [(s, SPEC_SUFFIX + (f" {s:g}" if len(shares) > 1 else "")) for s in shares]
-    specs = {"off": [(None, "")], "on": on, "both": [(None, "")] + on}[a.speculative_step] if a.mode == "gpt" \
-        else [(None, "")]
+    specs = {"off": [False], "on": [True], "both": [False, True]}[a.speculative_step] if a.mode == "gpt" else [False]
     for plan_name in plans:
         for combo in COMBOS:
             label = combo.label
             if a.combos and label not in a.combos.split(","):
                 continue
             extra = {"qgz_bits": combo.qgz_bits}
-            for spec, suffix in specs:
-                base_row = (label if len(plans) == 1 else f"{plan_name} {label}") + suffix
+            for spec in specs:
+                base_row = (label if len(plans) == 1 else f"{plan_name} {label}") + (SPEC_SUFFIX if spec else "")
                 for engine in engines:
                     row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
                     if a.mode == "raw":
@@ -527,7 +522,7 @@ def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) ->
                     _add(results, row, r)
                     if a.rank == 0:
                         print(f"  {row:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step"
-                              + (f" (rounds {r['speculative_rounds']})" if spec is not None else ""), flush=True)
+                              + (f" (rounds {r['speculative_rounds']})" if spec else ""), flush=True)
                 # The sweep: the same row at every other bucket size (progress engine as the first setting).
                 for size in sizes:
                     key = str(size)
@@ -860,10 +855,6 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-step", choices=["off", "on", "both"], default="off",
                     help="gpt mode: rows with the speculative step (optimizer/speculative_step.py), labelled '"
                     + SPEC_SUFFIX.strip() + "'; both: beside the usual rows")
-    ap.add_argument("--speculative-forward-share", default=str(1 / 3),
-                    help="with --speculative-step: the share of the speculative gathers' bytes held for the next "
-                    "forward (OverlapConfig.speculative_forward_share; default a third); comma-separated: one row "
-                    "each, labelled '" + SPEC_SUFFIX.strip() + " <share>'")
     ap.add_argument("--clip-grad", type=float, default=1.0,
                     help="gpt mode: the ODO rows' global gradient clipping (Megatron's default 1.0; 0: none)")
     ap.add_argument("--sweep", default="",

@@ -54,11 +54,6 @@ class OverlapConfig:
     # reduced, assuming the global clipping will not scale it; undone and redone exactly when it does
     # (optimizer/speculative_step.py). ZeRO-1/2, CPU (gloo), without fp16 loss scaling.
     speculative_step: bool = False
-    # With speculative_step: the share of the speculative weight-gather bytes kept for the next forward -- the
-    # buckets the forward reads last (reduced first) are stepped in backward but gathered after the first-read ones,
-    # so the link carries them while the forward runs instead of idling there ([Note: speculative step], *Pacing*).
-    # One third: the forward's share of a step's compute (one forward, a backward of about twice its cost).
-    speculative_forward_share: float = 1 / 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
@@ -68,9 +63,6 @@ class OverlapConfig:
         if self.accumulate is not None:
             object.__setattr__(self, "sharding", fold_accumulate(self.sharding, self.accumulate))
             object.__setattr__(self, "accumulate", None)
-        if not 0 <= self.speculative_forward_share < 1:
-            raise ValueError("speculative_forward_share must be in [0, 1), got "
-                             f"{self.speculative_forward_share!r}")
         if self.gather_pool_size < 1:
             raise ValueError(f"gather_pool_size must be >= 1, got {self.gather_pool_size}")
         if self.buffer_pool_size is not None and (not isinstance(self.buffer_pool_size, int)

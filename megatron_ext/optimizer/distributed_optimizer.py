@@ -296,8 +296,6 @@ class OverlappedDistributedOptimizer:
                     c.main_grad_partition.mul_(coeff)
         num_zeros = self.count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False) else None
         if commit:
-            for s, upto in rounds:
-                s.step_through(upto)
             self._step_after_commit(rounds)   # first: the forward reads these first (another group: order is free)
             for s, upto in rounds:
                 s.close(commit=True, upto=upto)
@@ -325,24 +323,23 @@ class OverlappedDistributedOptimizer:
 
     def _step_after_commit(self, rounds) -> None:
         """With committed rounds: step every bucket beyond each round's agreed length (the ones reduced last, which
-        the forward reads first), deferred buckets and chunks without a round, and gather them with the held ones
-        (stepped in backward, read last) in forward order on the original group (see [Note: speculative step])."""
-        taken = {s.ci: {b.index for b in s.taken(upto)} for s, upto in rounds}   # on the speculative group
+        the forward reads first), deferred buckets and chunks without a round, and gather them in forward order on
+        the original group (see [Note: speculative step])."""
+        taken = {s.ci: {b.index for b in s.buckets[:upto]} for s, upto in rounds}   # on the speculative group
         stepped = {s.ci: {b.index for b in s.buckets[:s.stepped]} for s, _ in rounds}
         rest = [[b for b in getattr(c.param_sync, "forward_order", c.buckets) if b.index not in taken.get(ci, ())]
                 for ci, c in enumerate(self.chunks)]
-        pieces, mine = [], []
+        pieces = []
         for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
-            mine.append([b for b in buckets if b.index not in stepped.get(ci, ())])   # the held ones are stepped
-            for b in mine[-1]:
+            mine = {b.index for b in buckets if b.index not in stepped.get(ci, ())}
+            for b in buckets:
                 c.param_sync.wait_bucket(b.index)
-            idx = {b.index for b in mine[-1]}
-            pieces += [pc for pc in self.pieces if pc.chunk == ci and c.param_sync.bucket_of_param[id(pc.param)] in idx]
+            pieces += [pc for pc in self.pieces
+                       if pc.chunk == ci and c.param_sync.bucket_of_param[id(pc.param)] in mine]
         self.step_pieces(pieces, extra=self._uncovered)
         for ci, (c, buckets) in enumerate(zip(self.chunks, rest)):
-            if mine[ci]:
-                self.copy_masters(ci, mine[ci])
             if buckets:
+                self.copy_masters(ci, buckets)
                 c.param_sync.launch_buckets(buckets)
 
     def all_ranks_max(self, value: int) -> int:

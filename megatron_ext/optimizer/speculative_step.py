@@ -29,14 +29,14 @@ A forward, ``zero_grad_buffer``, ``scale_gradients`` (by another factor than 1),
 an optimizer ``state_dict`` / ``load_state_dict`` or ``reload_model_params`` inside an open round rolls it back
 first (and re-gathers the restored weights, which a load then overwrites). The model's own ``state_dict()`` inside
 a round waits for the gathers but does not roll back (a save may run on one rank only, where an all-reduce would
-hang): it reads the weights stepped so far, so save after ``step()``, as Megatron-LM does; speculation then rests
-until the step ends (a warning names the cause once). So the weights after every step, and every tensor of the optimizer state, are those of the usual step bit for bit: the inner
+hang): it reads the weights stepped so far, so save after ``step()``, as Megatron-LM does; speculation then rests until the step ends (a warning names the cause once). So the weights
+after every step, and every tensor of the optimizer state, are those of the usual step bit for bit: the inner
 optimizer is elementwise (Adam, AdamW, SGD, foreach), so stepping a bucket's pieces alone computes each element as
 the whole step does, and a rollback restores the exact bytes it replaces.
 
 *Order.* The speculative gathers go to a clone of the optim group of their own (``OverlappedDDP.speculative_gather``),
-always in bucket order (from the first bucket not held, *Pacing*). *How many* a rank has issued when the round ends
-depends on timing, so the round's length is agreed first: one MAX all-reduce on the original group (at step() or the abort, program points every rank
+always in bucket order. *How many* a rank has issued when the round ends depends on timing, so the round's length is
+agreed first: one MAX all-reduce on the original group (at step() or the abort, program points every rank
 reaches), after which every rank has issued exactly that many on the speculative group, in bucket order, and the
 buckets beyond it go to the original group, in forward order, on every rank. Every other collective keeps its
 program point: the hand-over completes only reductions that are finished (an engine work's COMPLETE then issues
@@ -45,17 +45,9 @@ nothing).
 *Which first.* The backward reduces the last layers first, the forward reads them last. A gather is issued while
 fewer than ``GATHERS_IN_FLIGHT`` speculative gathers are unfinished, so the link is not queued deep with weights the
 forward reads late when the step comes; the buckets not yet gathered then go in forward order (above), the first
-layers' ahead.
-
-*Pacing.* Gathering everything in the backward leaves the link idle through the next forward (stop 38: qgZ INT4
-moved 15.6 of its 17.3 MB per node in the backward), while a slow link cannot fit the weights and the reductions
-into the backward alone. So the first ``held`` buckets in reduction order, holding at most
-``OverlapConfig.speculative_forward_share`` of the gather bytes (a third by default: the forward's share of the
-compute), are stepped in backward like the others but not gathered there: the speculative group's run starts after
-them (``next`` starts at ``held``; the agreed length is at least ``held``), and at a commit they go to the original
-group behind the first-read buckets, in forward order, so they cross while the forward computes the layers before
-them. A rollback restores them like any stepped bucket. ``held`` depends on the bucket sizes only, the same on every
-rank.
+layers' ahead. Measured (docs/benchmarks, 2 x 2 ranks, 200 Mbit/s, ``--clip-grad 0``): the gathers' bytes move
+from the forward to the backward (qgZ INT4: 15.5 of 17.2 MB per node), the step falls by 15-25%; the link then idles
+through most of the next forward, which a pacing that kept part of the late-read weights for the forward would use.
 
 *Cost.* The snapshot: each speculatively stepped bucket's masters and per-element optimizer state (Adam: 12 bytes
 per parameter / optim group size), alive until the step. A rollback sends the weights twice. Worth it where steps
@@ -101,11 +93,8 @@ class SpeculativeStep:
                 self.pieces[bucket_of[id(pc.param)]].append(pc)
         self.open = False        # a round: from the step's first final reduction to step() or an abort
         self.resting = False     # a round was aborted in this step: no speculation until the step ends
-        # *Pacing*: the first ``held`` buckets (the forward reads them last) are stepped in backward but gathered at
-        # step(), after the first-read ones, on the original group.
-        self.held = held_buckets([b.numel for b in self.buckets], self.chunk.overlap_config.speculative_forward_share)
         self.stepped = 0         # of self.buckets, stepped in this round (bucket order)
-        self.next = self.held    # of those, gathered on the speculative group (bucket order, from ``held``)
+        self.next = 0            # of those, gathered on the speculative group (bucket order)
         self.in_backward = 0     # buckets handed over before step() (for reports and tests)
         self._snapshots: Dict[int, Tuple[torch.Tensor, list]] = {}
         self._hyper: Optional[List[dict]] = None
@@ -127,7 +116,7 @@ class SpeculativeStep:
         if not self.open and not self.resting and self.chunk.param_sync.hooks_enabled:
             # (hooks off, as Megatron-LM's first iteration: every gather would be waited for at once in backward)
             self.open = True
-            self.stepped, self.next = 0, self.held
+            self.stepped = self.next = 0
             self._hyper = _hyper(self.opt.inner)
 
     def on_reduced(self, b: Bucket) -> None:
@@ -140,8 +129,7 @@ class SpeculativeStep:
         """Gather stepped buckets while fewer than GATHERS_IN_FLIGHT are on the link (see *Which first*)."""
         ps = self.chunk.param_sync
         while self.next < self.stepped:
-            busy = sum(ps.gathering(b.index)
-                       for b in self.buckets[max(self.held, self.next - GATHERS_IN_FLIGHT):self.next])
+            busy = sum(ps.gathering(b.index) for b in self.buckets[max(0, self.next - GATHERS_IN_FLIGHT):self.next])
             if busy >= GATHERS_IN_FLIGHT:
                 return
             self._gather(self.buckets[self.next])
@@ -151,19 +139,9 @@ class SpeculativeStep:
         return self._hyper == _hyper(self.opt.inner)
 
     def agreed_length(self) -> int:
-        """The round's end on the speculative group: the furthest bucket any DP rank gathered there (one MAX
-        all-reduce, at a program point every rank reaches: step() or an abort); at least :attr:`held`."""
+        """The round's length on the speculative group: the most buckets any DP rank gathered there (one MAX
+        all-reduce, at a program point every rank reaches: step() or an abort)."""
         return self.opt.all_ranks_max(self.next)
-
-    def step_through(self, upto: int) -> None:
-        """Before a commit: step, in bucket order, what this rank had not stepped up to the round's end, so that
-        every bucket below it (the held ones included) is stepped once, before the rest are."""
-        while self.stepped < upto:
-            self._step(self.buckets[self.stepped], snapshot=False)
-
-    def taken(self, upto: int) -> List[Bucket]:
-        """The buckets this round gathers on the speculative group (ending at ``upto``)."""
-        return self.buckets[self.held:upto]
 
     def close(self, commit: bool, upto: int) -> None:
         """End the round at ``upto`` (:meth:`agreed_length`): commit (step and gather on this group up to there;
@@ -172,9 +150,11 @@ class SpeculativeStep:
         if not self.open:
             return
         if commit:
-            self.step_through(upto)   # (step() has done it already, before stepping the rest)
             while self.next < upto:
-                self._gather(self.buckets[self.next])
+                b = self.buckets[self.next]
+                if self.next >= self.stepped:
+                    self._step(b, snapshot=False)
+                self._gather(b)
             self.committed += 1
         else:
             ps = self.chunk.param_sync
@@ -221,19 +201,6 @@ class SpeculativeStep:
     def _gather(self, b: Bucket) -> None:
         self.chunk.param_sync.launch_buckets([b], self.gather)
         self.next += 1
-
-
-def held_buckets(sizes: List[int], share: float) -> int:
-    """How many of the first buckets in reduction order (the forward reads them last) hold at most ``share`` of the
-    gather bytes (``sizes``: elements per bucket, one dtype): those are gathered at step() (*Pacing*). The same
-    on every rank: bucket sizes are."""
-    budget, held = share * sum(sizes), 0
-    for n in sizes:
-        budget -= n
-        if budget < 0:
-            break
-        held += 1
-    return held
 
 
 def _hyper(inner: torch.optim.Optimizer) -> List[dict]:

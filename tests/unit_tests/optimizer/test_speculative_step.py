@@ -21,11 +21,9 @@ WIDTHS = [13, 37, 29, 5]
 
 
 def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine: bool = True,
-           misuse: bool = False, delays: bool = False, patience: float = 0.0, share: float = 1 / 3):
+           misuse: bool = False, delays: bool = False, patience: float = 0.0):
     """``clips[step % len(clips)]`` is the step's clip_grad (0: none; 1e-4: every step clips). Returns the weights
-    after every step, the rounds committed / rolled back, the buckets stepped in backward, one step's bytes and, per
-    step, the weight gathers launched between its backward and its step's end: ``(bucket, on the speculative
-    group)`` in launch order."""
+    after every step, the rounds committed / rolled back, the buckets stepped in backward and one step's bytes."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
@@ -40,25 +38,18 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
     plans = {"zero2": mx.ShardingPlan(), "mics": mx.ShardingPlan.mics(RPN), "local": mx.ShardingPlan()}
     cfg = mx.OverlapConfig(bucket_size=200, grad_reduce=gr, param_gather=pg, ranks_per_node=RPN, quant_group_size=32,
                            sharding=plans[plan], accumulate="local" if plan == "local" else None,
-                           progress_engine=engine, speculative_step=spec, speculative_forward_share=share)
+                           progress_engine=engine, speculative_step=spec)
     model = mx.OverlappedDDP(module, cfg)
-    launches, launch = [], model.param_sync.launch_buckets
-
-    def recording(buckets, backend=None):
-        launches.append([(b.index, backend is not None and backend is model.speculative_gather) for b in buckets])
-        return launch(buckets, backend)
-    model.param_sync.launch_buckets = recording
     ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=clips[0])
     opt = mx.OverlappedDistributedOptimizer(ocfg, model)
     rng = random.Random(1000 * rank + 7)
     if delays:
         set_delay_hook(lambda where: time.sleep(rng.random() * 0.003) if rng.random() < 0.3 else None)
     grad_sync.POLL_PATIENCE_S = patience
-    weights, ledger_bytes, gathers = [], None, []
+    weights, ledger_bytes = [], None
     try:
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(steps):
-            launches.clear()   # (the last step's force_sync gathers)
             ocfg.clip_grad = clips[step % len(clips)]
             x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, 5, generator=g)
             if step == 1:
@@ -84,8 +75,6 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
                 opt.reload_model_params()
             model.finish_grad_sync()
             opt.step()
-            gathers.append([item for call in launches for item in call])
-            launches.clear()
             if step == 1:
                 ledger_bytes = model.ledger.summary()
             opt.zero_grad()
@@ -98,25 +87,21 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
     return {"weights": torch.stack(weights),
             "committed": sum(s.committed for s in spec_objs), "rolled_back": sum(s.rolled_back for s in spec_objs),
             "in_backward": sum(s.in_backward for s in spec_objs), "speculated": sum(len(s.buckets) for s in spec_objs),
-            "ledger": ledger_bytes, "gathers": gathers,
-            "held": [s.held for s in spec_objs], "reduction_order": [[b.index for b in s.buckets] for s in spec_objs],
-            "forward_order": [b.index for b in model.param_sync.forward_order]}
+            "ledger": ledger_bytes}
 
 
-# plain, qgZ, ByteGrad and qwZ; a plan with replicas (chained reduce-scatter + all-reduce); local accumulation; every
-# gather speculative (nothing held for the forward)
-CASES = [("plain", "plain", "zero2"), ("qgz", "qwz", "zero2"), ("bytegrad", "plain", "mics"), ("qgz", "plain", "local"),
-         ("plain", "plain", "zero2", 0.0)]
+# plain, qgZ, ByteGrad and qwZ; a plan with replicas (chained reduce-scatter + all-reduce); local accumulation
+CASES = [("plain", "plain", "zero2"), ("qgz", "qwz", "zero2"), ("bytegrad", "plain", "mics"), ("qgz", "plain", "local")]
 STEPS = 6   # steps 2 and 5 have two micro-batches
 
 
 def _cases(cases, clips, **kw):
     W.capture_logs()
     out = {}
-    for gr, pg, plan, *share in cases:
-        key = f"{gr}+{pg}/{plan}" + (f"/share {share[0]}" if share else "")
+    for gr, pg, plan in cases:
+        key = f"{gr}+{pg}/{plan}"
         out[key] = {"usual": _train(gr, pg, plan, False, clips, STEPS, **kw),
-                    "spec": _train(gr, pg, plan, True, clips, STEPS, **kw, share=share[0] if share else 1 / 3)}
+                    "spec": _train(gr, pg, plan, True, clips, STEPS, **kw)}
     return out
 
 
@@ -139,7 +124,6 @@ def test_committed_rounds_give_the_usual_weights_bit_for_bit():
         if key.startswith("plain+plain/zero2"):
             assert r["spec"]["in_backward"] == STEPS * r["spec"]["speculated"] > 0, (key, r["spec"])
         assert r["spec"]["in_backward"] > 0, (key, r["spec"])
-        _assert_paced(r["spec"], key)
         # A committed round sends the usual bytes, and one more scalar all-reduce (the round's agreed length).
         spec, usual = dict(r["spec"]["ledger"]), dict(r["usual"]["ledger"])
         s_scalar, u_scalar = spec.pop("dp_scalar_all_reduce"), usual.pop("dp_scalar_all_reduce")
@@ -148,28 +132,6 @@ def test_committed_rounds_give_the_usual_weights_bit_for_bit():
         assert s_scalar["calls"] == u_scalar["calls"] + 1, (key, s_scalar, u_scalar)
         # the usual step's one scalar all-reduce carries two float64 (the norm's sum of squares, the failure flag)
         assert u_scalar["calls"] == 1 and s_scalar["total"] - u_scalar["total"] == u_scalar["total"] // 2, key
-
-
-def _assert_paced(r, key):
-    """*Pacing*: in every committed step each bucket is gathered once; the speculative group gathers a run of the
-    reduction order starting after the held buckets; the original group gathers the rest in forward order, the held
-    ones (reduced first, read last) last."""
-    (held,), (order,), forward = r["held"], r["reduction_order"], r["forward_order"]
-    assert held == (0 if "share 0.0" in key else 1), (key, held)   # a third of WIDTHS' gather bytes: one bucket
-    for step, gathers in enumerate(r["gathers"]):
-        assert sorted(i for i, _ in gathers) == sorted(forward), (key, step, gathers)
-        spec = [i for i, on_spec in gathers if on_spec]
-        assert spec == order[held:held + len(spec)], (key, step, spec, order, held)
-        rest = [i for i, on_spec in gathers if not on_spec]
-        assert rest == [i for i in forward if i not in spec], (key, step, rest)
-        assert set(rest[len(rest) - held:]) == set(order[:held]), (key, step, rest, order, held)
-
-
-def test_held_buckets_take_at_most_their_share_of_the_bytes():
-    from megatron_ext.optimizer.speculative_step import held_buckets
-    assert held_buckets([10, 10, 10], 1 / 3) == 1 and held_buckets([10, 10, 10], 0.0) == 0
-    assert held_buckets([40, 10, 10], 1 / 3) == 0 and held_buckets([10] * 9, 0.5) == 4
-    assert held_buckets([5, 5, 90], 0.1) == 2 and held_buckets([], 0.3) == 0
 
 
 def _clip_and_interrupted():
