@@ -47,7 +47,9 @@ fewer than ``GATHERS_IN_FLIGHT`` speculative gathers are unfinished, so the link
 forward reads late when the step comes; the buckets not yet gathered then go in forward order (above), the first
 layers' ahead. Measured (docs/benchmarks, 2 x 2 ranks, 200 Mbit/s, ``--clip-grad 0``): the gathers' bytes move
 from the forward to the backward (qgZ INT4: 15.5 of 17.2 MB per node), the step falls by 15-25%; the link then idles
-through most of the next forward, which a pacing that kept part of the late-read weights for the forward would use.
+through most of the next forward. Holding some gathers for the forward (stepped in backward, gathered at step();
+tried in stop 40 with the first third or a middle range of the bytes) moved up to 7 MB into the forward but
+lengthened it by what the backward saved: no gain, reverted (docs/benchmarks, *Speculative step*).
 
 *Cost.* The snapshot: each speculatively stepped bucket's masters and per-element optimizer state (Adam: 12 bytes
 per parameter / optim group size), alive until the step. A rollback sends the weights twice. Worth it where steps
