@@ -23,7 +23,9 @@ WIDTHS = [13, 37, 29, 5]
 def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine: bool = True,
            misuse: bool = False, delays: bool = False, patience: float = 0.0):
     """``clips[step % len(clips)]`` is the step's clip_grad (0: none; 1e-4: every step clips). Returns the weights
-    after every step, the rounds committed / rolled back, the buckets stepped in backward and one step's bytes."""
+    after every step, the rounds committed / rolled back, the buckets stepped in backward, one step's bytes and, per
+    step, the weight gathers launched from its backward to its step's end: ``(bucket, on the speculative group)``
+    in launch order."""
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig
 
@@ -40,16 +42,23 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
                            sharding=plans[plan], accumulate="local" if plan == "local" else None,
                            progress_engine=engine, speculative_step=spec)
     model = mx.OverlappedDDP(module, cfg)
+    launches, launch = [], model.param_sync.launch_buckets
+
+    def recording(buckets, backend=None):
+        launches.append([(b.index, backend is not None and backend is model.speculative_gather) for b in buckets])
+        return launch(buckets, backend)
+    model.param_sync.launch_buckets = recording
     ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=clips[0])
     opt = mx.OverlappedDistributedOptimizer(ocfg, model)
     rng = random.Random(1000 * rank + 7)
     if delays:
         set_delay_hook(lambda where: time.sleep(rng.random() * 0.003) if rng.random() < 0.3 else None)
     grad_sync.POLL_PATIENCE_S = patience
-    weights, ledger_bytes = [], None
+    weights, ledger_bytes, gathers = [], None, []
     try:
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(steps):
+            launches.clear()   # (the last step's force_sync gathers)
             ocfg.clip_grad = clips[step % len(clips)]
             x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, 5, generator=g)
             if step == 1:
@@ -75,6 +84,7 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
                 opt.reload_model_params()
             model.finish_grad_sync()
             opt.step()
+            gathers.append([item for call in launches for item in call])
             if step == 1:
                 ledger_bytes = model.ledger.summary()
             opt.zero_grad()
@@ -87,7 +97,9 @@ def _train(gr: str, pg: str, plan: str, spec: bool, clips, steps: int, *, engine
     return {"weights": torch.stack(weights),
             "committed": sum(s.committed for s in spec_objs), "rolled_back": sum(s.rolled_back for s in spec_objs),
             "in_backward": sum(s.in_backward for s in spec_objs), "speculated": sum(len(s.buckets) for s in spec_objs),
-            "ledger": ledger_bytes}
+            "ledger": ledger_bytes, "gathers": gathers,
+            "reduction_order": [b.index for s in spec_objs for b in s.buckets],
+            "forward_order": [b.index for b in model.param_sync.forward_order]}
 
 
 # plain, qgZ, ByteGrad and qwZ; a plan with replicas (chained reduce-scatter + all-reduce); local accumulation
@@ -124,6 +136,7 @@ def test_committed_rounds_give_the_usual_weights_bit_for_bit():
         if key.startswith("plain+plain/zero2"):
             assert r["spec"]["in_backward"] == STEPS * r["spec"]["speculated"] > 0, (key, r["spec"])
         assert r["spec"]["in_backward"] > 0, (key, r["spec"])
+        _assert_order(r["spec"], key)
         # A committed round sends the usual bytes, and one more scalar all-reduce (the round's agreed length).
         spec, usual = dict(r["spec"]["ledger"]), dict(r["usual"]["ledger"])
         s_scalar, u_scalar = spec.pop("dp_scalar_all_reduce"), usual.pop("dp_scalar_all_reduce")
@@ -132,6 +145,18 @@ def test_committed_rounds_give_the_usual_weights_bit_for_bit():
         assert s_scalar["calls"] == u_scalar["calls"] + 1, (key, s_scalar, u_scalar)
         # the usual step's one scalar all-reduce carries two float64 (the norm's sum of squares, the failure flag)
         assert u_scalar["calls"] == 1 and s_scalar["total"] - u_scalar["total"] == u_scalar["total"] // 2, key
+
+
+def _assert_order(r, key):
+    """*Order*: in every committed step each bucket is gathered once; the speculative group gathers a prefix of the
+    reduction order, the original group the rest, in forward order."""
+    order, forward = r["reduction_order"], r["forward_order"]
+    for step, gathers in enumerate(r["gathers"]):
+        assert sorted(i for i, _ in gathers) == sorted(forward), (key, step, gathers)
+        spec = [i for i, on_spec in gathers if on_spec]
+        assert spec == order[:len(spec)], (key, step, spec, order)
+        assert [i for i, on_spec in gathers if not on_spec] == [i for i in forward if i not in spec], (key, step)
+    assert any(on_spec for gathers in r["gathers"] for _, on_spec in gathers), key   # the backward gathered some
 
 
 def _clip_and_interrupted():
