@@ -17,10 +17,12 @@ so in the log; without ``LOCAL_WORLD_SIZE`` the group is one node.
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import os
 from typing import List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
@@ -153,8 +155,21 @@ def _subgroup(ranks: List[int], tag: str = "") -> dist.ProcessGroup:
     """
     key = (id(dist.group.WORLD), tuple(ranks), tag)
     if key not in _SUBGROUPS:
-        _SUBGROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+        _SUBGROUPS[key] = dist.new_group(ranks, use_local_synchronization=True, timeout=world_timeout())
     return _SUBGROUPS[key]
+
+
+def world_timeout() -> Optional[datetime.timedelta]:
+    """The default group's collective timeout (``init_process_group(timeout=...)``, pretrain_gpt's
+    ``--distributed-timeout-minutes``), for the groups built here: ``new_group`` would otherwise give them torch's
+    30-minute default, so a stalled peer would hold the others that long. None (torch's default) where the backend
+    does not say."""
+    try:
+        world = dist.group.WORLD
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        return world._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def group_members_per_node(global_ranks: Sequence[int], ranks_per_physical_node: int) -> int:

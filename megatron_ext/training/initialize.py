@@ -35,8 +35,10 @@ def init_model_parallel(args: argparse.Namespace) -> None:
     enable_cpu_compat()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    # (as Megatron-LM: --distributed-timeout-minutes governs the TP/PP/DP groups too, not only the world group)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                 distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_seeds(args.seed)
 
 
