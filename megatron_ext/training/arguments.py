@@ -451,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "learning-rate schedule, data position and RNG (as Megatron-LM; so a restarted job with "
                    "--finetune and --load = --save starts over from its own last checkpoint: drop --finetune to "
                    "resume)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: with --load, evaluate the checkpoint on the validation and test sets "
+                   "(--eval-iters batches each) and stop, saving nothing (as Megatron-LM)")
     return p
 
 
@@ -494,7 +497,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                     ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
                     ("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
                     ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
-                    ("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval)):
+                    ("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval),
+                    ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
         if v <= 0:
             _fail(f"{flag} must be positive, got {v}")
     if world_size % (tp * pp) != 0:
@@ -573,6 +577,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                  if getattr(args, flag) is not None]
     if fp16_only and not args.fp16:   # Megatron-LM ignores them too; scripts carry them beside --bf16
         _warn(f"ignored without --fp16 (as in Megatron-LM): {', '.join(fp16_only)}")
+    elif args.fp16:
+        for flag in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window"):
+            v = getattr(args, flag)
+            if v is not None and v <= 0:
+                _fail(f"--{flag.replace('_', '-')} must be positive, got {v}")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
     # Optimizer and schedule.
@@ -682,6 +691,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--exit-duration-in-mins must be positive, got {args.exit_duration_in_mins}")
 
     # Checkpoints.
+    if args.skip_train and args.eval_iters <= 0:
+        _fail("--skip-train evaluates only, and --eval-iters 0 turns evaluation off: nothing would run")
     if args.finetune and not args.load:
         _fail("--finetune needs --load (the checkpoint whose weights to start from)")
     if args.save_interval is not None and not args.save:

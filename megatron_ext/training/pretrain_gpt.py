@@ -201,6 +201,12 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         valid_iter, test_iter = batches(valid_ds, consumed_valid), batches(test_ds, 0)
 
+        if args.skip_train:   # as Megatron-LM: evaluate what was loaded (or the initial weights) and stop
+            print_rank_0(f"> --skip-train: no training; evaluating the weights at iteration {iteration}")
+            return {"iteration": iteration, "losses": {}, "eval": {}, "skipped": 0, "log": {},
+                    "consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid,
+                    "exited": False,
+                    "final_eval": _final_evaluation(args, model, optimizer, iteration, valid_iter, test_iter, tb)}
         args_dict = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
         def save(it: int, ct: int, cv: int) -> None:
