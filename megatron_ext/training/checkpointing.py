@@ -333,13 +333,14 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
         _refuse_megatron_lm_layout(load_dir, [os.path.join(load_dir, text)] if text == "release" else [])
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
+    ckpt = _find_tracked(load_dir, iteration)   # (first: a missing one is an error, not a warning then an error)
     newer = [name for it, name in _published(load_dir) if it > iteration]
     if newer and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"WARNING: --load {load_dir}: the tracker names iteration {iteration}, but newer complete checkpoints "
               f"exist ({', '.join(newer)}: a save whose tracker update failed, or a rollback); resuming from "
               f"iteration {iteration} as the tracker says (a later save of those iterations replaces them)",
               flush=True)
-    return _find_tracked(load_dir, iteration)
+    return ckpt
 
 
 def _find_tracked(load_dir: str, iteration: int) -> str:
@@ -349,7 +350,10 @@ def _find_tracked(load_dir: str, iteration: int) -> str:
         ckpt += ".old"  # a re-save of this iteration was interrupted between its two renames (atomicity note)
     manifest_path = os.path.join(ckpt, "manifest.json")
     if not os.path.isdir(ckpt):
-        raise CheckpointError(f"--load {load_dir}: the tracker names iteration {iteration} but {ckpt} is missing")
+        there = ", ".join(name for _, name in _published(load_dir))
+        raise CheckpointError(f"--load {load_dir}: the tracker names iteration {iteration} but {ckpt} is missing"
+                              + (f" (complete checkpoints there: {there}; write the iteration to resume from into "
+                                 f"{TRACKER})" if there else ""))
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
@@ -374,6 +378,10 @@ def _untracked_checkpoint(load_dir: str) -> Optional[str]:
     its manifest) whose tracker write failed is found instead of training over it from scratch: the newest one is
     validated and used, with a warning on rank 0."""
     published = _published(load_dir)
+    if not published and os.path.isfile(os.path.join(load_dir, "manifest.json")):
+        parent = os.path.dirname(os.path.abspath(load_dir))
+        raise CheckpointError(f"--load {load_dir} is one checkpoint's directory; pass the directory that holds it and "
+                              f"its {TRACKER} (--load {parent}, as for Megatron-LM)")
     if not published:
         # Megatron-LM's iteration directories, without its tracker
         _refuse_megatron_lm_layout(load_dir, [os.path.join(load_dir, n) for n in sorted(os.listdir(load_dir))

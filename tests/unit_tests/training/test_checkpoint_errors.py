@@ -44,11 +44,20 @@ def test_corrupt_tracker(tmp_path):
         find_checkpoint(str(tmp_path))
 
 
-def test_tracker_points_at_missing_iteration(tmp_path):
+def test_tracker_points_at_missing_iteration(tmp_path, capsys):
+    """An error naming the complete checkpoints there, without a warning before it that it resumes."""
+    _fake_checkpoint(str(tmp_path), iteration=120)
     _fake_checkpoint(str(tmp_path))
     (tmp_path / TRACKER).write_text("99")
-    with pytest.raises(CheckpointError, match="iteration 99"):
+    with pytest.raises(CheckpointError, match="iteration 99.*iter_0000004, iter_0000120"):
         find_checkpoint(str(tmp_path))
+    assert "WARNING" not in capsys.readouterr().out
+
+
+def test_load_of_one_checkpoint_directory_names_its_parent(tmp_path):
+    d = _fake_checkpoint(str(tmp_path))
+    with pytest.raises(CheckpointError, match=f"one checkpoint's directory.*--load {tmp_path}"):
+        find_checkpoint(d)
 
 
 def test_missing_manifest_means_incomplete(tmp_path):
