@@ -4,6 +4,7 @@
 #   python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
 #       --train-tokenizer-vocab-size 50257 --append-eod
 #   DATA_PATH=data/corpus_text_document TOKENIZER=data/corpus_tokenizer.json bash examples/pretrain_gpt_single_node.sh
+# NPROC=4 runs on 4 GPUs (TP=2 x DP=2); arguments after the script name are appended to the flags.
 #
 # CUDA_DEVICE_MAX_CONNECTIONS=1: with one hardware work queue per device, kernels start in the order they are
 # issued. megatron-core's tensor-parallel layers rely on that to start a TP all-gather/reduce-scatter *before* the
@@ -22,7 +23,7 @@ CKPT=${CKPT:-checkpoints/gpt_1p3b_tp2_dp4}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
-exec torchrun --nproc-per-node 8 --standalone examples/pretrain_gpt.py \
+exec torchrun --nproc-per-node "${NPROC:-8}" --standalone examples/pretrain_gpt.py \
     --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048 \
     --position-embedding-type rope --normalization RMSNorm --swiglu --ffn-hidden-size 5632 --disable-bias-linear \
     --untie-embeddings-and-output-weights \
