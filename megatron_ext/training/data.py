@@ -106,7 +106,7 @@ def _check_files(prefixes: List[str]) -> None:
                                         "make one with tools/preprocess_data.py)")
 
 
-def check_data_path(data_prefix: List[str], split: str, eval_iters: int) -> Optional[str]:
+def check_data_path(data_prefix: List[str], split: str, eval_iters: int, what: str = "--data-path") -> Optional[str]:
     """The ``--data-path`` / ``--split`` checks of :func:`build_datasets`, made while the flags are validated (before
     any process group): missing files and a needed split left empty are errors (``FileNotFoundError`` /
     ``ValueError`` naming the flag); returns a notice naming the splits that get no documents, or None."""
@@ -117,7 +117,7 @@ def check_data_path(data_prefix: List[str], split: str, eval_iters: int) -> Opti
     if not dropped:
         return None
     return (f"> --split {split} leaves the {' and '.join(dropped)} split{'s' if len(dropped) > 1 else ''} of "
-            f"--data-path without documents: not evaluated there")
+            f"{what} without documents: not evaluated there")
 
 
 def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str:
@@ -134,7 +134,14 @@ def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str
     total = sum(weights)
     matrix = convert_split_vector_to_split_matrix([w / total for w in weights])
     for prefix in prefixes:
-        n = len(IndexedDataset(prefix))
+        ds = IndexedDataset(prefix)
+        n = len(ds)
+        if n:   # a .bin shorter than its .idx says (a truncated copy) would fail at some sample, naming nothing
+            need = int(ds.index.sequence_pointers[-1]) + int(ds.index.sequence_lengths[-1]) * ds.index.dtype_size
+            have = os.path.getsize(prefix + ".bin")
+            if have < need:
+                raise ValueError(f"--data-path {prefix}: {prefix}.bin holds {have} bytes but its .idx indexes {need} "
+                                 "(a truncated or mismatched .bin)")
         for i, bounds in enumerate(matrix):
             if weights[i] == 0 or bounds is None:
                 continue

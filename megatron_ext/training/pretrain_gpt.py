@@ -23,7 +23,7 @@ import torch.distributed as dist
 def _build_data(args: argparse.Namespace):
     """Tokenizer and (train, valid, test) datasets; the default corpus is built once, on global rank 0."""
     from .corpus import build_default_corpus
-    from .data import build_datasets, train_valid_test_num_samples
+    from .data import build_datasets, check_data_path, train_valid_test_num_samples
     from .tokenizer import load_tokenizer
 
     data_path = args.data_path
@@ -39,6 +39,8 @@ def _build_data(args: argparse.Namespace):
         tok_kwargs["tokenizer_model"] = tok_json
         from .loop import print_rank_0
         print_rank_0(f"> no --data-path: training on the standard-library corpus at {prefix}")
+        # the splits it leaves empty, named as for a --data-path (checked there while the flags were validated)
+        args.data_notice = check_data_path(data_path, args.split, max(args.eval_iters, 0), what="the corpus")
     tokenizer = load_tokenizer(tok_type, **tok_kwargs)
     sizes = train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
                                          args.eval_iters)
@@ -107,7 +109,7 @@ def _print_args(args: argparse.Namespace) -> None:
     from .loop import print_rank_0
 
     lines = ["------------------------ arguments ------------------------"]
-    for k in sorted(vars(args)):
+    for k in sorted(k for k in vars(args) if not k.endswith("_notice")):   # (notices: a line each, below)
         lines.append(f"  {k} {'.' * max(1, 40 - len(k))} {getattr(args, k)}")
     lines.append("-------------------- end of arguments ---------------------")
     print_rank_0("\n".join(lines))

@@ -1,6 +1,8 @@
 """pretrain_gpt's flags: Megatron-LM names accepted, unknown/unsupported/conflicting flags rejected by name."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_ext.training.arguments import parse_args
@@ -515,3 +517,7 @@ def test_data_files_and_splits_checked_with_the_flags(capsys, tmp_path):
     assert "not evaluated" in args.data_notice
     assert parse_args(BASE + flags + ["--split", "8,1,1"], world_size=4).data_notice is None
     assert "--split" in _error(capsys, flags + ["--split", "999,1,0"])   # no validation documents, --eval-iters 100
+    with open(prefix + ".bin", "r+b") as f:   # a truncated copy of the .bin: named, not an error at some sample
+        f.truncate(os.path.getsize(prefix + ".bin") - 1)
+    err = _error(capsys, flags + ["--split", "8,1,1"])
+    assert f"--data-path {prefix}: {prefix}.bin holds" in err and "truncated" in err, err
