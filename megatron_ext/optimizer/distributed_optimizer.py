@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
-from .group_collectives import DP_SCALAR, MP_SCALAR, all_reduce_, collective_device, node_peers
+from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce_, collective_device,
+                                dataclass_fields, node_peers)
 from .inner_optimizer import build_inner_optimizer
 from .model_parallel import counts_towards_norm, model_parallel_group
 from .overlapped_ddp import OverlappedDDP
@@ -52,6 +53,23 @@ class _Piece:
     primary: bool                 # held by replica 0 of its shard (counted once in DP-wide sums, saved)
 
 
+def _check_config(config, chunks: Sequence[OverlappedDDP]) -> None:
+    """What the optimizer checks locally, before any collective."""
+    if config.fp16 and config.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive")
+    if getattr(config, "clip_grad", 0.0) is not None and config.clip_grad < 0:
+        raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {config.clip_grad}")
+    check_optimizer_config(config)
+    if any(c.overlap_config.speculative_step for c in chunks):
+        if config.fp16:
+            raise ValueError("speculative_step (--odo-speculative-step) does not work with fp16 (--fp16): the "
+                             "loss scaler's overflow check is global like the clipping norm; use bf16")
+        if len(chunks) > 1:
+            raise ValueError("speculative_step (--odo-speculative-step) supports one model chunk (no virtual "
+                             "pipeline, --num-layers-per-virtual-pipeline-stage): the chunks' rounds would share "
+                             "one gather group and one progress engine, whose order they do not agree on")
+
+
 class OverlappedDistributedOptimizer:
     def __init__(self, config, model: Union[OverlappedDDP, Sequence[OverlappedDDP]]) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -59,11 +77,14 @@ class OverlappedDistributedOptimizer:
             if not isinstance(c, OverlappedDDP):
                 raise TypeError("OverlappedDistributedOptimizer needs model chunks wrapped in mx.OverlappedDDP, "
                                 f"got {type(c).__name__}")
-        if config.fp16 and config.bf16:
-            raise ValueError("--fp16 and --bf16 are mutually exclusive")
-        if getattr(config, "clip_grad", 0.0) is not None and config.clip_grad < 0:
-            raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {config.clip_grad}")
-        check_optimizer_config(config)
+        failure = None
+        try:
+            _check_config(config, chunks)
+        except (ValueError, TypeError) as e:
+            failure = e
+        # every rank raises if one fails, and all must step with the same hyper-parameters (group_collectives.py)
+        agree_on_setup(failure, dataclass_fields(config), chunks[0].topology.group,
+                       "OverlappedDistributedOptimizer", "OptimizerConfig")
         self.config = config
         self.chunks = chunks
         self.dp_group = chunks[0].topology.group
@@ -110,14 +131,6 @@ class OverlappedDistributedOptimizer:
                                               counts_towards_norm(p) and counted_replica, counted_replica))
         self.inner = build_inner_optimizer(config, self._param_groups())
         # [Note: speculative step] (speculative_step.py): chunks whose buckets are stepped and gathered in backward.
-        if any(c.overlap_config.speculative_step for c in chunks):
-            if config.fp16:
-                raise ValueError("speculative_step (--odo-speculative-step) does not work with fp16 (--fp16): the "
-                                 "loss scaler's overflow check is global like the clipping norm; use bf16")
-            if len(chunks) > 1:
-                raise ValueError("speculative_step (--odo-speculative-step) supports one model chunk (no virtual "
-                                 "pipeline, --num-layers-per-virtual-pipeline-stage): the chunks' rounds would share "
-                                 "one gather group and one progress engine, whose order they do not agree on")
         self.speculation = [SpeculativeStep(self, ci) for ci, c in enumerate(chunks)
                             if c.overlap_config.speculative_step]
         # Inner-optimizer parameters no piece covers (a rank owning only padding gets an empty one): stepped with

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import FrozenSet, Iterable, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -107,3 +107,49 @@ def all_reduce_(t: torch.Tensor, op, group: dist.ProcessGroup, ledger: Optional[
     moved = t.to(device)
     dist.all_reduce(moved, op=op, group=group)
     return t.copy_(moved)
+
+
+def dataclass_fields(config: Any) -> Dict[str, str]:
+    """``repr`` of each field of a config dataclass whose value is plain data (callables and objects left out):
+    what every DP rank must agree on."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config):
+        return {}
+    plain = (bool, int, float, str, type(None), tuple)
+    return {f.name: repr(v) for f in dataclasses.fields(config)
+            if isinstance(v := getattr(config, f.name), plain) or dataclasses.is_dataclass(v)}
+
+
+def agree_on_setup(failure: Optional[Exception], fields: Dict[str, str], group: Optional[dist.ProcessGroup],
+                   who: str, what: str) -> None:
+    """One all-reduce over ``group`` (None: the world) before a wrapper's first real collective: whether any rank
+    failed its local checks (``failure``; then every rank raises, the failing one its own error, the others naming
+    it, so none waits for a peer that already failed) and whether every rank has the same ``fields`` of its config
+    ``what`` (a differing backend, plan or bucket size pairs mismatched collectives: a hang or a crash; a differing
+    learning rate trains each shard differently; then every rank raises naming the fields)."""
+    import zlib
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if failure is not None:
+            raise failure
+        return
+    h = float(zlib.crc32(repr(sorted(fields.items())).encode()))
+    t = torch.tensor([float(failure is not None), h, -h], dtype=torch.float64,
+                     device=collective_device(group, torch.device("cpu")))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t[0].item() > 0:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               group=group)
+        if failure is not None:
+            raise failure
+        r, msg = next((r, m) for r, m in enumerate(errors) if m)
+        raise ValueError(f"{who}: DP rank {r} failed its checks ({msg}); every rank stops")
+    if t[1].item() != -t[2].item():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, fields, group=group)
+        diffs = [f"{k} {v} on DP rank {r}, {everyone[0].get(k)} on rank 0" for r, other in enumerate(everyone)
+                 for k, v in other.items() if everyone[0].get(k) != v]
+        raise ValueError(f"{who}: the data-parallel ranks have different {what} values ({'; '.join(diffs[:4])}): "
+                         "every DP rank must use the same")

@@ -22,7 +22,7 @@ from ..comm.topology import Topology
 from .bucketing import Bucket, assign_buckets
 from .config import OverlapConfig
 from .grad_sync import GradSync
-from .group_collectives import group_device_types
+from .group_collectives import agree_on_setup, dataclass_fields, group_device_types
 from .megatron_config import check_supported, per_token_loss
 from .model_parallel import model_parallel_grad_reductions
 from .memory import measured_model_state_bytes
@@ -38,35 +38,15 @@ class OverlappedDDP(torch.nn.Module):
                  dp_group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         config = config if config is not None else OverlapConfig()
-        if not isinstance(config, OverlapConfig):
-            raise TypeError(f"config must be a megatron_ext.OverlapConfig, got {type(config).__name__}")
-        # Everything that can be checked locally is checked before the first collective.
-        if config.grad_reduce not in available_grad_reduce():
-            raise ValueError(f"grad_reduce (--grad-reduce) must be one of {available_grad_reduce()}, "
-                             f"got {config.grad_reduce!r}")
-        if config.param_gather not in available_param_gather():
-            raise ValueError(f"param_gather (--param-gather) must be one of {available_param_gather()}, "
-                             f"got {config.param_gather!r}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("OverlappedDDP: the module has no trainable parameters")
-        # Frozen parameters (requires_grad=False) stay whole on every rank, outside the buckets, under every plan:
-        # broadcast from DP rank 0 like the rest, checked alike, and reported as memory of their own.
-        self.frozen_params = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        devices = {p.device for _, p in named + self.frozen_params}
-        if len(devices) != 1:
-            raise ValueError(f"OverlappedDDP: all parameters must be on one device, found {sorted(map(str, devices))}")
-        device = next(iter(devices))
-        _check_group_serves(dp_group, device)
-        check_supported(module)
-        _check_parameters(named, config)
-        self.module = module
-        self.overlap_config = config
-        # The plan's rules are checked before any group is created (group creation is a collective).
-        self.topology = Topology(dp_group, config.ranks_per_node, create_subgroups=False)
-        self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
-        if config.speculative_step:
-            _check_speculative_step(config, self.plan.param, device, per_token_loss(module))
+        _check_member(dp_group)   # (no peer can wait for this rank: it is in none of the group's collectives)
+        # Everything that can be checked locally is checked before the first collective, and the ranks agree on the
+        # outcome (and on the config) in one all-reduce, so a rank that fails does not leave the others waiting.
+        failure = None
+        try:
+            named, device = self._check_locally(module, config, dp_group)
+        except (ValueError, TypeError) as e:
+            failure = e
+        agree_on_setup(failure, dataclass_fields(config), dp_group, "OverlappedDDP", "OverlapConfig")
         self.topology.create_subgroups()
         self.ledger = CommLedger()
         # One progress engine per process and DP group (shared by the wrappers of one group, e.g. model chunks).
@@ -140,6 +120,39 @@ class OverlappedDDP(torch.nn.Module):
             average_in_collective=False, check_for_nan_in_grad=config.check_for_nan_in_grad,
             num_distributed_optimizer_instances=1)   # megatron-core's own instances: ours are in self.plan
 
+
+    def _check_locally(self, module: torch.nn.Module, config: OverlapConfig, dp_group):
+        """The checks that need no collective: config, parameters, devices, the plan's rules (group creation is a
+        collective, so the topology's subgroups wait). Sets the topology and plan; returns the trainable
+        parameters and their device."""
+        if not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be a megatron_ext.OverlapConfig, got {type(config).__name__}")
+        if config.grad_reduce not in available_grad_reduce():
+            raise ValueError(f"grad_reduce (--grad-reduce) must be one of {available_grad_reduce()}, "
+                             f"got {config.grad_reduce!r}")
+        if config.param_gather not in available_param_gather():
+            raise ValueError(f"param_gather (--param-gather) must be one of {available_param_gather()}, "
+                             f"got {config.param_gather!r}")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("OverlappedDDP: the module has no trainable parameters")
+        # Frozen parameters (requires_grad=False) stay whole on every rank, outside the buckets, under every plan:
+        # broadcast from DP rank 0 like the rest, checked alike, and reported as memory of their own.
+        self.frozen_params = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        devices = {p.device for _, p in named + self.frozen_params}
+        if len(devices) != 1:
+            raise ValueError(f"OverlappedDDP: all parameters must be on one device, found {sorted(map(str, devices))}")
+        device = next(iter(devices))
+        _check_group_serves(dp_group, device)
+        check_supported(module)
+        _check_parameters(named, config)
+        self.module = module
+        self.overlap_config = config
+        self.topology = Topology(dp_group, config.ranks_per_node, create_subgroups=False)
+        self.plan = config.sharding.resolve(self.topology.size, self.topology.ranks_per_node, self.topology.rank)
+        if config.speculative_step:
+            _check_speculative_step(config, self.plan.param, device, per_token_loss(module))
+        return named, device
     def offload_grad_buffers(self, *args, **kwargs) -> None:
         raise NotImplementedError("OverlappedDDP keeps no full gradient buffer to offload (gradients live in bucket "
                                   "buffers only while they are reduced, and in this rank's shard)")
@@ -279,6 +292,13 @@ def _check_parameters(named, config: OverlapConfig) -> None:
     if quantized and odd:
         raise ValueError(f"{' and '.join(quantized)}: the quantized backends take float32, float16 or bfloat16 "
                          f"parameters, got {', '.join(odd)}")
+
+
+def _check_member(dp_group: Optional[dist.ProcessGroup]) -> None:
+    if dp_group is not None and dist.is_initialized() and dist.get_rank(dp_group) < 0:
+        raise ValueError(f"OverlappedDDP: dp_group does not contain this rank (global rank {dist.get_rank()}; the "
+                         f"group's ranks: {dist.get_process_group_ranks(dp_group)}): pass the data-parallel group "
+                         "this rank belongs to")
 
 
 def _check_same_model_on_every_rank(named, frozen, buckets, group, device: torch.device) -> None:
