@@ -56,7 +56,15 @@ class OverlapConfig:
     speculative_step: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_fp32", "check_for_nan_in_grad",
+                     "progress_engine", "speculative_step"):
+            if not isinstance(getattr(self, name), bool):   # a "False" string from a file would switch it on
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("gather_pool_size", "shard_alignment", "quant_group_size", "qgz_bits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an integer, got {v!r}")
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size <= 0:
             raise ValueError(f"bucket_size (--ddp-bucket-size) must be a positive integer, got {self.bucket_size!r}")
         if not isinstance(self.sharding, ShardingPlan):
             raise TypeError(f"sharding must be a megatron_ext.ShardingPlan, got {type(self.sharding).__name__}")

@@ -95,6 +95,16 @@ def test_bad_configuration_names_the_flag(spawn, kind, flag):
         assert total == world
 
 
+@pytest.mark.parametrize("kw", [{"overlap_grad_reduce": "no"}, {"overlap_param_gather": None},
+                                {"speculative_step": "on"}, {"progress_engine": 1}, {"gather_pool_size": "4"},
+                                {"gather_pool_size": 2.5}, {"shard_alignment": 3.5}, {"bucket_size": True}],
+                         ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_config_values_of_the_wrong_type_name_the_field(kw):
+    """A string "no" is truthy, 2.5 buffers are none: the config refuses them by name instead of guessing."""
+    with pytest.raises((TypeError, ValueError), match=next(iter(kw))):
+        mx.OverlapConfig(**kw)
+
+
 class _ParentReadsChildren(torch.nn.Module):
     """Reads child ``a``'s weight by attribute, and child ``b``'s parameters by iteration, before either runs."""
 
