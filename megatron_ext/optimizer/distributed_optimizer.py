@@ -77,14 +77,10 @@ class OverlappedDistributedOptimizer:
             if not isinstance(c, OverlappedDDP):
                 raise TypeError("OverlappedDistributedOptimizer needs model chunks wrapped in mx.OverlappedDDP, "
                                 f"got {type(c).__name__}")
-        failure = None
-        try:
-            _check_config(config, chunks)
-        except (ValueError, TypeError) as e:
-            failure = e
-        # every rank raises if one fails, and all must step with the same hyper-parameters (group_collectives.py)
-        agree_on_setup(failure, dataclass_fields(config), chunks[0].topology.group,
-                       "OverlappedDistributedOptimizer", "OptimizerConfig")
+        _check_config(config, chunks)
+        # every DP rank must step with the same hyper-parameters (group_collectives.agree_on_setup)
+        agree_on_setup(dataclass_fields(config), chunks[0].topology.group, "OverlappedDistributedOptimizer",
+                       "OptimizerConfig")
         self.config = config
         self.chunks = chunks
         self.dp_group = chunks[0].topology.group

@@ -121,32 +121,25 @@ def dataclass_fields(config: Any) -> Dict[str, str]:
             if isinstance(v := getattr(config, f.name), plain) or dataclasses.is_dataclass(v)}
 
 
-def agree_on_setup(failure: Optional[Exception], fields: Dict[str, str], group: Optional[dist.ProcessGroup],
-                   who: str, what: str) -> None:
-    """One all-reduce over ``group`` (None: the world) before a wrapper's first real collective: whether any rank
-    failed its local checks (``failure``; then every rank raises, the failing one its own error, the others naming
-    it, so none waits for a peer that already failed) and whether every rank has the same ``fields`` of its config
-    ``what`` (a differing backend, plan or bucket size pairs mismatched collectives: a hang or a crash; a differing
-    learning rate trains each shard differently; then every rank raises naming the fields)."""
+def agree_on_setup(fields: Dict[str, str], group: Optional[dist.ProcessGroup], who: str, what: str) -> None:
+    """One all-reduce over ``group`` (None: the world) before a wrapper's first real collective, after its local
+    checks passed (a rank whose check fails raises at once, before any collective): whether every rank has the same
+    ``fields`` of its config ``what``. A differing backend, plan or bucket size would pair mismatched collectives (a
+    hang, or gloo aborting the process); a differing learning rate would train each shard with its rank's value.
+    Then every rank raises naming the fields. A peer that failed its own checks and exited breaks the all-reduce:
+    named as such instead of gloo's connection error."""
     import zlib
 
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if failure is not None:
-            raise failure
         return
     h = float(zlib.crc32(repr(sorted(fields.items())).encode()))
-    t = torch.tensor([float(failure is not None), h, -h], dtype=torch.float64,
-                     device=collective_device(group, torch.device("cpu")))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if t[0].item() > 0:
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               group=group)
-        if failure is not None:
-            raise failure
-        r, msg = next((r, m) for r, m in enumerate(errors) if m)
-        raise ValueError(f"{who}: DP rank {r} failed its checks ({msg}); every rank stops")
-    if t[1].item() != -t[2].item():
+    t = torch.tensor([h, -h], dtype=torch.float64, device=collective_device(group, torch.device("cpu")))
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as e:
+        raise RuntimeError(f"{who}: a data-parallel peer stopped before the first collective (its own error says "
+                           f"why, e.g. a check that failed there only): {e}") from e
+    if t[0].item() != -t[1].item():
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, fields, group=group)
         diffs = [f"{k} {v} on DP rank {r}, {everyone[0].get(k)} on rank 0" for r, other in enumerate(everyone)

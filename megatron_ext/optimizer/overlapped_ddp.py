@@ -39,14 +39,10 @@ class OverlappedDDP(torch.nn.Module):
         super().__init__()
         config = config if config is not None else OverlapConfig()
         _check_member(dp_group)   # (no peer can wait for this rank: it is in none of the group's collectives)
-        # Everything that can be checked locally is checked before the first collective, and the ranks agree on the
-        # outcome (and on the config) in one all-reduce, so a rank that fails does not leave the others waiting.
-        failure = None
-        try:
-            named, device = self._check_locally(module, config, dp_group)
-        except (ValueError, TypeError) as e:
-            failure = e
-        agree_on_setup(failure, dataclass_fields(config), dp_group, "OverlappedDDP", "OverlapConfig")
+        # Everything that can be checked locally is checked before the first collective; then the ranks agree on
+        # the config in one all-reduce (group_collectives.agree_on_setup).
+        named, device = self._check_locally(module, config, dp_group)
+        agree_on_setup(dataclass_fields(config), dp_group, "OverlappedDDP", "OverlapConfig")
         self.topology.create_subgroups()
         self.ledger = CommLedger()
         # One progress engine per process and DP group (shared by the wrappers of one group, e.g. model chunks).

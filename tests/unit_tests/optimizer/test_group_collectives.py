@@ -80,9 +80,9 @@ def test_optimizer_scalars_on_a_cpu_only_group(spawn):
                                                                         backend="cpu:gloo"):
         assert types == {"cpu"} and meta_goes_to == torch.device("cpu")
         assert ok and norm > 0 and zeros is not None and step == 1
-        # the wrapper's same-model check, then inf flag (fp16), norm, zero count, checkpoint step: each on a
-        # device its group serves
-        assert len(seen) == 5 and all(dev in group for dev, group in seen), seen
+        # the wrapper's config agreement and same-model check, the optimizer's config agreement, then inf flag
+        # (fp16), norm, zero count, checkpoint step: each on a device its group serves
+        assert len(seen) == 7 and all(dev in group for dev, group in seen), seen
         # Ledger: [inf, failed] and [norm^2, failed] (2 x float64), zero count and step (1 x float64); each an
         # all-reduce in which a rank sends 2B/P bytes to each peer.
         row = ledger[DP_SCALAR]

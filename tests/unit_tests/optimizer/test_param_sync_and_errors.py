@@ -390,9 +390,6 @@ def _refusals():
                                                      mx.OverlapConfig(param_gather="qwz"))),
         # rank 1 builds another model: caught by the one all-reduce at wrap time, on every rank
         "mismatch": attempt(lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3 + dist.get_rank()), mx.OverlapConfig())),
-        # a local check failing on rank 1 only (no trainable parameters there): every rank raises, none waits
-        "one_rank_fails": attempt(lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3) if dist.get_rank() == 0 else
-                                                           torch.nn.Sequential(), mx.OverlapConfig())),
         # the same model, another backend / plan / bucket size on rank 1: named before any bucket collective
         "config": [attempt(lambda kw=kw: mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(
             **(kw if dist.get_rank() == 1 else {})))) for kw in (
@@ -401,7 +398,6 @@ def _refusals():
         # another learning rate / clipping on rank 1: each shard would train with its own rank's values
         "opt_config": [attempt(lambda kw=kw: odo(**(kw if dist.get_rank() == 1 else {"lr": 1e-3})))
                        for kw in (dict(lr=1e-2), dict(lr=1e-3, clip_grad=0.5))],
-        "opt_one_rank_fails": attempt(lambda: odo(lr=1e-3 if dist.get_rank() == 0 else None)),
         "lr_none": attempt(lambda: odo(lr=None)),
         "decoupled_lr": attempt(lambda: odo(lr=1e-3, decoupled_lr=0.5)),
         "cpu_offload": attempt(lambda: odo(lr=1e-3, optimizer_cpu_offload=True)),
@@ -418,6 +414,10 @@ def _refusals():
     opt = odo(lr=1e-3)
     out["api"] = (len(opt.get_parameters()) == sum(len(g["params"]) for g in opt.param_groups),
                   len(opt.get_main_grads_for_grad_norm()), attempt(opt.offload_to_cpu))
+    # last (a group without rank 1 puts the ranks' counters for later subgroups out of step, torch's own quirk)
+    only_0 = dist.new_group([0])
+    out["not_member"] = (attempt(lambda: mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(), dp_group=only_0))
+                         if dist.get_rank() == 1 else None)
     t = torch.ones(1)
     dist.all_reduce(t)
     return out, t.item()
@@ -432,34 +432,16 @@ def test_wrapper_and_optimizer_refuse_what_they_cannot_do(spawn):
         assert "already wrapped" in out["rewrap"]
         assert "--param-gather qwz" in out["fp64_qwz"] and "torch.float64" in out["fp64_qwz"]
         assert "ranks wrap different models" in out["mismatch"] and "weight:(3, 3)" in out["mismatch"], out
-        assert "no trainable parameters" in out["one_rank_fails"], out["one_rank_fails"]
-        assert rank == 1 or "DP rank 1 failed its checks" in out["one_rank_fails"]
         for field, msg in zip(("grad_reduce", "param_gather", "sharding", "bucket_size"), out["config"]):
             assert "different OverlapConfig values" in msg and msg.count(field) == 1, (field, msg)
         assert "--lr" in out["lr_none"] and "--decoupled-lr" in out["decoupled_lr"]
         for field, msg in zip(("lr", "clip_grad"), out["opt_config"]):
             assert msg and "different OptimizerConfig values" in msg and f"{field} " in msg, (field, msg)
-        assert "--lr" in out["opt_one_rank_fails"] and (rank == 1 or "DP rank 1 failed" in out["opt_one_rank_fails"])
         assert "--optimizer-cpu-offload" in out["cpu_offload"] and "--loss-scale" in out["loss_scale"]
         assert "model.load_state_dict" in out["reload"]
         assert out["api"][0] and "does not offload" in out["api"][2]
+        assert rank == 0 or "dp_group does not contain this rank" in out["not_member"], out["not_member"]
         assert "--check-for-nan-in-loss-and-grad" in out["nan"][0] and out["nan"][1], out["nan"]
-
-
-def _not_a_member():
-    import megatron_ext as mx
-
-    only_0 = dist.new_group([0])   # every rank creates it; rank 1 is not in it
-    if dist.get_rank() == 0:
-        return None
-    try:
-        mx.OverlappedDDP(torch.nn.Linear(3, 3), mx.OverlapConfig(), dp_group=only_0)
-    except ValueError as e:
-        return str(e)
-
-
-def test_a_dp_group_without_this_rank_is_named(spawn):
-    assert "dp_group does not contain this rank" in spawn(_not_a_member, 2)[1]
 
 
 def _frozen_parameters(plan: str):

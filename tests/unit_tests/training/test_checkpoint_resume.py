@@ -41,16 +41,16 @@ def test_skip_train_evaluates_the_loaded_weights_as_the_run_that_saved_them(spaw
                                                                            tmp_path):
     """--skip-train (Megatron-LM's evaluation-only run): the checkpoint's weights, evaluated from the saved validation
     position, give the saving run's final validation and test losses bit for bit; nothing is trained or saved."""
-    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "6",
-                                                           "--eval-iters", "2", "--eval-interval", "3",
+    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "2",
+                                                           "--eval-iters", "1", "--eval-interval", "1",
                                                            "--split", "80,10,10"]
     ckpt = str(tmp_path / "ckpt")
-    trained, evaluated = spawn(_runs, 2, [base + ["--save", ckpt, "--save-interval", "6"],
+    trained, evaluated = spawn(_runs, 2, [base + ["--save", ckpt, "--save-interval", "2"],
                                           base + ["--load", ckpt, "--skip-train"]], timeout=200)[-1]
     assert set(trained["final_eval"]) == {"validation", "test"}
-    assert evaluated["final_eval"] == trained["final_eval"] and evaluated["iteration"] == 6
+    assert evaluated["final_eval"] == trained["final_eval"] and evaluated["iteration"] == 2
     assert evaluated["losses"] == {}
-    assert sorted(os.listdir(ckpt)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 def test_reshard_dp4_to_dp2_other_bucket_size_and_backends(spawn, text_dataset, tiny_model_flags, tmp_path):
