@@ -70,11 +70,6 @@ MEGATRON_LM_FLAGS_NOT_WITH_ODO = (
      "which the ODO does not implement (it would average different experts together)"),
     ("context_parallel_size", "--context-parallel-size", (1, None), "the ODO's plan is sized on the data-parallel "
      "group without context parallelism"),
-    ("decoupled_lr", "--decoupled-lr", (None,), "the ODO's parameter groups are megatron-core's default ones"),
-    ("decoupled_min_lr", "--decoupled-min-lr", (None,), "the ODO's parameter groups are megatron-core's default "
-     "ones"),
-    ("no_weight_decay_cond_type", "--no-weight-decay-cond-type", (None,), "the ODO's parameter groups are "
-     "megatron-core's default ones (no weight decay for biases and 1-D parameters)"),
     ("ddp_num_buckets", "--ddp-num-buckets", (None,), "give the bucket size instead (--ddp-bucket-size)"),
     ("grad_reduce_in_bf16", "--grad-reduce-in-bf16", (False, None), "the ODO reduces bf16/fp16 gradients in fp32"),
     ("use_precision_aware_optimizer", "--use-precision-aware-optimizer", (False, None), "the ODO keeps fp32 "
@@ -231,10 +226,30 @@ def _make_get_optimizer(original: Callable, get_args: Callable[[], Any]) -> Call
         from .optimizer_state import MegatronLMOverlappedOptimizer
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        return MegatronLMOverlappedOptimizer(config, chunks if len(chunks) > 1 else chunks[0])
+        return MegatronLMOverlappedOptimizer(config, chunks if len(chunks) > 1 else chunks[0],
+                                             config_overrides=_config_overrides(original, config, model_chunks,
+                                                                                args, kwargs))
 
     get_megatron_optimizer.original = original  # type: ignore[attr-defined]
     return get_megatron_optimizer
+
+
+def _config_overrides(original: Callable, config: Any, model_chunks: Any, args: tuple, kwargs: dict) -> Any:
+    """The ``config_overrides`` Megatron-LM passed (megatron-core's param groups), read by the original factory's
+    signature; its arguments the ODO would not honour are refused by name."""
+    import inspect
+
+    try:
+        bound = inspect.signature(original).bind(config, model_chunks, *args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = dict(kwargs)
+    for name, fine in (("no_weight_decay_cond", None), ("scale_lr_cond", None), ("lr_mult", 1.0),
+                       ("dump_param_to_param_group_map", None)):
+        if bound.get(name, fine) != fine:
+            raise ValueError(f"get_megatron_optimizer({name}=...) is not supported with --use-overlapped-"
+                             "distributed-optimizer: give the param groups as config_overrides (megatron-core's "
+                             "ParamKey -> ParamGroupOverride)")
+    return bound.get("config_overrides")
 
 
 def install(training_module: Any = None, get_args: Optional[Callable[[], Any]] = None,

@@ -30,6 +30,7 @@ from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce
                                 dataclass_fields, node_peers)
 from .inner_optimizer import build_inner_optimizer
 from .model_parallel import counts_towards_norm, model_parallel_group
+from .param_groups import build_param_groups, describe_groups, group_key_of_params, match_saved_groups
 from .overlapped_ddp import OverlappedDDP
 from .speculative_step import SpeculativeStep
 
@@ -71,16 +72,24 @@ def _check_config(config, chunks: Sequence[OverlappedDDP]) -> None:
 
 
 class OverlappedDistributedOptimizer:
-    def __init__(self, config, model: Union[OverlappedDDP, Sequence[OverlappedDDP]]) -> None:
+    """``config``: megatron-core's OptimizerConfig. ``config_overrides``: megatron-core's per-parameter group
+    overrides ({ParamKey: ParamGroupOverride}, as ``get_megatron_optimizer`` takes them; None: its standard ones,
+    see param_groups.py)."""
+
+    def __init__(self, config, model: Union[OverlappedDDP, Sequence[OverlappedDDP]],
+                 config_overrides: Optional[dict] = None) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         for c in chunks:
             if not isinstance(c, OverlappedDDP):
                 raise TypeError("OverlappedDistributedOptimizer needs model chunks wrapped in mx.OverlappedDDP, "
                                 f"got {type(c).__name__}")
         _check_config(config, chunks)
-        # every DP rank must step with the same hyper-parameters (group_collectives.agree_on_setup)
-        agree_on_setup(dataclass_fields(config), chunks[0].topology.group, "OverlappedDistributedOptimizer",
-                       "OptimizerConfig")
+        self._group_keys = group_key_of_params(config, chunks, config_overrides)
+        names = {pid: (n if len(chunks) == 1 else f"{ci}.{n}") for ci, c in enumerate(chunks)
+                 for pid, n in c.param_names.items()}
+        # every DP rank must step with the same hyper-parameters and groups (group_collectives.agree_on_setup)
+        agree_on_setup(dict(dataclass_fields(config), param_groups=describe_groups(names, self._group_keys)),
+                       chunks[0].topology.group, "OverlappedDistributedOptimizer", "OptimizerConfig")
         self.config = config
         self.chunks = chunks
         self.dp_group = chunks[0].topology.group
@@ -146,23 +155,8 @@ class OverlappedDistributedOptimizer:
 
     # -- construction helpers -----------------------------------------------------------------------
     def _param_groups(self) -> List[dict]:
-        """megatron-core's default grouping: no weight decay for biases and 1-D params; same groups on all ranks."""
-        def key(name: str, shape: torch.Size) -> Tuple[float, float]:
-            no_wd = name.endswith(".bias") or len(shape) == 1
-            return (0.0 if no_wd else 1.0, 1.0)
-
-        all_keys = sorted({key(c.param_name(p), c.param_shape(p)) for c in self.chunks for b in c.buckets
-                           for p in b.params})
-        groups = {k: [] for k in all_keys}
-        for pc in self.pieces:
-            name = pc.name.split(".", 1)[1] if len(self.chunks) > 1 else pc.name
-            groups[key(name, self.chunks[pc.chunk].param_shape(pc.param))].append(pc.master)
-        out = []
-        for (wd_mult, lr_mult), params in groups.items():
-            out.append({"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult,
-                        "weight_decay": self.config.weight_decay * wd_mult, "max_lr": self.config.lr,
-                        "min_lr": self.config.min_lr, "is_decoupled_lr": False, "is_expert_parallel": False,
-                        "default_config": True})
+        """megatron-core's groups from ``config_overrides`` (param_groups.py); same groups on all ranks."""
+        out = build_param_groups(self.config, self._group_keys, self.pieces)
         if not any(g["params"] for g in out):
             # A rank may own only padding (tiny model, many ranks); torch refuses an empty optimizer.
             out[0]["params"] = [torch.nn.Parameter(torch.zeros(0, device=self.grad_device))]
@@ -496,9 +490,9 @@ class OverlappedDistributedOptimizer:
     def _load_groups_and_scaler(self, state_dict: dict) -> None:
         """Hyper-parameters of the param groups (lr, weight decay, ...) and the loss scaler's state."""
         saved_groups = state_dict.get("param_groups") or []
-        if len(saved_groups) == len(self.inner.param_groups):
-            for g, sg in zip(self.inner.param_groups, saved_groups):
-                g.update({k: v for k, v in sg.items() if k in g and k != "params"})
+        for g, sg in zip(self.inner.param_groups, match_saved_groups(saved_groups, self.inner.param_groups)):
+            if sg is not None:
+                g.update({k: v for k, v in sg.items() if k in g and k not in ("params", "overrides")})
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -571,8 +565,7 @@ def check_optimizer_config(config) -> None:
         raise ValueError("OptimizerConfig.lr (--lr) must be set")
     if config.fp16 and config.loss_scale is not None and config.loss_scale <= 0:
         raise ValueError(f"OptimizerConfig.loss_scale (--loss-scale) must be positive, got {config.loss_scale}")
-    for field, flag, default in (("decoupled_lr", "--decoupled-lr", None),
-                                 ("optimizer_cpu_offload", "--optimizer-cpu-offload", False),
+    for field, flag, default in (("optimizer_cpu_offload", "--optimizer-cpu-offload", False),
                                  ("overlap_param_gather_with_optimizer_step",
                                   "--overlap-param-gather-with-optimizer-step", False)):
         if getattr(config, field, default) not in (default, None):

@@ -260,7 +260,7 @@ class OverlappedDDP(torch.nn.Module):
         return self.param_names[id(p)]
 
     def param_shape(self, p: torch.nn.Parameter) -> torch.Size:
-        """The parameter's shape (under ZeRO-3 ``p.shape`` is empty while its bucket is released)."""
+        """The parameter's shape, recorded when wrapped."""
         return self._param_shapes[id(p)]
 
     def memory_report(self) -> dict:

@@ -343,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer (a param group of their own)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of the embedding and output layer (default --min-lr; needs "
+                   "--decoupled-lr)")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay on the q/k layernorm weights too (other 1-D parameters and biases get none)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
                    default="linear", help="WSD: warmup, stable, then a decay over the last --lr-wsd-decay-iters")
     g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
@@ -612,6 +619,15 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's own schedule)")
+    if args.decoupled_lr is not None:
+        dmin = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if args.decoupled_lr < 0 or dmin < 0:
+            _fail(f"--decoupled-lr ({args.decoupled_lr}) and --decoupled-min-lr ({dmin}) must be >= 0")
+        if dmin > args.decoupled_lr:
+            _fail(f"the embedding and output layer's minimum learning rate ({dmin}, --decoupled-min-lr or "
+                  f"--min-lr) is larger than --decoupled-lr ({args.decoupled_lr})")
     if args.weight_decay_incr_style == "constant":
         for flag, v in (("--start-weight-decay", args.start_weight_decay), ("--end-weight-decay",
                                                                            args.end_weight_decay)):

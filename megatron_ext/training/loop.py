@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_ext.optimizer.param_groups import logged_lr
+
 from .logging_utils import TensorBoard, format_eval_line, format_train_line, num_floating_point_operations
 
 
@@ -249,7 +251,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             summary = model.ledger.summary().get("total", {})
             intra = summary.get("intra", 0) / stats.iters
             inter = summary.get("inter", 0) / stats.iters
-            lr = optimizer.param_groups[0]["lr"]
+            lr = logged_lr(optimizer.param_groups)
             lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
             rounds = None

@@ -79,6 +79,8 @@ def _build_optimizer(args: argparse.Namespace, model):
                        loss_scale_window=args.loss_scale_window if args.loss_scale_window is not None else 1000,
                        hysteresis=args.hysteresis if args.hysteresis is not None else 2)
     cfg = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                          decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+                          apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                           sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
                           params_dtype=args.params_dtype, use_distributed_optimizer=True, **fp16_kw)

@@ -98,9 +98,14 @@ def _plugin_world(enabled: bool):
         assert isinstance(ddp, training.DDP)
         # The checkout's save/load code unwraps the chunks through every binding of unwrap_model.
         assert training.unwrap_model(ddp) is module and utils.unwrap_model([ddp]) == [module]
-        opt = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp])
+        from megatron.core.optimizer import ParamKey
+
+        # the param groups Megatron-LM asks for (config_overrides, its third argument) reach the ODO
+        opt = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2), [ddp],
+                                              {ParamKey(name="module.2.*"): {"max_lr": 0.5}})
         if not enabled:
             return type(ddp).__name__, opt
+        assert [(g["overrides"], g["max_lr"]) for g in opt.param_groups] == [(None, 1e-2), ((("max_lr", 0.5),), 0.5)]
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1 + torch.distributed.get_rank()))
         before = [p.detach().clone() for p in module.parameters()]
         opt.zero_grad()
@@ -370,3 +375,18 @@ def test_plan_flags_reach_the_plugin(spawn):
     assert amsp == mx.ShardingPlan.amsp_7b(2)
     assert inst == mx.ShardingPlan.mics(2)   # megatron-core's K instances: grad = optim = DP / K
     assert "--optim-shard-size" in bad and "does not divide" in bad
+
+
+def test_old_optimizer_factory_arguments_are_refused_by_name():
+    """Megatron-LM versions before config_overrides passed grouping callbacks; the ODO names them, never drops them."""
+    from megatron_ext.megatron_lm.plugin import _config_overrides
+
+    def old_factory(config, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
+        return None
+
+    assert _config_overrides(old_factory, None, [], (), {}) is None
+    for kwargs in ({"no_weight_decay_cond": lambda n, p: False}, {"lr_mult": 0.1}):
+        with pytest.raises(ValueError, match=next(iter(kwargs)) + "=.*config_overrides"):
+            _config_overrides(old_factory, None, [], (), kwargs)
+    with pytest.raises(ValueError, match="scale_lr_cond"):
+        _config_overrides(old_factory, None, [], (None, lambda n, p: True), {})

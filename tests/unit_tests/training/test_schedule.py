@@ -83,19 +83,22 @@ def _warmup_fraction_and_wd_ramp(argv):
     from megatron_ext.training.pretrain_gpt import _build_optimizer
 
     args = parse_args(argv, world_size=1)
-    model = mx.OverlappedDDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)),
-                             mx.OverlapConfig(bucket_size=1000))
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+    module[2].weight.is_embedding_or_output_parameter = True   # as megatron-core's GPTModel marks its output layer
+    model = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=1000))
     opt, sched = _build_optimizer(args, model)
     out = []
     for _ in range(10):
         sched.step(increment=args.global_batch_size)
-        wds = sorted({g["weight_decay"] for g in opt.param_groups})
-        out.append((opt.param_groups[0]["lr"], wds))
+        default = [g for g in opt.param_groups if g["default_config"]]
+        wds = sorted({g["weight_decay"] for g in default})
+        out.append((default[0]["lr"], wds, [g["lr"] for g in opt.param_groups if not g["default_config"]]))
     return out
 
 
 def test_lr_warmup_fraction_and_weight_decay_ramp_follow_megatron_lm():
-    """--lr-warmup-fraction warms up over that fraction of the decay's samples, and --weight-decay-incr-style
+    """--lr-warmup-fraction warms up over that fraction of the decay's samples, --decoupled-lr gives the output
+    layer its own peak, and --weight-decay-incr-style
     linear ramps --start-weight-decay to --end-weight-decay over --train-iters, each as Megatron-LM computes
     them (written out here from its formulas); parameters without decay (biases, norms) stay at 0."""
     from tests.unit_tests.dist_harness import run_distributed
@@ -103,11 +106,14 @@ def test_lr_warmup_fraction_and_weight_decay_ramp_follow_megatron_lm():
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "10",
             "--lr-decay-style", "constant", "--lr-warmup-fraction", "0.4", "--weight-decay-incr-style", "linear",
-            "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", "--distributed-backend", "gloo"]
+            "--start-weight-decay", "0.0", "--end-weight-decay", "0.1", "--distributed-backend", "gloo",
+            "--decoupled-lr", "3e-3"]
     steps = run_distributed(_warmup_fraction_and_wd_ramp, 1, argv, timeout=120)[0]
     warmup_samples = 0.4 * 10 * 2   # lr_warmup_fraction * lr_decay_steps (samples), as Megatron-LM
-    for i, (lr, wds) in enumerate(steps, start=1):
+    for i, (lr, wds, decoupled) in enumerate(steps, start=1):
         samples = 2 * i
         want_lr = 1e-3 * samples / warmup_samples if samples <= warmup_samples else 1e-3
         assert math.isclose(lr, want_lr, rel_tol=1e-12), (i, lr, want_lr)
+        # --decoupled-lr: the output layer's own group, on the same schedule to its own peak
+        assert len(decoupled) == 1 and math.isclose(decoupled[0], 3 * want_lr, rel_tol=1e-12), (i, decoupled)
         assert wds[0] == 0.0 and math.isclose(wds[-1], 0.1 * samples / 20, rel_tol=1e-12, abs_tol=0.0), (i, wds)
