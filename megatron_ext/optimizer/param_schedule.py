@@ -202,11 +202,13 @@ class ShardedParamSync:
     def _register_backward(self, buckets: frozenset, output) -> None:
         if not buckets:
             return
-        fired = [False]
+        fired = [-1]   # the backward (autograd graph task) that gathered them: once per backward, and again in a
+                       # second backward through a retained graph (its weights were released after the first)
 
         def hook(grad):
-            if not fired[0]:
-                fired[0] = True
+            task = torch._C._current_graph_task_id()
+            if fired[0] != task:
+                fired[0] = task
                 for idx in sorted(buckets):
                     self._ensure(idx, prefer_secondary=True)
             return grad

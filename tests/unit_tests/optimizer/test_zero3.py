@@ -11,7 +11,7 @@ import megatron_ext as mx
 from megatron_ext import ShardingPlan
 from megatron_ext.optimizer.memory import model_state_bytes
 
-from .models import make_tied, odo_tied_step, reference_tied
+from .models import make_tied, odo_tied_step, param_groups, reference_tied, tied_loss, token_batch
 
 STEPS, LR, WD, CLIP, BUCKET, POOL = 3, 1e-2, 0.1, 0.5, 200, 6   # 9 buckets; a call chain needs 5 at once
 
@@ -278,3 +278,36 @@ def test_zero3_qwz_qgz_within_derived_bounds(spawn):
         assert 0 < w_err <= w_max / 254 + 2 * 0.1 * grad_bound + 1e-6, w_err
     for r in per_rank[1:]:
         assert torch.equal(r["qgz8+qwz"]["weights"], per_rank[0]["qgz8+qwz"]["weights"])
+
+
+def _retained_graph_backward_twice(hpz):
+    """Each step runs backward twice through one retained graph (gradients add up, as in one process)."""
+    rank = dist.get_rank()
+    model, opt = _wrap(ShardingPlan.zero3(hpz=hpz), 2, optimizer="sgd")
+    for step in range(2):
+        tokens, targets = token_batch(step, rank, 0)
+        loss = tied_loss(model, tokens, targets)
+        loss.backward(retain_graph=True)   # releases every bucket at its end
+        loss.backward()                    # must gather them again
+        model.finish_grad_sync()
+        assert opt.step()[0]
+        opt.zero_grad()
+    return _weights(model)
+
+
+def test_second_backward_through_a_retained_graph_gathers_again(spawn):
+    ref = make_tied()
+    opt = torch.optim.SGD(param_groups(ref, WD), lr=LR, momentum=0.9)
+    for step in range(2):
+        toks, tgts = zip(*[token_batch(step, r, 0) for r in range(2)])
+        loss = tied_loss(ref, torch.cat(toks), torch.cat(tgts))
+        loss.backward(retain_graph=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    for hpz in (1, 2):
+        out = spawn(_retained_graph_backward_twice, 2, hpz)
+        for n, p in ref.named_parameters():   # the bound and reason of test_equivalence
+            torch.testing.assert_close(out[0][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"hpz={hpz} {n}")
+            assert torch.equal(out[0][n], out[1][n]), (hpz, n)
