@@ -48,7 +48,19 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--output-prefix", required=True)
     g.add_argument("--workers", type=int, default=1, help="accepted for Megatron-LM compatibility (tokenization "
                    "uses the tokenizers library's own threads)")
+    g.add_argument("--log-interval", type=int, default=1000, help="accepted for Megatron-LM compatibility")
+    g.add_argument("--partitions", type=int, default=1, help="accepted for Megatron-LM compatibility (1 only)")
+    for flag in ("--split-sentences", "--keep-newlines"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lang", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for flag, given in (("--split-sentences", args.split_sentences), ("--keep-newlines", args.keep_newlines),
+                        ("--lang", args.lang is not None)):
+        if given:
+            p.error(f"{flag} is not supported (Megatron-LM splits with NLTK's punkt data, which this tool does not "
+                    "download): give each document as a JSON list of sentences, one sequence each")
+    if args.partitions != 1:
+        p.error(f"--partitions {args.partitions}: only 1 is supported (tokenization is already multi-threaded)")
     if args.train_tokenizer_vocab_size is not None and args.tokenizer_type is not None:
         p.error("--train-tokenizer-vocab-size conflicts with --tokenizer-type (train one, or load one)")
     if args.train_tokenizer_vocab_size is None and args.tokenizer_type is None:

@@ -58,3 +58,10 @@ def test_flag_errors(tmp_path, capsys):
     rc = pre.main(["--input", "x.jsonl", "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
                    "GPT2BPETokenizer"])
     assert rc == 2 and "--vocab-file" in capsys.readouterr().err
+    # Megatron-LM's sentence splitting needs NLTK's punkt data: refused by name, with the way that works here
+    for extra in (["--split-sentences"], ["--keep-newlines"], ["--lang", "english"], ["--partitions", "4"]):
+        with pytest.raises(SystemExit):
+            pre.main(["--input", "x.jsonl", "--output-prefix", str(tmp_path / "o"), "--train-tokenizer-vocab-size",
+                      "300"] + extra)
+        err = capsys.readouterr().err
+        assert extra[0] in err and ("JSON list of sentences" in err or "only 1" in err), err
