@@ -30,8 +30,8 @@ from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce
                                 dataclass_fields, node_peers)
 from .inner_optimizer import build_inner_optimizer
 from .model_parallel import counts_towards_norm, model_parallel_group
-from .param_groups import build_param_groups, describe_groups, group_key_of_params, match_saved_groups
 from .overlapped_ddp import OverlappedDDP
+from .param_groups import build_param_groups, describe_groups, group_key_of_params, match_saved_groups
 from .speculative_step import SpeculativeStep
 
 

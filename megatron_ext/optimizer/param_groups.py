@@ -6,9 +6,9 @@ overrides that match (conflicting values are an error) and puts parameters with 
 group; ``None`` means its standard overrides (no weight decay for biases and 1-D parameters, ``--decoupled-lr`` /
 ``--decoupled-min-lr`` for the embedding and output layer). The ODO uses the same functions on the same names (the
 chunk's ``named_parameters()``: ``module.`` first, as under megatron-core's DDP), so a Megatron-LM run groups alike
-with either optimizer; a group holds this rank's slices (``_Piece.master``) of the
-matched parameters, and every rank has every group (empty ones included) in the same order: None first, then the
-overrides sorted, as megatron-core orders them.
+with either optimizer. A group holds this rank's slices (``_Piece.master``) of the matched parameters, and every
+rank has every group (empty ones included) in the same order: None first, then the overrides sorted, as
+megatron-core orders them.
 
 Each group records its key under ``"overrides"``: a checkpoint's groups are matched to this run's by it, so a
 reordering (or an older checkpoint, whose two default groups came in the other order) never swaps hyper-parameters
