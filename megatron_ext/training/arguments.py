@@ -784,7 +784,13 @@ def sharding_plan_from_args(args: argparse.Namespace, dp_size: int, dp_ranks_per
     param = getattr(args, "param_shard_size", None)
     grad = getattr(args, "grad_shard_size", None)
     optim = getattr(args, "optim_shard_size", None)
-    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    instances = 1 if instances is None else instances
+    hpz = getattr(args, "hpz_partition_size", None)
+    for flag, v in (("--param-shard-size", param), ("--grad-shard-size", grad), ("--optim-shard-size", optim),
+                    ("--hpz-partition-size", hpz), ("--num-distributed-optimizer-instances", instances)):
+        if v is not None and v < 1:   # 0 is not "all ranks": refused like any other non-positive size
+            _fail(f"{flag} must be a positive integer, got {v}")
     try:
         if instances != 1:
             implied = ShardingPlan.from_instances(instances, dp_size)
@@ -796,8 +802,7 @@ def sharding_plan_from_args(args: argparse.Namespace, dp_size: int, dp_ranks_per
         if param is not None and param > 1:   # ZeRO-3: gradients and optimizer states follow the weights
             optim = param if optim is None else optim
             grad = optim if grad is None else grad
-        plan = ShardingPlan(param=param or 1, grad="auto" if grad is None else grad, optim=optim,
-                            hpz=getattr(args, "hpz_partition_size", None) or 1)
+        plan = ShardingPlan(param=param or 1, grad="auto" if grad is None else grad, optim=optim, hpz=hpz or 1)
         plan = fold_accumulate(plan, getattr(args, "odo_accumulate", "auto") or "auto")
         plan.resolve(dp_size, dp_ranks_per_node or dp_size, 0)
     except ValueError as e:

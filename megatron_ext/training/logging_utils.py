@@ -79,6 +79,19 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
     return " | ".join(parts) + " |"
 
 
+def format_memory_line(rank: int, iteration: int, report: Dict[str, int],
+                       device: Optional[Dict[str, float]] = None) -> str:
+    """Megatron-LM's ``report_memory`` line, once after the first logged iteration: the model-state bytes this rank
+    holds, measured from its tensors (``OverlappedDDP.memory_report()``: what a sharding plan saves), in MB, then
+    the CUDA allocator's figures where there is one. Components this plan does not have (zero) are left out."""
+    mb = 1024 * 1024
+    parts = [f"[Rank {rank}] (after {iteration} iterations) model-state memory (MB)"]
+    parts += [f"{k.replace('_', ' ')}: {v / mb:.1f}" for k, v in report.items() if v]
+    parts.append(f"total: {sum(report.values()) / mb:.1f}")
+    parts += [f"{k}: {v / mb:.1f}" for k, v in (device or {}).items()]
+    return " | ".join(parts)
+
+
 def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     parts = [f" validation loss at {prefix}"]
     for k, v in losses.items():

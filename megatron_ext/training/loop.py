@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from megatron_ext.optimizer.param_groups import logged_lr
 
-from .logging_utils import TensorBoard, format_eval_line, format_train_line, num_floating_point_operations
+from .logging_utils import (TensorBoard, format_eval_line, format_memory_line, format_train_line,
+                            num_floating_point_operations)
 
 
 def print_rank_last(msg: str) -> None:
@@ -233,6 +234,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     model.ledger.reset()
     iteration = start_iteration
     total_skipped = 0
+    memory: Optional[Dict[str, int]] = None   # the first logged iteration's model-state bytes (report_memory)
     exited = False
     model.train()
     spec = getattr(model, "speculation", None)   # --odo-speculative-step: rounds counted per log interval
@@ -270,6 +272,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
             logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "intra_bytes": intra,
                                  "inter_bytes": inter}
+            if memory is None:   # once, as Megatron-LM's report_memory: DP rank 0 of each TP/PP position
+                memory = report_memory(model, iteration)
             model.ledger.reset()
             stats.reset()
 
@@ -296,4 +300,18 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             break
     return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
-            "exited": exited}
+            "exited": exited, "memory": memory}
+
+
+def report_memory(model, iteration: int) -> Dict[str, int]:
+    """This rank's model-state bytes (printed by DP rank 0 of each model-parallel position)."""
+    from megatron.core import parallel_state as ps
+
+    report = model.memory_report()
+    if ps.get_data_parallel_rank() == 0:
+        device = None
+        if torch.cuda.is_available():
+            device = {"allocated": torch.cuda.memory_allocated(), "max allocated": torch.cuda.max_memory_allocated(),
+                      "reserved": torch.cuda.memory_reserved()}
+        print(format_memory_line(dist.get_rank(), iteration, report, device), flush=True)
+    return report

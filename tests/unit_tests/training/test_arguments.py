@@ -305,6 +305,9 @@ def test_group_query_attention_defaults_to_one_group_like_megatron_lm(capsys):
     (["--fp16", "--initial-loss-scale", "-1"], "--initial-loss-scale"),
     (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by"),
     (["--decoupled-min-lr", "1e-4"], "--decoupled-lr"),
+    (["--param-shard-size", "0"], "--param-shard-size"),   # 0 is not "every rank"
+    (["--param-shard-size", "1", "--hpz-partition-size", "0"], "--hpz-partition-size"),
+    (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances"),
     (["--decoupled-lr", "1e-5", "--decoupled-min-lr", "1e-4"], "--decoupled-lr"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction"),
     (["--lr-warmup-fraction", "1.0"], "--lr-warmup-fraction"),

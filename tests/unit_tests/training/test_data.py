@@ -85,8 +85,8 @@ def test_two_value_split_means_missing_entries_are_zero(text_dataset):
 
 def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
     """Megatron-LM excludes skipped (fp16 overflow) iterations from the lm-loss average; TFLOP/s of a CPU run is
-    small but not 0.000."""
-    from megatron_ext.training.logging_utils import format_train_line
+    small but not 0.000; the memory line leaves out what the plan does not hold."""
+    from megatron_ext.training.logging_utils import format_memory_line, format_train_line
     from megatron_ext.training.loop import IntervalStats
 
     stats = IntervalStats()
@@ -106,6 +106,11 @@ def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
                              loss_scale=1.0, grad_norm=2.5, skipped=0, nan_iters=0, intra_bytes=0, inter_bytes=0,
                              speculative=(3, 1))
     assert "| speculative steps committed: 3/4 |" in spec
+    mb = 1024 * 1024
+    memory = format_memory_line(3, 10, {"parameters": 3 * mb, "hpz_secondary": 0, "gradients": mb // 2,
+                                        "optimizer_states": 6 * mb}, {"allocated": 20 * mb})
+    assert memory == ("[Rank 3] (after 10 iterations) model-state memory (MB) | parameters: 3.0 | gradients: 0.5 | "
+                      "optimizer states: 6.0 | total: 9.5 | allocated: 20.0")
 
 
 def test_eod_mask_loss_and_reset_position_ids_reach_the_dataset(text_dataset, tmp_path):

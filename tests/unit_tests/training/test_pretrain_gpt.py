@@ -102,7 +102,8 @@ def _recompute_runs(argvs):
 
         model_mod.build_model = counted
         try:
-            out.append((pretrain(argv)["losses"], dict(calls)))
+            result = pretrain(argv)
+            out.append((result["losses"], dict(calls), result["memory"]))
         finally:
             model_mod.build_model = build
     return out
@@ -117,7 +118,14 @@ def test_recompute_trains_exactly_like_no_recompute(spawn, text_dataset, tiny_mo
     zero3 = ["--param-shard-size", "2"]
     variants = [[], ["--recompute-activations"], full + ["uniform"], full + ["block"], zero3, zero3 + full + ["uniform"]]
     runs = spawn(_recompute_runs, 2, [base + v for v in variants], timeout=240)[0]
-    (plain, plain_calls), (sel, sel_calls), (uni, uni_calls), (blk, blk_calls), (z3, z3_calls), (z3r, z3r_calls) = runs
+    memory = [r[2] for r in runs]
+    (plain, plain_calls), (sel, sel_calls), (uni, uni_calls), (blk, blk_calls), (z3, z3_calls), (z3r, z3r_calls) = [
+        r[:2] for r in runs]
+    # the measured model-state report (printed after the first logged iteration): ZeRO-3 at DP 2 holds half the
+    # weights of ZeRO-1 (both pad buckets to 2 equal shards), the same optimizer states, and recomputation no other
+    assert memory[0]["parameters"] == 2 * memory[4]["parameters"] > 0, memory
+    assert memory[0]["optimizer_states"] == memory[4]["optimizer_states"] > 0, memory
+    assert memory[1] == memory[0] and memory[5]["parameters"] == memory[4]["parameters"], memory
     assert sel == plain and uni == plain and blk == plain, (plain, sel, uni, blk)
     assert z3r == z3 and abs(z3[3] - plain[3]) < 1e-5 * plain[3], (z3, z3r, plain)
     # 3 iterations x 1 micro-batch x 2 layers forward (no evaluation): recomputation runs them again.
