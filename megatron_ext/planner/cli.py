@@ -1,6 +1,6 @@
 """``python -m megatron_ext.planner``: rank the plans for a model and cluster, print the table and the flags.
 
-    python -m megatron_ext.planner --model llama-7b --gpus 1024 --gpus-per-node 8 --gpu-memory 80GB \\
+    python -m megatron_ext.planner --model llama-7b --gpus 1024 --gpus-per-node 8 \\
         --micro-batch-size 1 --global-batch-size 1024 --seq-length 4096 --hardware dgx-a100
 
 Megatron model flags (``--num-layers --hidden-size --num-attention-heads --vocab-size ...``) may replace
@@ -9,6 +9,7 @@ Megatron model flags (``--num-layers --hidden-size --num-attention-heads --vocab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -95,6 +96,18 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                      "to tie a --model preset)")
 
 
+_FIELD_FLAGS = {"num_query_groups": "--num-query-groups", "position_embedding": "--position-embedding-type",
+                "add_bias_linear": "--disable-bias-linear", "untie_embeddings": "--untie-embeddings-and-output-weights"}
+
+
+def _flag_text(field: str, value) -> str:
+    """The flag that set a ModelSpec field, as typed."""
+    if field == "untie_embeddings" and not value:
+        return "--tie-embeddings-and-output-weights"
+    flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+    return flag if isinstance(value, bool) else f"{flag} {value}"
+
+
 def model_from_args(a: argparse.Namespace) -> ModelSpec:
     """A preset with the given Megatron flags overriding it, or a shape from the Megatron flags alone; the model
     flags checked as pretrain_gpt checks them (naming the same flags)."""
@@ -114,6 +127,11 @@ def model_from_args(a: argparse.Namespace) -> ModelSpec:
                   add_bias_linear=None if a.disable_bias_linear is None else not a.disable_bias_linear)
     if a.model:
         spec = model_preset(a.model, **fields)
+        preset = model_preset(a.model)
+        changed = [_flag_text(k, v) for k, v in fields.items()
+                   if v is not None and model_preset(a.model, **{k: v}) != preset]
+        if changed:   # the header says the preset was changed, not just its name
+            spec = dataclasses.replace(spec, name=f"{a.model} with {' '.join(changed)}")
     else:
         fields["untie_embeddings"] = bool(untie)   # Megatron's default: input and output embeddings tied
         missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")

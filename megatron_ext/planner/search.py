@@ -85,12 +85,14 @@ class Ranking:
     memory_cap: int
     ranked: List[Prediction]             # feasible, fastest first
     infeasible: int                      # candidates over the memory cap
+    leanest_bytes: int = 0               # the least memory any candidate needs (what a cap must at least allow)
 
     @property
     def best(self) -> Prediction:
         if not self.ranked:
-            raise ValueError(f"no plan fits in {self.memory_cap / 2 ** 30:.1f} GiB per GPU "
-                             "(--gpu-memory): add recomputation, tensor/pipeline parallelism or GPUs")
+            raise ValueError(f"no plan fits in {format_size(self.memory_cap)} per GPU (--gpu-memory): the leanest "
+                             f"of {self.infeasible} plans needs {format_size(self.leanest_bytes)}; add "
+                             "recomputation, tensor/pipeline parallelism or GPUs, or lower --micro-batch-size")
         return self.ranked[0]
 
     def reason(self, p: Prediction) -> str:
@@ -126,4 +128,9 @@ def solve(wl: Workload, profile: HardwareProfile, memory_cap: Optional[int] = No
     preds = [predict(c, wl, profile) for c in cands]
     feasible = [p for p in preds if p.memory["total"] <= cap]
     feasible.sort(key=lambda p: (round(p.step_s, 9), p.candidate.lossy, p.memory["total"]))
-    return Ranking(wl, profile, cap, feasible, len(preds) - len(feasible))
+    leanest = min((p.memory["total"] for p in preds), default=0)
+    return Ranking(wl, profile, cap, feasible, len(preds) - len(feasible), leanest)
+
+
+def format_size(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"

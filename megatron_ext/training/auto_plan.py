@@ -203,21 +203,19 @@ def workload_from_args(args: argparse.Namespace) -> "Workload":
 
 def choose(args: argparse.Namespace) -> Tuple["Ranking", "Prediction"]:
     """``(ranking, best prediction)`` for this run; no plan under the cap raises naming ``--plan-gpu-memory``."""
-    from megatron_ext.planner.search import solve
+    from megatron_ext.planner.search import format_size, solve
 
     wl = workload_from_args(args)
     profile = load_plan_profile(args)
     cap = plan_memory_cap(args)
     ranking = solve(wl, profile, cap, allow_quantized=args.plan_allow_quantized)
     if not ranking.ranked:
-        leanest = solve(wl, profile, float("inf"), allow_quantized=args.plan_allow_quantized).ranked
-        need = min(p.memory["total"] for p in leanest) if leanest else 0
         what = ("--plan-gpu-memory" if args.plan_gpu_memory
                 else f"the {profile.name} profile's GPU memory less the reserve for the CUDA context, NCCL and "
                 "fragmentation; --plan-gpu-memory sets another cap")
-        _fail(f"--auto-plan: no sharding plan fits in {_size(cap)} per GPU ({what}): the leanest of "
-              f"{ranking.infeasible} plans needs {_size(need)}; raise --plan-gpu-memory, lower "
-              "--micro-batch-size, or add tensor/pipeline parallelism or GPUs")
+        _fail(f"--auto-plan: no sharding plan fits in {format_size(cap)} per GPU ({what}): the leanest of "
+              f"{ranking.infeasible} plans needs {format_size(ranking.leanest_bytes)}; raise --plan-gpu-memory, "
+              "lower --micro-batch-size, or add tensor/pipeline parallelism or GPUs")
     return ranking, ranking.best
 
 
@@ -234,16 +232,14 @@ def apply_plan(args: argparse.Namespace, flags: List[str]) -> None:
         _fail(f"--auto-plan: the planner produced flags pretrain_gpt does not know: {extra}")
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 30:.2f} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.1f} MiB"
-
-
 def summary(ranking: "Ranking", best: "Prediction", flags: List[str]) -> str:
     """The one line rank 0 prints: the plan, its predicted step time and memory, and the equivalent flags."""
+    from megatron_ext.planner.search import format_size
+
     wl, cand = ranking.workload, best.candidate
     return (f"> auto-plan: {cand.describe(wl.dp, wl.ranks_per_node)} ({cand.label}) on {ranking.profile.name}, "
             f"DP {wl.dp} ({wl.ranks_per_node} per node): predicted step {1e3 * best.step_s:.1f} ms, "
-            f"{_size(best.memory['total'])} per GPU of {_size(ranking.memory_cap)} "
+            f"{format_size(best.memory['total'])} per GPU of {format_size(ranking.memory_cap)} "
             f"({len(ranking.ranked)} plans fit, {ranking.infeasible} over); flags: {' '.join(flags)}")
 
 

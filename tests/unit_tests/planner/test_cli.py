@@ -84,7 +84,7 @@ def test_megatron_model_flags_and_a_profile_file(capsys, tmp_path):
     ({"--gpus": "1004"}, ["do not fill nodes", "--gpus-per-node"]),
     ({"--model": None}, ["--model", "--num-layers", "--hidden-size"]),
     ({"--hardware": "tpu"}, ["--hardware"]),
-    ({"--gpu-memory": "1GB"}, ["no plan fits", "--gpu-memory"]),
+    ({"--gpu-memory": "1GB"}, ["no plan fits", "--gpu-memory", "the leanest of", "GiB;"]),
 ], ids=["batch-not-multiple", "memory-unreadable", "partial-node", "no-model", "unknown-hardware", "cap-too-small"])
 def test_bad_input_is_an_argparse_error_naming_the_flag(capsys, change, names):
     argv = list(LLAMA_7B_1024)
@@ -180,3 +180,10 @@ def test_tie_a_preset_and_the_help_says_what_the_presets_are(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "every --model preset is untied" in help_text and "--tie-embeddings-and-output-weights" in help_text
     assert "--sequence-parallel" in help_text and "--recompute-method" in help_text
+
+
+def test_model_flags_with_a_preset_are_named_in_the_header(capsys):
+    """--model with Megatron's model flags plans the changed shape and says so (not 'llama-7b' for a 4-layer model)."""
+    assert cli.main(LLAMA_7B_1024 + ["--num-layers", "4", "--untie-embeddings-and-output-weights"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("model llama-7b with --num-layers 4: 1.07B "), header   # the preset is untied already
