@@ -69,7 +69,14 @@ FORMAT = "megatron_ext.pretrain_gpt/1"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the path and the reason."""
+    """A checkpoint that cannot be loaded; the message names the path and the reason. ``everywhere``: every rank
+    raised it together, rank 0 with the whole story (``pretrain_gpt`` prints it there only)."""
+
+    everywhere = False
+
+
+class AgreedCheckpointError(CheckpointError):
+    everywhere = True
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -540,9 +547,9 @@ def agree_on_error(error: Optional[str], consequence: str = "no rank loaded anyt
     errors: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     if error:
-        raise CheckpointError(error)
+        raise AgreedCheckpointError(error)
     rank, first = next((r, e) for r, e in enumerate(errors) if e)
-    raise CheckpointError(f"{first} (found by rank {rank}; {consequence})")
+    raise AgreedCheckpointError(f"{first} (found by rank {rank}; {consequence})")
 
 
 def agree_on_checkpoint(ckpt: Optional[str]) -> None:
@@ -555,7 +562,7 @@ def agree_on_checkpoint(ckpt: Optional[str]) -> None:
         seen = {}
         for r, n in enumerate(names):
             seen.setdefault(n or "no checkpoint", []).append(r)
-        raise CheckpointError("ranks see different checkpoints in --load ("
+        raise AgreedCheckpointError("ranks see different checkpoints in --load ("
                               + "; ".join(f"{n}: ranks {rs}" for n, rs in seen.items())
                               + "): is the directory on a filesystem every node sees alike? No rank loaded anything")
 

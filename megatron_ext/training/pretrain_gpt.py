@@ -287,7 +287,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         pretrain(argv)
     except CheckpointError as e:
-        print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        # one write (lines of several ranks do not run together); an error every rank agreed on, once (rank 0's
+        # names the rank that found it)
+        if not e.everywhere or os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"pretrain_gpt: error: {e}\n")
+            sys.stderr.flush()
         return 2
     return 0
 
