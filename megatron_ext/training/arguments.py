@@ -134,7 +134,10 @@ class _Parser(argparse.ArgumentParser):
         return ns
 
     def error(self, message: str):  # type: ignore[override]
-        """The error alone: argparse's usage of some 200 flags, printed by every rank, buried it."""
+        """The error alone (argparse's usage of some 200 flags buried it), printed once per node: by local rank 0
+        under torchrun (the flags and the node's files are the same for every rank there), exit status 2 on all."""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the flags)\n")
 
 

@@ -526,3 +526,12 @@ def test_data_files_and_splits_checked_with_the_flags(capsys, tmp_path):
         f.truncate(os.path.getsize(prefix + ".bin") - 1)
     err = _error(capsys, flags + ["--split", "8,1,1"])
     assert f"--data-path {prefix}: {prefix}.bin holds" in err and "truncated" in err, err
+
+
+def test_a_flag_error_is_printed_once_per_node(capsys, monkeypatch):
+    """Under torchrun every rank parses the same flags: local rank 0 prints the error, the others exit quietly with
+    the same status (eight copies per node, interleaved, buried the message)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _error(capsys, ["--lr", "-1"]) == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert "--lr" in _error(capsys, ["--lr", "-1"])
