@@ -4,8 +4,9 @@
 # (INT8 weights) communication backends. It trains on real text with no download: a corpus built once from the
 # Python standard library's sources (cached in ~/.cache/megatron_ext, ~15 s the first time).
 # About a minute on an idle 2-core machine (two when the cores are shared); the lm loss falls from ~8.1 to ~5.8 in 100
-# iterations (validation ~5.75), and every log line reports the bytes each rank sent per step inside its node and
-# across nodes (about 0.65 MB / 0.8 MB with qgZ+qwZ against 2.5 MB / 5.1 MB with GRAD_REDUCE=plain PARAM_GATHER=plain).
+# iterations (validation ~5.75), and every log line reports the bytes sent per step and rank inside the node and
+# across nodes (the mean over the ranks; about 0.65 / 0.8 MiB with qgZ+qwZ against 2.5 / 5.1 MiB with
+# GRAD_REDUCE=plain PARAM_GATHER=plain).
 #
 #   bash examples/pretrain_gpt_cpu.sh                 # defaults below
 #   TRAIN_ITERS=300 GRAD_REDUCE=plain PARAM_GATHER=plain bash examples/pretrain_gpt_cpu.sh

@@ -1,8 +1,8 @@
 """Megatron-style training log lines, the FLOP count behind TFLOP/s, and optional TensorBoard.
 
 The line layout follows Megatron-LM's ``training_log`` (``iteration N/ M | consumed samples: ... | ...``) so
-existing log parsers keep working; this project adds tokens/s per rank and the bytes each rank sent per step
-inside a node and across nodes, from the ODO's communication ledger.
+existing log parsers keep working; this project adds tokens/s per rank and the bytes sent per step inside a node
+and across nodes (the mean over the ranks), from the ODO's communication ledger.
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} GB"
+    return f"{n:.1f} GiB"
 
 
 def _fmt_significant(x: float) -> str:
@@ -74,7 +74,7 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
         parts.append(f"sharding: {plan}")
     if speculative is not None:
         parts.append(f"speculative steps committed: {speculative[0]}/{sum(speculative)}")
-    parts += [f"bytes sent per step intra-node: {_fmt_bytes(intra_bytes)}",
+    parts += [f"bytes sent per step and rank (mean) intra-node: {_fmt_bytes(intra_bytes)}",
               f"inter-node: {_fmt_bytes(inter_bytes)}"]
     return " | ".join(parts) + " |"
 

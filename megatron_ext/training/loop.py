@@ -250,9 +250,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
 
         if iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - stats.t0) / stats.iters
-            summary = model.ledger.summary().get("total", {})
-            intra = summary.get("intra", 0) / stats.iters
-            inter = summary.get("inter", 0) / stats.iters
+            intra, inter = mean_bytes_per_rank(model.ledger, stats.iters)
             lr = logged_lr(optimizer.param_groups)
             lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
@@ -301,6 +299,20 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     return {"iteration": iteration, "losses": history, "eval": evals, "skipped": total_skipped, "log": logged,
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
             "exited": exited, "memory": memory}
+
+
+def mean_bytes_per_rank(ledger, iters: int) -> Tuple[float, float]:
+    """Bytes sent per step inside the node and across nodes, averaged over every rank: one small all-reduce per log
+    line, since some backends load their ranks unevenly (ring, ByteGrad's leader hops), so no single rank's count
+    stands for the run. Counted as the collectives' protocol sends them (the ledger's closed forms)."""
+    from .initialize import collective_device
+
+    summary = ledger.summary().get("total", {})
+    traffic = torch.tensor([float(summary.get("intra", 0)), float(summary.get("inter", 0))], dtype=torch.float64,
+                           device=collective_device())
+    dist.all_reduce(traffic)
+    intra, inter = (traffic / (iters * dist.get_world_size())).tolist()
+    return intra, inter
 
 
 def report_memory(model, iteration: int) -> Dict[str, int]:

@@ -141,3 +141,22 @@ def test_eod_mask_loss_and_reset_position_ids_reach_the_dataset(text_dataset, tm
             if i + 1 < seq:
                 assert m["position_ids"][i + 1] == 0
     assert eod_seen > 0
+
+
+def _logged_bytes():
+    import torch.distributed as dist
+
+    from megatron_ext.training.loop import mean_bytes_per_rank
+
+    class Ledger:   # ranks that send unevenly, as ring's and ByteGrad's hops make them
+        def summary(self):
+            r = dist.get_rank()
+            return {"total": {"intra": 100 * (r + 1), "inter": 1000 * (3 - r)}}
+
+    return mean_bytes_per_rank(Ledger(), iters=2)
+
+
+def test_logged_bytes_are_the_mean_over_every_rank(spawn):
+    """The log line's bytes per step are every rank's mean (the last rank alone misread ring and ByteGrad)."""
+    for intra, inter in spawn(_logged_bytes, 2):
+        assert (intra, inter) == ((100 + 200) / 2 / 2, (3000 + 2000) / 2 / 2)
