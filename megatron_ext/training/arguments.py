@@ -55,6 +55,10 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
     "--use-legacy-models": "the models are megatron-core's (the legacy model code is not used)",
     "--lr-wsd-decay-samples": "the schedule is given in iterations here: use --lr-wsd-decay-iters",
+    "--apply-residual-connection-post-layernorm": "megatron-core 0.16's transformer layers do not implement it (the "
+                                                  "TransformerConfig field is read nowhere)",
+    "--recompute-modules": "selective recomputation here covers core attention only (--recompute-activations; "
+                           "--recompute-modules core_attn is accepted)",
 }
 
 # Of those, the values that ask for exactly what pretrain_gpt does: scripts pasted from Megatron-LM carry them, so
@@ -63,6 +67,7 @@ NOOP_VALUES = {
     "--context-parallel-size": "1",
     "--expert-model-parallel-size": "1",
     "--dataloader-type": "single",
+    "--recompute-modules": "core_attn",
 }
 
 # Megatron-LM flags that change how fast a run goes or what it logs, never what it trains: accepted, and named in a

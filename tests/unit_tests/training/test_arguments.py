@@ -397,9 +397,9 @@ def test_model_flags_of_megatron_lm_reach_the_transformer_config(capsys):
 
 def test_unsupported_megatron_lm_flags_say_why(capsys):
     for flag in ("--calculate-per-token-loss", "--reset-attention-mask", "--train-data-path", "--fp8-format",
-                 "--use-checkpoint-args"):
-        err = _error(capsys, [flag], world_size=1)
-        assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support: " in err, err
+                 "--use-checkpoint-args", "--apply-residual-connection-post-layernorm", "--recompute-modules mlp"):
+        err = _error(capsys, flag.split(), world_size=1)
+        assert f"{flag.split()[0]} is a Megatron-LM flag that pretrain_gpt does not support: " in err, err
 
 
 def test_unwritable_save_directory_is_found_by_a_real_write(capsys, tmp_path, monkeypatch):
@@ -445,7 +445,7 @@ def test_nan_check_is_on_by_default_as_in_megatron_lm():
 
 
 @pytest.mark.parametrize("argv", [["--context-parallel-size", "1"], ["--expert-model-parallel-size=1"],
-                                  ["--dataloader-type", "single"]])
+                                  ["--dataloader-type", "single"], ["--recompute-modules", "core_attn"]])
 def test_unsupported_flags_accepted_at_their_no_op_value(argv):
     parse_args(BASE + argv + ["--bf16"], world_size=4)
 
