@@ -5,7 +5,7 @@
 # Python standard library's sources (cached in ~/.cache/megatron_ext, ~15 s the first time).
 # About a minute on an idle 2-core machine (two when the cores are shared); the lm loss falls from ~8.1 to ~5.8 in 100
 # iterations (validation ~5.75), and every log line reports the bytes sent per step and rank inside the node and
-# across nodes (the mean over the ranks; about 0.65 / 0.8 MiB with qgZ+qwZ against 2.5 / 5.1 MiB with
+# across nodes (the mean over the ranks; about 0.67 / 0.83 MiB with qgZ+qwZ against 2.5 / 5.1 MiB with
 # GRAD_REDUCE=plain PARAM_GATHER=plain).
 #
 #   bash examples/pretrain_gpt_cpu.sh                 # defaults below
@@ -23,7 +23,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 QUANT_ARGS=()
 if [ "$GRAD_REDUCE" = "qgz" ]; then QUANT_ARGS+=(--qgz-bits 4); fi
-if [ "$GRAD_REDUCE" = "qgz" ] || [ "$PARAM_GATHER" = "qwz" ]; then QUANT_ARGS+=(--quant-group-size 2048); fi
+if [ "$GRAD_REDUCE" = "qgz" ] || [ "$PARAM_GATHER" = "qwz" ]; then QUANT_ARGS+=(--quant-group-size 128); fi   # one weight row
 
 exec python -m torch.distributed.run --nproc-per-node "$NPROC" --standalone \
     -m megatron_ext.training.pretrain_gpt \

@@ -772,10 +772,35 @@ def _check_planned_backends(args: argparse.Namespace) -> None:
                   f"(available: {', '.join(available)})")
 
 
+def _quant_group_notice(args: argparse.Namespace) -> Optional[str]:
+    """A start-up notice when --quant-group-size defeats what the quantized backends are for: so small that each
+    group's 4-byte fp32 scale makes an element cost as much as plain's, or wider than a weight row (one scale then
+    spans rows of different ranges: the loss moves away from plain's; a group wider than a shard is cut there)."""
+    codes = {"qwz": 1.0} if args.param_gather == "qwz" else {}
+    if args.grad_reduce == "qgz":
+        codes["qgz"] = args.qgz_bits / 8
+    if not codes:
+        return None
+    g = args.quant_group_size
+    plain = {"qwz": 2.0 if (args.bf16 or args.fp16) else 4.0, "qgz": 4.0}   # weights in model dtype, fp32 gradients
+    costly = [f"{name} sends {c + 4 / g:.2f} bytes per element against plain's {plain[name]:.0f}"
+              for name, c in codes.items() if c + 4 / g >= plain[name]]
+    notes = []
+    if costly:
+        notes.append(f"--quant-group-size {g} is so small that each group's fp32 scale outweighs the savings "
+                     f"({'; '.join(costly)})")
+    if g > args.hidden_size:
+        notes.append(f"--quant-group-size {g} is wider than a weight row (--hidden-size {args.hidden_size}): one "
+                     "scale spans rows of different ranges, so the loss drifts from plain's (README, qgZ INT4); "
+                     f"--quant-group-size {args.hidden_size} keeps a group inside a row")
+    return "> " + "; ".join(notes) if notes else None
+
+
 def _validate_backends(args: argparse.Namespace) -> None:
     check_backend_flags(args)
     args.qgz_bits = 4 if args.qgz_bits is None else args.qgz_bits
     args.quant_group_size = 2048 if args.quant_group_size is None else args.quant_group_size
+    args.quant_notice = _quant_group_notice(args)
     args.dp_ranks_per_node = dp_ranks_per_node(args)
     sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
 

@@ -155,7 +155,8 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                                    args.tensor_model_parallel_size)
         _print_args(args)
         for notice in (ignored_flag_notice(args), getattr(args, "topology_notice", None),
-                       getattr(args, "wiring_notice", None), getattr(args, "data_notice", None)):
+                       getattr(args, "wiring_notice", None), getattr(args, "data_notice", None),
+                       getattr(args, "quant_notice", None)):
             if notice:
                 print_rank_0(notice)
         module = build_model(args)

@@ -535,3 +535,16 @@ def test_a_flag_error_is_printed_once_per_node(capsys, monkeypatch):
     assert _error(capsys, ["--lr", "-1"]) == ""
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert "--lr" in _error(capsys, ["--lr", "-1"])
+
+
+def test_quant_group_size_that_defeats_the_backends_gets_a_notice():
+    """Wider than a weight row (the loss drifts) or so small that the fp32 scales cost as much as plain: said at
+    start-up; one row is quiet."""
+    def notice(extra):
+        return parse_args(BASE + ["--hidden-size", "64"] + extra, world_size=4).quant_notice
+
+    assert "wider than a weight row (--hidden-size 64)" in notice(["--grad-reduce", "qgz"])   # the default 2048
+    small = notice(["--grad-reduce", "qgz", "--param-gather", "qwz", "--quant-group-size", "1"])
+    assert "qwz sends 5.00 bytes per element against plain's 4" in small and "qgz sends 4.50" in small
+    assert notice(["--param-gather", "qwz", "--quant-group-size", "64"]) is None
+    assert notice([]) is None   # plain backends: nothing to say
