@@ -36,6 +36,7 @@ import dataclasses
 from typing import Callable, ClassVar, Dict, List, Optional, Type
 
 import torch
+import torch.distributed as dist
 
 from .ledger import CommLedger
 from .topology import Topology, warn_once
@@ -300,8 +301,9 @@ class _Backend(abc.ABC):
         return 1
 
     def _warn_once(self, msg: str) -> None:
-        """Log ``msg`` once per job: only DP rank 0 of the group logs, and only once per process."""
-        if self.topology.rank == 0:
+        """Log ``msg`` once per job: only DP rank 0 of the group logs, and only once per process; of several DP
+        groups (TP/PP > 1), only the one holding global rank 0 (their backends are alike)."""
+        if self.topology.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
             warn_once(msg)
 
 

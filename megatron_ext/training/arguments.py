@@ -984,6 +984,10 @@ def _validate_later_features(args: argparse.Namespace) -> None:
         except ValueError as e:
             _fail(str(e))
         args.wiring_notice = _stage_wiring_notice(args, ladder, n_ladder)
+        if args.tensor_model_parallel_size == 1:
+            args.ladder_notice = (f"> {'--desync-residual' if ladder.desync else '--ladder-residual'} at "
+                                  "--tensor-model-parallel-size 1: there is no tensor-parallel all-reduce to overlap "
+                                  "or drop, so this trains the rewired network without its speed-up")
         if args.sequence_parallel:
             _fail("--ladder-residual/--desync-residual do not support --sequence-parallel (their reductions are "
                   "all-reduces of full-sequence partial sums)")

@@ -107,6 +107,17 @@ def _overlap_config(args: argparse.Namespace):
                             speculative_step=args.odo_speculative_step)
 
 
+def _backends_text(args: argparse.Namespace) -> str:
+    """The backends with what shapes their bytes and error (bits, group size, qgZ's pipeline stages)."""
+    grads = args.grad_reduce
+    if grads == "qgz":
+        stages = getattr(args, "qgz_pipeline_stages", None)
+        grads += (f" INT{args.qgz_bits} (group {args.quant_group_size}"
+                  + (f", {stages} pipeline stages" if stages is not None else "") + ")")
+    params = args.param_gather + (f" INT8 (group {args.quant_group_size})" if args.param_gather == "qwz" else "")
+    return f"gradients {grads}, parameters {params}"
+
+
 def _print_args(args: argparse.Namespace) -> None:
     from .loop import print_rank_0
 
@@ -156,7 +167,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         _print_args(args)
         for notice in (ignored_flag_notice(args), getattr(args, "topology_notice", None),
                        getattr(args, "wiring_notice", None), getattr(args, "data_notice", None),
-                       getattr(args, "quant_notice", None)):
+                       getattr(args, "quant_notice", None), getattr(args, "ladder_notice", None)):
             if notice:
                 print_rank_0(notice)
         module = build_model(args)
@@ -168,8 +179,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                      f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}), vocab "
                      f"{args.tokenizer_vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} "
                      "micro-batches per step")
-        print_rank_0(f"> sharding plan: {model.plan.describe()}; gradients {args.grad_reduce}, parameters "
-                     f"{args.param_gather}")
+        print_rank_0(f"> sharding plan: {model.plan.describe()}; {_backends_text(args)}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
         if args.load:

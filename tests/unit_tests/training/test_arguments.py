@@ -193,6 +193,11 @@ def test_ladder_and_desync_flags_reach_the_args():
     assert a.desync_residual == "2x" and not a.ladder_residual
     a = parse_args(BASE + ["--ladder-residual", "--ladder-residual-layers", "1"], world_size=2)
     assert a.ladder_residual and a.ladder_residual_layers == 1
+    # at TP 1 nothing is overlapped: trained as asked, with a notice saying so (and none at TP 2)
+    assert "--ladder-residual at --tensor-model-parallel-size 1: there is no tensor-parallel all-reduce" in (
+        getattr(a, "ladder_notice", None) or "")
+    tp2 = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--ladder-residual"], world_size=2)
+    assert getattr(tp2, "ladder_notice", None) is None
 
 
 def test_desync_with_transformer_engine_at_tp2_rejected_up_front(capsys, monkeypatch):
