@@ -563,8 +563,9 @@ def agree_on_checkpoint(ckpt: Optional[str]) -> None:
         for r, n in enumerate(names):
             seen.setdefault(n or "no checkpoint", []).append(r)
         raise AgreedCheckpointError("ranks see different checkpoints in --load ("
-                              + "; ".join(f"{n}: ranks {rs}" for n, rs in seen.items())
-                              + "): is the directory on a filesystem every node sees alike? No rank loaded anything")
+                                    + "; ".join(f"{n}: ranks {rs}" for n, rs in seen.items())
+                                    + "): is the directory on a filesystem every node sees alike? No rank loaded "
+                                    "anything")
 
 
 def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
