@@ -280,19 +280,22 @@ def test_zero3_qwz_qgz_within_derived_bounds(spawn):
         assert torch.equal(r["qgz8+qwz"]["weights"], per_rank[0]["qgz8+qwz"]["weights"])
 
 
-def _retained_graph_backward_twice(hpz):
+def _retained_graph_backward_twice():
     """Each step runs backward twice through one retained graph (gradients add up, as in one process)."""
     rank = dist.get_rank()
-    model, opt = _wrap(ShardingPlan.zero3(hpz=hpz), 2, optimizer="sgd")
-    for step in range(2):
-        tokens, targets = token_batch(step, rank, 0)
-        loss = tied_loss(model, tokens, targets)
-        loss.backward(retain_graph=True)   # releases every bucket at its end
-        loss.backward()                    # must gather them again
-        model.finish_grad_sync()
-        assert opt.step()[0]
-        opt.zero_grad()
-    return _weights(model)
+    out = {}
+    for hpz in (1, 2):
+        model, opt = _wrap(ShardingPlan.zero3(hpz=hpz), 2, optimizer="sgd")
+        for step in range(2):
+            tokens, targets = token_batch(step, rank, 0)
+            loss = tied_loss(model, tokens, targets)
+            loss.backward(retain_graph=True)   # releases every bucket at its end
+            loss.backward()                    # must gather them again
+            model.finish_grad_sync()
+            assert opt.step()[0]
+            opt.zero_grad()
+        out[hpz] = _weights(model)
+    return out
 
 
 def test_second_backward_through_a_retained_graph_gathers_again(spawn):
@@ -306,8 +309,8 @@ def test_second_backward_through_a_retained_graph_gathers_again(spawn):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
+    per_rank = spawn(_retained_graph_backward_twice, 2)
     for hpz in (1, 2):
-        out = spawn(_retained_graph_backward_twice, 2, hpz)
         for n, p in ref.named_parameters():   # the bound and reason of test_equivalence
-            torch.testing.assert_close(out[0][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"hpz={hpz} {n}")
-            assert torch.equal(out[0][n], out[1][n]), (hpz, n)
+            torch.testing.assert_close(per_rank[0][hpz][n], p.detach(), rtol=1e-5, atol=1e-6, msg=f"hpz={hpz} {n}")
+            assert torch.equal(per_rank[0][hpz][n], per_rank[1][hpz][n]), (hpz, n)
