@@ -51,7 +51,7 @@ def group_key_of_params(config, chunks: Sequence[Any], config_overrides: Optiona
 
 def build_param_groups(config, keys: Dict[int, GroupKey], pieces: Sequence[Any]) -> List[dict]:
     """The inner optimizer's groups over this rank's ``pieces``; every key gets a group, empty or not."""
-    order = sorted(set(keys.values()), key=lambda k: (k is not None, k or ()))
+    order = sorted(set(keys.values()), key=_key_order)
     members: Dict[GroupKey, List[torch.nn.Parameter]] = {k: [] for k in order}
     for pc in pieces:
         members[keys[id(pc.param)]].append(pc.master)
@@ -75,7 +75,7 @@ def describe_groups(names: Dict[int, str], keys: Dict[int, GroupKey]) -> str:
     for pid, k in keys.items():
         by_key.setdefault(k, []).append(names[pid])
     return "; ".join(f"{k!r}: {len(v)} params (crc {zlib.crc32(','.join(sorted(v)).encode())})"
-                     for k, v in sorted(by_key.items(), key=lambda kv: (kv[0] is not None, kv[0] or ())))
+                     for k, v in sorted(by_key.items(), key=lambda kv: _key_order(kv[0])))
 
 
 def match_saved_groups(saved: List[dict], groups: List[dict]) -> List[Optional[dict]]:
@@ -92,6 +92,11 @@ def match_saved_groups(saved: List[dict], groups: List[dict]) -> List[Optional[d
     if keyed or len(table) == len(saved):
         return [table.get(identity(g, keyed)) for g in groups]
     return list(saved) if len(saved) == len(groups) else [None] * len(groups)
+
+
+def _key_order(k: GroupKey) -> tuple:
+    """megatron-core's group order: no override first, then the overrides sorted."""
+    return (k is not None, k or ())
 
 
 def logged_lr(groups: List[dict]) -> float:
