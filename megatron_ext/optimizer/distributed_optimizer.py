@@ -18,6 +18,7 @@ slice with decoded weights) each bucket shard has an fp32 master.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -120,7 +121,7 @@ class OverlappedDistributedOptimizer:
                     shards[b.index] = c.param_buffer.shard_view(b, c.shard_rank)
             self.master_flat.append(flat)
             self.master_shards.append(shards)
-            c.optimizer_memory = self._memory_report
+            c.optimizer_memory = functools.partial(self._memory_report, len(self.master_flat) - 1)
         self.pieces: List[_Piece] = []
         for ci, c in enumerate(chunks):
             counted_replica = c.plan.replica_rank == 0
@@ -517,13 +518,16 @@ class OverlappedDistributedOptimizer:
             if master.data_ptr() != view.data_ptr():
                 view.copy_(master)
 
-    def _memory_report(self) -> Dict[str, int]:
-        """Bytes of master weights and optimizer states this rank holds (see optimizer/memory.py)."""
+    def _memory_report(self, chunk: int) -> Dict[str, int]:
+        """Bytes of master weights and optimizer states this rank holds for model chunk ``chunk`` (see
+        optimizer/memory.py), so that the chunks' reports add up to the optimizer's."""
         states = 0
-        for st in self.inner.state.values():
-            states += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
-        return {"master_weights": sum(t.numel() * t.element_size() for t in self.master_flat),
-                "optimizer_states": states}
+        for pc in self.pieces:
+            if pc.chunk == chunk:
+                st = self.inner.state.get(pc.master, {})
+                states += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+        flat = self.master_flat[chunk]
+        return {"master_weights": flat.numel() * flat.element_size(), "optimizer_states": states}
 
     def _sync_failed_flag(self, n: int) -> torch.Tensor:
         """``n`` float64 zeros on the gradients' device; the last is 1 when this rank's grad sync failed."""

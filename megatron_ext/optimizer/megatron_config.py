@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -22,16 +22,19 @@ def model_config(module: torch.nn.Module) -> Optional[Any]:
     return getattr(module, "config", None)
 
 
-def attach_to_schedules(model: torch.nn.Module, optimizer: Any) -> Any:
-    """Point the model config's schedule hooks at the wrapper and optimizer, as Megatron-LM's ``train()`` does:
-    ``no_sync_func`` (no reduction for all but the last micro-batch), ``finalize_model_grads_func`` (megatron-core's,
-    which calls the wrapper's ``finish_grad_sync``) and ``grad_scale_func`` (the loss scale). Returns the config."""
+def attach_to_schedules(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], optimizer: Any) -> Any:
+    """Point the model config's schedule hooks at the wrapper(s) and optimizer, as Megatron-LM's ``train()`` does:
+    ``no_sync_func`` (no reduction for all but the last micro-batch; one per chunk of an interleaved pipeline,
+    whose schedule lifts it chunk by chunk, each before its last backward), ``finalize_model_grads_func``
+    (megatron-core's, which calls each wrapper's ``finish_grad_sync``) and ``grad_scale_func`` (the loss scale).
+    Returns the config (the chunks share it)."""
     from megatron.core.distributed import finalize_model_grads
 
-    config = model_config(model)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = model_config(chunks[0])
     if config is None:
         raise ValueError("model wraps no module with a megatron-core config: the schedules need one")
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return config

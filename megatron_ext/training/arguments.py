@@ -20,8 +20,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--context-parallel-size": "context parallelism is not implemented by megatron_ext.training",
     "--expert-model-parallel-size": "mixture-of-experts is not implemented by megatron_ext.training",
     "--num-experts": "mixture-of-experts is not implemented by megatron_ext.training",
-    "--virtual-pipeline-model-parallel-size": "the ODO wraps one model chunk; interleaved pipelines are not supported",
-    "--num-layers-per-virtual-pipeline-stage": "the ODO wraps one model chunk; interleaved pipelines are not supported",
+    "--virtual-pipeline-model-parallel-size": "Megatron-LM's flag is --num-virtual-stages-per-pipeline-rank (or "
+                                              "--num-layers-per-virtual-pipeline-stage)",
     "--use-torch-fsdp2": "the optimizer here is the OverlappedDistributedOptimizer, not FSDP2",
     "--use-custom-fsdp": "the optimizer here is the OverlappedDistributedOptimizer, not FSDP",
     "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
@@ -341,6 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline: transformer layers per model chunk (each stage holds "
+                   "layers / PP / this chunks)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="interleaved pipeline: model chunks per pipeline stage")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="interleaved pipeline: consecutive micro-batches a chunk runs before the next chunk (default "
+                   "--pipeline-model-parallel-size)")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                   help="interleaved pipeline: batch the stage-to-stage sends and receives instead of overlapping "
+                   "them with compute (needs --pipeline-model-parallel-size > 2, as in Megatron-LM)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-model-parallel-size > 1; needs --transformer-impl transformer_engine")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -564,6 +576,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller than --seq-length "
               f"({args.seq_length})")
 
+    _validate_virtual_pipeline(args, pp)
     _validate_recompute(args, pp)
 
     # Batch.
@@ -575,7 +588,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
-    if pp > 1 and args.num_micro_batches < pp:
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _check_interleaved_micro_batches(args, pp)
+    elif pp > 1 and args.num_micro_batches < pp:
         # megatron-core's 1F1B schedule runs with fewer micro-batches than stages, but it is all bubble.
         _warn(f"{args.num_micro_batches} micro-batches per step with {pp} pipeline stages: the pipeline "
               "is mostly idle; raise --global-batch-size")
@@ -1014,6 +1029,66 @@ def _stage_wiring_notice(args: argparse.Namespace, ladder, n_ladder: int) -> Opt
             f"--pipeline-model-parallel-size {pp}; evaluate, fine-tune and serve it with the same stage layout")
 
 
+def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
+    """Megatron-LM's interleaved-pipeline flags, as its ``validate_args`` reads them: the model chunks per stage
+    (``args.virtual_pipeline_model_parallel_size``, None without interleaving) and the stage counts they need."""
+    per_chunk, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    args.virtual_pipeline_model_parallel_size = None
+    if per_chunk is None and chunks is None:
+        for flag, given in (("--microbatch-group-size-per-virtual-pipeline-stage",
+                             args.microbatch_group_size_per_vp_stage is not None),
+                            ("--no-overlap-p2p-communication", not args.overlap_p2p_comm)):
+            if given:
+                _fail(f"{flag} applies to the interleaved pipeline only (--num-virtual-stages-per-pipeline-rank or "
+                      "--num-layers-per-virtual-pipeline-stage)")
+        return
+    if per_chunk is not None and chunks is not None:
+        _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank conflict: give one")
+    flag = ("--num-layers-per-virtual-pipeline-stage" if per_chunk is not None
+            else "--num-virtual-stages-per-pipeline-rank")
+    value = per_chunk if per_chunk is not None else chunks
+    if value <= 0:
+        _fail(f"{flag} must be positive, got {value}")
+    if pp <= 1 or (pp <= 2 and not args.overlap_p2p_comm):
+        need = ("> 2 with --no-overlap-p2p-communication (a batch would hold two sends and two receives between the "
+                "same two ranks)" if not args.overlap_p2p_comm else "> 1")
+        _fail(f"{flag}: the interleaved pipeline needs --pipeline-model-parallel-size {need}, got {pp}")
+    per_stage = args.num_layers // pp
+    if per_chunk is not None:
+        if per_stage % per_chunk:
+            _fail(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) must divide the layers per pipeline stage "
+                  f"({per_stage} = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+        chunks = per_stage // per_chunk
+    elif per_stage % chunks:
+        _fail(f"--num-virtual-stages-per-pipeline-rank ({chunks}) must divide the layers per pipeline stage "
+              f"({per_stage} = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+    if chunks == 1:
+        return   # one chunk per stage: the plain 1F1B schedule
+    args.virtual_pipeline_model_parallel_size = chunks
+    for other, on in (("--ladder-residual/--desync-residual",
+                       args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual),
+                      ("--odo-speculative-step", args.odo_speculative_step)):
+        if on:
+            _fail(f"{flag} does not work with {other} (it supports one model chunk per pipeline stage)")
+
+
+def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int) -> None:
+    """megatron-core's interleaved schedule runs micro-batches in groups of
+    ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP) per chunk; it raises inside the first step
+    on counts it cannot schedule, so they are named here."""
+    m, group = args.num_micro_batches, args.microbatch_group_size_per_vp_stage
+    if group is None:
+        group = args.microbatch_group_size_per_vp_stage = pp
+    if not pp <= group <= m:
+        _fail(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be between "
+              f"--pipeline-model-parallel-size ({pp}) and the micro-batches per step ({m} = --global-batch-size / "
+              "(--micro-batch-size x data-parallel size)); raise --global-batch-size")
+    if 0 < m % group < pp:
+        _fail(f"the interleaved pipeline needs the micro-batches per step ({m}) to be a multiple of "
+              f"--microbatch-group-size-per-virtual-pipeline-stage ({group}), or to leave a remainder of at least "
+              f"--pipeline-model-parallel-size ({pp}); change --global-batch-size")
+
+
 def _validate_recompute(args: argparse.Namespace, pp: int) -> None:
     """Megatron-LM's recomputation flags, checked as megatron-core's TransformerConfig checks them but naming the
     flag: ``--recompute-activations`` is selective recomputation."""
@@ -1023,12 +1098,14 @@ def _validate_recompute(args: argparse.Namespace, pp: int) -> None:
                   f"{args.recompute_granularity}: choose one")
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
-        per_stage = args.num_layers // pp
+        # megatron-core recomputes within each model chunk's layers
+        per_stage = args.num_layers // pp // (args.virtual_pipeline_model_parallel_size or 1)
         if args.recompute_method is None:
             _fail("--recompute-granularity full needs --recompute-method uniform or block")
         if args.recompute_num_layers is None or not 1 <= args.recompute_num_layers <= per_stage:
             _fail(f"--recompute-granularity full needs --recompute-num-layers between 1 and the layers per pipeline "
-                  f"stage ({per_stage}), got {args.recompute_num_layers}")
+                  f"stage{' chunk' if args.virtual_pipeline_model_parallel_size else ''} ({per_stage}), got "
+                  f"{args.recompute_num_layers}")
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
         flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
         _fail(f"{flag} applies to --recompute-granularity full only (got "

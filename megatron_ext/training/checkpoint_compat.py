@@ -42,6 +42,8 @@ MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("padded_vocab_size", "the padded vocabulary size (--make-vocab-size-divisible-by)"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("virtual_pipeline_model_parallel_size", "the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank "
+                                             "or --num-layers-per-virtual-pipeline-stage)"),
     ("ladder_residual", "--ladder-residual"),
     ("ladder_residual_layers", "--ladder-residual-layers"),
     ("desync_residual", "--desync-residual"),
@@ -105,6 +107,8 @@ def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
         out["kv_channels"] = d.get("kv_channels") or d["hidden_size"] // d["num_attention_heads"]
         out["num_query_groups"] = (d.get("num_query_groups") if d.get("group_query_attention")
                                    else d["num_attention_heads"])
+    if "virtual_pipeline_model_parallel_size" in d:   # None: one chunk per stage
+        out["virtual_pipeline_model_parallel_size"] = d["virtual_pipeline_model_parallel_size"] or 1
     if "ladder_residual" in d:
         layers = d.get("ladder_residual_layers")
         n = (d.get("num_layers") if layers is None else layers) if d.get("ladder_residual") else 0

@@ -4,7 +4,8 @@
 ``<dir>/iter_0000010/`` holds
 
 * ``common.pt`` (global rank 0): iteration, consumed train/valid samples, LR scheduler state, parallel sizes, args;
-* ``mp_rank_TT_PPP/model.pt`` (DP rank 0 of each TP/PP position): the unwrapped megatron-core module's state dict;
+* ``mp_rank_TT_PPP/model.pt`` (DP rank 0 of each TP/PP position): the unwrapped megatron-core module's state dict
+  (with an interleaved pipeline, as Megatron-LM, one per model chunk: ``{"model0": ..., "model1": ...}``);
 * ``mp_rank_TT_PPP/optim.pt``: the ODO state of that TP/PP position in *canonical* layout, i.e. per parameter name
   and unsharded (the DP shards are gathered and merged with ``merge_optimizer_shards``), so it loads at any DP
   size, bucket size or backend;
@@ -56,7 +57,7 @@ import random
 import re
 import shutil
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -167,9 +168,11 @@ def _crash_hook(iteration: int) -> None:
             os._exit(17)
 
 
-def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
-                    consumed_valid_samples: int, args_dict: Dict[str, Any], save_optim: bool = True) -> str:
-    """Collective over the world: write ``iter_<iteration>`` atomically and point the tracker at it."""
+def save_checkpoint(save_dir: str, iteration: int, model: Sequence, optimizer, scheduler, *,
+                    consumed_train_samples: int, consumed_valid_samples: int, args_dict: Dict[str, Any],
+                    save_optim: bool = True) -> str:
+    """Collective over the world: write ``iter_<iteration>`` atomically and point the tracker at it. ``model``:
+    this stage's model chunks (a list, as Megatron-LM's)."""
     from megatron.core import parallel_state as ps
 
     rank = dist.get_rank()
@@ -209,9 +212,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
 
         write_canonical_optimizer_state(optimizer.state_dict(), optim_path, dp_group, save=save_optim_file)
     if dp_rank == 0:
-        from megatron_ext.optimizer.checkpoint import to_cpu
-
-        save(to_cpu(_unwrap(model).state_dict()), os.path.join(mp_dir, "model.pt"))
+        save(model_state_dict(model), os.path.join(mp_dir, "model.pt"))
     save(get_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         common = {"format": FORMAT, "iteration": iteration, "consumed_train_samples": consumed_train_samples,
@@ -223,8 +224,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
                   "data_parallel_size": ps.get_data_parallel_world_size(), "has_optim": save_optim,
                   "args": args_dict}
         save(common, os.path.join(tmp, "common.pt"))
-    if hasattr(model, "drop_gathered_weights"):
-        model.drop_gathered_weights()   # ZeRO-3: the full weights gathered for model.pt go again
+    for chunk in model:
+        chunk.drop_gathered_weights()   # ZeRO-3: the full weights gathered for model.pt go again
     _crash_hook(iteration)
 
     # One collective doubles as "every rank finished writing": a dead rank makes it fail, so nothing is published.
@@ -317,6 +318,29 @@ def _fsync_dir(path: str) -> None:
 
 def _unwrap(model):
     return model.module if hasattr(model, "module") else model
+
+
+def model_state_dict(model: Sequence) -> Dict[str, Any]:
+    """``model.pt``'s content, on the CPU: the unwrapped module's state dict, or one per chunk under Megatron-LM's
+    keys ``model0``, ``model1``, ... when the stage holds several (interleaved pipeline)."""
+    from megatron_ext.optimizer.checkpoint import to_cpu
+
+    states = [to_cpu(_unwrap(chunk).state_dict()) for chunk in model]
+    return states[0] if len(states) == 1 else {f"model{i}": st for i, st in enumerate(states)}
+
+
+def chunk_states(saved: Dict[str, Any], chunks: int) -> List[Dict[str, Any]]:
+    """:func:`model_state_dict`'s inverse for a stage of ``chunks`` model chunks; CheckpointError when the
+    checkpoint holds another number of chunks (a checkpoint older than the flag that records it)."""
+    keys = [f"model{i}" for i in range(chunks)]
+    saved_chunks = sorted((k for k in saved if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))
+    if chunks == 1 and not saved_chunks:
+        return [saved]
+    if saved_chunks == keys and len(saved) == chunks:
+        return [saved[k] for k in keys]
+    raise CheckpointError(f"the checkpoint holds {len(saved_chunks) or 1} model chunk(s) per pipeline stage, this "
+                          f"run {chunks} (--num-virtual-stages-per-pipeline-rank / "
+                          "--num-layers-per-virtual-pipeline-stage must match the saving run)")
 
 
 # ---- load -------------------------------------------------------------------------------------------------------
@@ -462,7 +486,7 @@ def _load(path: str, mmap: bool = False) -> Any:
         raise CheckpointError(f"corrupt checkpoint file {path}: {type(e).__name__}: {e}") from None
 
 
-def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[argparse.Namespace] = None,
+def load_checkpoint(ckpt: str, model: Sequence, optimizer, scheduler, *, args: Optional[argparse.Namespace] = None,
                     load_optim: bool = True, load_rng: bool = True) -> Dict[str, Any]:
     """Load ``ckpt`` (from :func:`find_checkpoint`) into model/ODO/scheduler; returns ``common.pt``'s dict.
 
@@ -490,7 +514,8 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
         error = f"{ckpt}: {type(e).__name__}: {e}"
     agree_on_error(error)
     common, model_state, optim_state, rng_state = loaded
-    _unwrap(model).load_state_dict(model_state, strict=True)
+    for chunk, state in zip(model, chunk_states(model_state, len(model))):
+        _unwrap(chunk).load_state_dict(state, strict=True)
     if load_optim:
         # The optimizer's param groups carry max_lr/min_lr, which the scheduler reads before its own values and the
         # optimizer state brings back from the checkpoint; under --override-opt_param-scheduler this run's bounds
@@ -506,7 +531,8 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, *, args: Optional[ar
         optimizer.reload_model_params()
     if rng_state is not None:
         set_rng_state(rng_state)
-    model.start_param_sync(force_sync=True)   # gathers in flight done (ZeRO-3 gathers as the next forward goes)
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)   # gathers in flight done (ZeRO-3 gathers as the next forward goes)
     return common
 
 
@@ -522,7 +548,9 @@ def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Nam
         problems += check_checkpoint_args(saved_args, args)
         if problems:  # the shapes below would only repeat these
             return problems + ["resume with the saving run's values of these flags"]
-    problems += [f"model: {p}" for p in check_model_state(model_state, _unwrap(model))]
+    for i, (chunk, state) in enumerate(zip(model, chunk_states(model_state, len(model)))):
+        where = f"model chunk {i}" if len(model) > 1 else "model"
+        problems += [f"{where}: {p}" for p in check_model_state(state, _unwrap(chunk))]
     if load_optim:
         problems += [f"optimizer: {p}" for p in check_optimizer_state(optim_state, optimizer)]
         if scheduler is not None and common.get("scheduler") is not None:

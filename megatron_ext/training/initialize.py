@@ -38,6 +38,8 @@ def init_model_parallel(args: argparse.Namespace) -> None:
     # (as Megatron-LM: --distributed-timeout-minutes governs the TP/PP/DP groups too, not only the world group)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                 virtual_pipeline_model_parallel_size=getattr(
+                                     args, "virtual_pipeline_model_parallel_size", None),
                                  distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_seeds(args.seed)
 

@@ -5,6 +5,9 @@ One iteration is Megatron-LM's ``train_step``: zero the grad buffers, run ``get_
 the loss through ``optimizer.scale_loss`` and finishes with ``finalize_model_grads``, which waits for the ODO's
 reduce-scatters), then ``optimizer.step()`` and the LR scheduler. Logging happens on the last rank (the last
 pipeline stage, which owns the loss), like Megatron-LM's ``print_rank_last``.
+
+``model`` is, as in Megatron-LM, the list of this stage's model chunks (OverlappedDDP-wrapped): one, or one per
+virtual stage with the interleaved pipeline, whose schedule then takes one data iterator per chunk.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import math
 import signal
 import time
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,12 +67,13 @@ def _mean_lm_loss(losses: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tenso
     return local / ps.get_data_parallel_world_size()
 
 
-def train_step(args: argparse.Namespace, fb: Callable, model, optimizer, scheduler,
+def train_step(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, scheduler,
                data_iterator) -> Tuple[Optional[float], bool, Optional[float]]:
     """One iteration; returns ``(lm loss or None, update applied, grad norm)``."""
-    model.zero_grad_buffer()
+    for chunk in model:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+    losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=list(model),
                 num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
@@ -80,15 +84,16 @@ def train_step(args: argparse.Namespace, fb: Callable, model, optimizer, schedul
 
 
 @torch.no_grad()
-def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iterator) -> Optional[float]:
+def evaluate(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, data_iterator) -> Optional[float]:
     """Average lm loss over ``--eval-iters`` global batches of the validation set, on fresh weights (the gathers in
     flight complete; ZeRO-3 gathers as the forward goes, never the whole model at once)."""
-    model.start_param_sync(force_sync=True)
-    model.eval()
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)
+        chunk.eval()
     total, n = 0.0, 0
     try:
         for _ in range(args.eval_iters):
-            losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+            losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=list(model),
                         num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
                         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
                         forward_only=True)
@@ -97,15 +102,16 @@ def evaluate(args: argparse.Namespace, fb: Callable, model, optimizer, data_iter
                 total += loss.item()
                 n += 1
     finally:
-        model.train()
+        for chunk in model:
+            chunk.train()
     return total / n if n else None
 
 
-def evaluate_and_print(args: argparse.Namespace, fb: Callable, model, optimizer, data_iterator, iteration: int,
+def evaluate_and_print(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, data_iterator, iteration: int,
                        prefix: str, tb: TensorBoard, tb_key: str) -> Optional[float]:
     """One evaluation (Megatron-LM's ``evaluate_and_print_results``): its traffic kept out of the step's bytes, the
     validation-loss line on the last rank and the TensorBoard scalar ``tb_key``."""
-    with ledger_paused(model.ledger):
+    with ledger_paused(model):
         loss = evaluate(args, fb, model, optimizer, data_iterator)
     if loss is not None:
         print_rank_last(format_eval_line(prefix, {"lm loss": loss}))
@@ -153,14 +159,16 @@ class IntervalStats:
 
 
 @contextlib.contextmanager
-def ledger_paused(ledger) -> Iterator[None]:
-    """Keep evaluation and checkpoint traffic out of the per-step bytes of the training log."""
-    was = ledger.enabled
-    ledger.enabled = False
+def ledger_paused(model: Sequence) -> Iterator[None]:
+    """Keep evaluation and checkpoint traffic out of the per-step bytes of the training log (every chunk's)."""
+    was = [chunk.ledger.enabled for chunk in model]
+    for chunk in model:
+        chunk.ledger.enabled = False
     try:
         yield
     finally:
-        ledger.enabled = was
+        for chunk, enabled in zip(model, was):
+            chunk.ledger.enabled = enabled
 
 
 class ExitSignal:
@@ -211,7 +219,7 @@ def open_tensorboard(args: argparse.Namespace) -> TensorBoard:
     return tb
 
 
-def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
+def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
           consumed_train_samples: int, consumed_valid_samples: int,
           save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: float,
           exit_signal: Optional[ExitSignal] = None, tb: TensorBoard) -> Dict[str, Any]:
@@ -231,13 +239,15 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
     evals: Dict[int, float] = {}
     logged: Dict[int, Dict[str, Any]] = {}  # each log line's values by iteration (lm loss on the last stage only)
     stats = IntervalStats()
-    model.ledger.reset()
+    for chunk in model:
+        chunk.ledger.reset()
     iteration = start_iteration
     total_skipped = 0
     memory: Optional[Dict[str, int]] = None   # the first logged iteration's model-state bytes (report_memory)
     exited = False
-    model.train()
-    spec = getattr(model, "speculation", None)   # --odo-speculative-step: rounds counted per log interval
+    for chunk in model:
+        chunk.train()
+    spec = getattr(model[0], "speculation", None)   # --odo-speculative-step (one chunk): rounds per log interval
     spec_seen = (spec.committed, spec.rolled_back) if spec is not None else None
     while iteration < args.train_iters:
         loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
@@ -250,7 +260,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
 
         if iteration % args.log_interval == 0:
             elapsed = (time.perf_counter() - stats.t0) / stats.iters
-            intra, inter = mean_bytes_per_rank(model.ledger, stats.iters)
+            intra, inter = mean_bytes_per_rank([chunk.ledger for chunk in model], stats.iters)
             lr = logged_lr(optimizer.param_groups)
             lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
@@ -264,7 +274,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                 tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
                 global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
                 skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
-                plan=model.plan.short(), speculative=rounds))
+                plan=model[0].plan.short(), speculative=rounds))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
                                    "loss-scale": scale, "iteration-time": elapsed,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
@@ -272,7 +282,8 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
                                  "inter_bytes": inter}
             if memory is None:   # once, as Megatron-LM's report_memory: DP rank 0 of each TP/PP position
                 memory = report_memory(model, iteration)
-            model.ledger.reset()
+            for chunk in model:
+                chunk.ledger.reset()
             stats.reset()
 
         if args.eval_iters > 0 and iteration % args.eval_interval == 0 and valid_iter is not None:
@@ -289,7 +300,7 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
         elif iteration < args.train_iters:
             reason = exit_requested(args, start_time, exit_signal)
         if save_fn is not None and (reason or (args.save_interval and iteration % args.save_interval == 0)):
-            with ledger_paused(model.ledger):
+            with ledger_paused(model):
                 save_fn(iteration, consumed_train_samples, consumed_valid_samples)
             stats.t0 = time.perf_counter()
         if reason:
@@ -301,25 +312,28 @@ def train(args: argparse.Namespace, model, optimizer, scheduler, train_iter, val
             "exited": exited, "memory": memory}
 
 
-def mean_bytes_per_rank(ledger, iters: int) -> Tuple[float, float]:
+def mean_bytes_per_rank(ledgers: Sequence, iters: int) -> Tuple[float, float]:
     """Bytes sent per step inside the node and across nodes, averaged over every rank: one small all-reduce per log
     line, since some backends load their ranks unevenly (ring, ByteGrad's leader hops), so no single rank's count
     stands for the run. Counted as the collectives' protocol sends them (the ledger's closed forms)."""
     from .initialize import collective_device
 
-    summary = ledger.summary().get("total", {})
-    traffic = torch.tensor([float(summary.get("intra", 0)), float(summary.get("inter", 0))], dtype=torch.float64,
-                           device=collective_device())
+    totals = [ledger.summary().get("total", {}) for ledger in ledgers]   # one ledger per model chunk
+    traffic = torch.tensor([float(sum(t.get("intra", 0) for t in totals)), float(sum(t.get("inter", 0) for t in totals))],
+                           dtype=torch.float64, device=collective_device())
     dist.all_reduce(traffic)
     intra, inter = (traffic / (iters * dist.get_world_size())).tolist()
     return intra, inter
 
 
-def report_memory(model, iteration: int) -> Dict[str, int]:
-    """This rank's model-state bytes (printed by DP rank 0 of each model-parallel position)."""
+def report_memory(model: Sequence, iteration: int) -> Dict[str, int]:
+    """This rank's model-state bytes, all chunks together (printed by DP rank 0 of each model-parallel position)."""
     from megatron.core import parallel_state as ps
 
-    report = model.memory_report()
+    report: Dict[str, int] = {}
+    for chunk in model:
+        for key, value in chunk.memory_report().items():
+            report[key] = report.get(key, 0) + value
     if ps.get_data_parallel_rank() == 0:
         device = None
         if torch.cuda.is_available():

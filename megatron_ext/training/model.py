@@ -8,6 +8,7 @@ the OverlappedDDP wrapper sees it.
 from __future__ import annotations
 
 import argparse
+from typing import List, Optional
 
 import torch
 
@@ -40,6 +41,11 @@ def config_overrides(args: argparse.Namespace) -> dict:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
     )
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp is not None:   # Megatron-LM's settings for the interleaved schedule
+        overrides.update(virtual_pipeline_model_parallel_size=vpp,
+                         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+                         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm)
     if args.swiglu:
         overrides.update(gated_linear_unit=True, activation_func=F.silu)
     if args.squared_relu:
@@ -58,8 +64,16 @@ def config_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """This pipeline stage of the GPT, on the current device, Float16Module-wrapped for --bf16/--fp16."""
+def build_model_chunks(args: argparse.Namespace) -> List[torch.nn.Module]:
+    """This pipeline stage's model chunks: one, or one per virtual stage with the interleaved pipeline (chunk ``i``
+    of stage ``s`` holds layer block ``i * PP + s``, as megatron-core places them)."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return [build_model(args)] if vpp is None else [build_model(args, vp_stage=i) for i in range(vpp)]
+
+
+def build_model(args: argparse.Namespace, vp_stage: Optional[int] = None) -> torch.nn.Module:
+    """This pipeline stage (or its chunk ``vp_stage``) of the GPT, on the current device, Float16Module-wrapped for
+    --bf16/--fp16."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
@@ -76,7 +90,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     # With PP > 1 and tied embeddings, megatron-core's LanguageModule moves the shared weight with `.cuda()` before
     # its first/last-stage all-reduce; cpu_device_mode makes that a no-op without CUDA (pass-through with CUDA).
     with cpu_device_mode():
-        model = _gpt(GPTModel, config, spec, args, ps)
+        model = _gpt(GPTModel, config, spec, args, ps, vp_stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.fp16 or args.bf16:
@@ -84,18 +98,19 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return model
 
 
-def _gpt(GPTModel, config, spec, args: argparse.Namespace, ps) -> torch.nn.Module:
-    ladder = {}
+def _gpt(GPTModel, config, spec, args: argparse.Namespace, ps, vp_stage: Optional[int]) -> torch.nn.Module:
+    extra = {} if vp_stage is None else {"vp_stage": vp_stage}
     if args.ladder_residual or args.desync_residual:
         from megatron_ext.transformer.ladder_gpt import LadderGPTModel
 
         GPTModel = LadderGPTModel  # noqa: N806 - same constructor plus the ladder options
-        ladder = dict(ladder_residual=args.ladder_residual, ladder_residual_layers=args.ladder_residual_layers,
+        extra.update(ladder_residual=args.ladder_residual, ladder_residual_layers=args.ladder_residual_layers,
                       desync_residual=args.desync_residual)
-    return GPTModel(**ladder,
+    return GPTModel(**extra,
         config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(), parallel_output=True,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage), parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base)

@@ -139,7 +139,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from .data import MicroBatchIterator
     from .initialize import init_distributed, init_model_parallel, teardown
     from .loop import ExitSignal, open_tensorboard, print_rank_0, train
-    from .model import build_model, padded_vocab_size
+    from .model import build_model_chunks, padded_vocab_size
 
     start_time = time.time()   # --exit-duration-in-mins counts from here, as Megatron-LM's from its start
     args = parse_args(argv)
@@ -170,16 +170,18 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                        getattr(args, "quant_notice", None), getattr(args, "ladder_notice", None)):
             if notice:
                 print_rank_0(notice)
-        module = build_model(args)
+        modules = build_model_chunks(args)
         set_ranks_per_node(args.ranks_per_node)   # the log's intra/inter split of TP/PP reductions too
-        model = mx.OverlappedDDP(module, _overlap_config(args), dp_group=ps.get_data_parallel_group())
+        # As Megatron-LM: a list of this stage's model chunks (one per virtual stage), each wrapped on its own
+        model = [mx.OverlappedDDP(m, _overlap_config(args), dp_group=ps.get_data_parallel_group()) for m in modules]
         optimizer, scheduler = _build_optimizer(args, model)
-        n_params = sum(p.numel() for p in module.parameters())
-        print_rank_0(f"> GPT stage 0: {n_params / 1e6:.2f}M parameters on rank 0 (TP={args.tensor_model_parallel_size}"
-                     f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}), vocab "
-                     f"{args.tokenizer_vocab_size} padded to {args.padded_vocab_size}, {args.num_micro_batches} "
-                     "micro-batches per step")
-        print_rank_0(f"> sharding plan: {model.plan.describe()}; {_backends_text(args)}")
+        n_params = sum(p.numel() for m in modules for p in m.parameters())
+        chunks = f" in {len(modules)} chunks" if len(modules) > 1 else ""
+        print_rank_0(f"> GPT stage 0: {n_params / 1e6:.2f}M parameters{chunks} on rank 0 (TP="
+                     f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} DP="
+                     f"{args.data_parallel_size}), vocab {args.tokenizer_vocab_size} padded to "
+                     f"{args.padded_vocab_size}, {args.num_micro_batches} micro-batches per step")
+        print_rank_0(f"> sharding plan: {model[0].plan.describe()}; {_backends_text(args)}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
         if args.load:
@@ -209,11 +211,16 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                  f"{args.train_iters}: no iteration to train (raise --train-iters to continue)")
 
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        train_iter = MicroBatchIterator(train_ds, consumed_train, args.micro_batch_size, dp_rank, dp_size)
-        def batches(ds, consumed: int):   # None for a split without data
-            return (MicroBatchIterator(ds, consumed, args.micro_batch_size, dp_rank, dp_size)
-                    if ds is not None and len(ds) > 0 else None)
 
+        def batches(ds, consumed: int):
+            """The split's micro-batches (None without data); with several chunks, as Megatron-LM, one iterator
+            per chunk over the same order: each chunk reads one micro-batch per forward."""
+            if ds is None or len(ds) == 0:
+                return None
+            its = [MicroBatchIterator(ds, consumed, args.micro_batch_size, dp_rank, dp_size) for _ in model]
+            return its[0] if len(its) == 1 else its
+
+        train_iter = batches(train_ds, consumed_train)
         valid_iter, test_iter = batches(valid_ds, consumed_valid), batches(test_ds, 0)
 
         if args.skip_train:   # as Megatron-LM: evaluate what was loaded (or the initial weights) and stop

@@ -11,6 +11,22 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "10"]
 
 
+PP2_8 = ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]   # (the later --num-layers wins)
+
+
+def test_interleaved_pipeline_flags_as_megatron_lm_reads_them():
+    def chunks(*extra):
+        args = parse_args(BASE + PP2_8 + ["--global-batch-size", "8", *extra], world_size=4)
+        return args.virtual_pipeline_model_parallel_size, getattr(args, "microbatch_group_size_per_vp_stage", None)
+
+    assert chunks() == (None, None)
+    assert chunks("--num-layers-per-virtual-pipeline-stage", "2") == (2, 2)   # 4 layers per stage, 2 per chunk
+    assert chunks("--num-virtual-stages-per-pipeline-rank", "4") == (4, 2)
+    assert chunks("--num-layers-per-virtual-pipeline-stage", "4") == (None, None)   # one chunk: plain 1F1B
+    assert chunks("--num-virtual-stages-per-pipeline-rank", "2",
+                  "--microbatch-group-size-per-virtual-pipeline-stage", "2") == (2, 2)
+
+
 def _tiny_data(prefix: str, documents: int = 40) -> str:
     """A preprocessed ``--data-path`` prefix of ``documents`` short documents (ids below 200)."""
     import numpy as np
@@ -95,6 +111,23 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--transformer-impl", "local"],
      ["--sequence-parallel", "--transformer-impl"]),
     (["--grad-reduce", "nonsense"], ["--grad-reduce"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage", "needs --pipeline-model-parallel-size > 1, got 1"]),
+    (PP2_8 + ["--num-layers-per-virtual-pipeline-stage", "3"], ["must divide the layers per pipeline stage (4 ="]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     ["--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank conflict"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"],
+     ["--pipeline-model-parallel-size > 2 with --no-overlap-p2p-communication"]),
+    (PP2_8 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], ["applies to the interleaved pipeline"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"],   # 1 micro-batch
+     ["--microbatch-group-size-per-virtual-pipeline-stage (2) must be between --pipeline-model-parallel-size (2)"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "12"],  # 3 = 2 + 1
+     ["micro-batches per step (3) to be a multiple of --microbatch-group-size-per-virtual-pipeline-stage (2)"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--ladder-residual"],
+     ["--num-virtual-stages-per-pipeline-rank does not work with --ladder-residual"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--recompute-granularity", "full", "--recompute-method",
+              "uniform", "--recompute-num-layers", "3"], ["layers per pipeline stage chunk (2), got 3"]),
+    (["--virtual-pipeline-model-parallel-size", "2"], ["--num-virtual-stages-per-pipeline-rank"]),
 ])
 def test_conflicting_or_invalid_flags_named(capsys, argv, names):
     err = _error(capsys, argv)

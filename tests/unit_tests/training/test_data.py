@@ -153,7 +153,7 @@ def _logged_bytes():
             r = dist.get_rank()
             return {"total": {"intra": 100 * (r + 1), "inter": 1000 * (3 - r)}}
 
-    return mean_bytes_per_rank(Ledger(), iters=2)
+    return mean_bytes_per_rank([Ledger()], iters=2)
 
 
 def test_logged_bytes_are_the_mean_over_every_rank(spawn):

@@ -19,10 +19,9 @@ def _data_flags(text_dataset):
             "--split", "90,10,0"]
 
 
-@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2xdp2", "pp2xdp2"])
-def test_loss_decreases(spawn, text_dataset, tiny_model_flags, parallel):
-    argv = tiny_model_flags + _data_flags(text_dataset) + parallel + [
+def test_loss_decreases_tp2xdp2(spawn, text_dataset, tiny_model_flags):
+    """(PP x DP: test_interleaved_pipeline_trains_like_one_chunk_per_stage.)"""
+    argv = tiny_model_flags + _data_flags(text_dataset) + ["--tensor-model-parallel-size", "2"] + [
         "--global-batch-size", "8", "--train-iters", "8", "--eval-iters", "1", "--eval-interval", "8",
         "--ranks-per-node", "2"]
     results = spawn(_train, 4, argv, timeout=200)
@@ -31,6 +30,76 @@ def test_loss_decreases(spawn, text_dataset, tiny_model_flags, parallel):
     assert len(losses) == 8
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
     assert 8 in last["eval"]
+
+
+def _layout_free_init(module):
+    """Re-initialise a built stage chunk from each parameter's *global* name (layer numbers as in the full model),
+    so that any pipeline layout of the same GPT starts from the same weights (megatron-core's initialisation draws
+    from one stream per stage, in the order the stage builds its layers). The tied output layer takes the word
+    embedding's values, as megatron-core's set-up copies them."""
+    import re
+    import zlib
+
+    import torch
+
+    layers = dict(module.decoder.layers.named_children())
+    for name, p in module.named_parameters():
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        key = f"layer{layers[m[1]].layer_number}.{m[2]}" if m else name
+        if name == "output_layer.weight" and module.share_embeddings_and_output_weights:
+            key = "embedding.word_embeddings.weight"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        value = torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 else 0.1)
+        with torch.no_grad():
+            p.copy_(value + 1.0 if p.dim() == 1 and name.endswith("weight") else value)   # norms' weights near 1
+    return module
+
+
+def _runs_from_one_init(argvs):
+    import megatron_ext.training.model as model_mod
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    from megatron_ext.training.checkpointing import CheckpointError
+
+    def run(argv):
+        try:
+            return pretrain(argv)
+        except CheckpointError as e:
+            return str(e)
+
+    build = model_mod.build_model
+    model_mod.build_model = lambda args, vp_stage=None: _layout_free_init(build(args, vp_stage))
+    try:
+        return [run(a) for a in argvs]
+    finally:
+        model_mod.build_model = build
+
+
+def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """PP 2 x DP 2 with two model chunks per stage (stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; the
+    interleaved schedule, one ODO over both chunks) trains like PP 2 x DP 2 with one chunk per stage from the same
+    weights; a checkpoint saved halfway resumes to the same losses, and a resume with another chunk count is refused
+    by name."""
+    ckpt = str(tmp_path / "ckpt")
+    base = tiny_model_flags[2:] + _data_flags(text_dataset) + [
+        "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+        "--eval-iters", "1", "--eval-interval", "4", "--ranks-per-node", "2"]
+    vpp = base + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    runs = spawn(_runs_from_one_init, 4, [base, vpp + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
+                                          vpp + ["--load", ckpt], base + ["--load", ckpt]], timeout=300)
+    plain, first, resumed, refused = runs[-1]   # the last rank is on the last stage and holds the losses
+    assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
+    # Bit for bit: each layer computes and reduces the same sums in the same order; only the buckets differ (one
+    # set per chunk), and the grad norm and Adam work element by element or in fixed-order sums over them.
+    assert {**first["losses"], **resumed["losses"]} == plain["losses"], (first, resumed, plain)
+    assert resumed["eval"] == plain["eval"] and list(plain["eval"]) == [4]
+    assert plain["losses"][4] < plain["losses"][1] - 0.1, plain["losses"]   # and it learns
+    # the memory line adds up the chunks (each holds its own optimizer states; the padding of the buckets differs)
+    for part in ("parameters", "optimizer_states"):
+        assert abs(first["memory"][part] / plain["memory"][part] - 1) < 0.05, (part, first["memory"], plain["memory"])
+    assert all(r[3] == refused for r in runs), [r[3] for r in runs]
+    assert ("the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank or "
+            "--num-layers-per-virtual-pipeline-stage): checkpoint 2, this run 1") in refused, refused
 
 
 def _first_losses(argvs):
