@@ -19,15 +19,15 @@ Files, one job each:
 * ``pretrain_gpt.py``  wires the above together
 
 [Note: what runs on CPU/gloo, and the limits]
-TP, PP and DP run together on CPU gloo (tests: TP=2 x DP=2, PP=2 x DP=2; the main job DP=4 on 2 simulated
-nodes). megatron-core 0.16 needs CUDA in a few places on this path; ``megatron_ext.compat.enable_cpu_compat`` routes
-around them, and ``model.py`` builds the GPT under ``cpu_device_mode`` because with PP > 1 and tied embeddings
+TP, PP and DP run together on CPU gloo (tests: TP=2 x DP=2, PP=2 x DP=2 with one and two chunks per stage; the
+main job DP=4 on 2 simulated nodes). megatron-core 0.16 needs CUDA in a few places on this path;
+``megatron_ext.compat.enable_cpu_compat`` routes around them, and ``model.py`` builds the GPT under ``cpu_device_mode`` because with PP > 1 and tied embeddings
 ``LanguageModule.setup_embeddings_and_output_layer`` calls ``weight.data.cuda()``. Limits, with the reasons:
 
 * ``--sequence-parallel`` needs ``--transformer-impl transformer_engine``: megatron-core's local layer spec
   (``WrappedTorchNorm``) raises "sequence parallel not supported by torch LayerNorm"; TE does not run on CPU.
-* Interleaved (virtual) pipelines, context parallelism and MoE are rejected by name (the ODO wraps one model chunk
-  here; the others are not wired).
+* Interleaved (virtual) pipelines run as in Megatron-LM: ``model`` is the list of the stage's chunks, each its own
+  OverlappedDDP under one ODO, with one data iterator per chunk. Context parallelism and MoE are rejected by name.
 * Checkpoints reshard across DP sizes, bucket sizes and backends; TP/PP must match the saving run (model and
   optimizer files are per TP/PP position). RNG streams are restored only at the same world size.
 * Multi-node runs need a filesystem shared by all nodes for ``--save``/``--load`` and for megatron-core's dataset

@@ -78,22 +78,24 @@ def _runs_from_one_init(argvs):
 def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_dataset, tiny_model_flags, tmp_path):
     """PP 2 x DP 2 with two model chunks per stage (stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; the
     interleaved schedule, one ODO over both chunks) trains like PP 2 x DP 2 with one chunk per stage from the same
-    weights; a checkpoint saved halfway resumes to the same losses, and a resume with another chunk count is refused
-    by name."""
+    weights, under ZeRO-1 and ZeRO-3; a checkpoint saved halfway resumes to the same losses, and a resume with
+    another chunk count is refused by name."""
     ckpt = str(tmp_path / "ckpt")
     base = tiny_model_flags[2:] + _data_flags(text_dataset) + [
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4",
         "--eval-iters", "1", "--eval-interval", "4", "--ranks-per-node", "2"]
     vpp = base + ["--num-layers-per-virtual-pipeline-stage", "1"]
     runs = spawn(_runs_from_one_init, 4, [base, vpp + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
-                                          vpp + ["--load", ckpt], base + ["--load", ckpt]], timeout=300)
-    plain, first, resumed, refused = runs[-1]   # the last rank is on the last stage and holds the losses
+                                          vpp + ["--load", ckpt], base + ["--load", ckpt],
+                                          vpp + ["--param-shard-size", "2"]], timeout=300)
+    plain, first, resumed, refused, zero3 = runs[-1]   # the last rank is on the last stage and holds the losses
     assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
     # Bit for bit: each layer computes and reduces the same sums in the same order; only the buckets differ (one
     # set per chunk), and the grad norm and Adam work element by element or in fixed-order sums over them.
     assert {**first["losses"], **resumed["losses"]} == plain["losses"], (first, resumed, plain)
     assert resumed["eval"] == plain["eval"] and list(plain["eval"]) == [4]
     assert plain["losses"][4] < plain["losses"][1] - 0.1, plain["losses"]   # and it learns
+    assert zero3["losses"] == plain["losses"], (zero3["losses"], plain["losses"])   # ZeRO-3 gathers per chunk
     # the memory line adds up the chunks (each holds its own optimizer states; the padding of the buckets differs)
     for part in ("parameters", "optimizer_states"):
         assert abs(first["memory"][part] / plain["memory"][part] - 1) < 0.05, (part, first["memory"], plain["memory"])
