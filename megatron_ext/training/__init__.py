@@ -21,8 +21,9 @@ Files, one job each:
 [Note: what runs on CPU/gloo, and the limits]
 TP, PP and DP run together on CPU gloo (tests: TP=2 x DP=2, PP=2 x DP=2 with one and two chunks per stage; the
 main job DP=4 on 2 simulated nodes). megatron-core 0.16 needs CUDA in a few places on this path;
-``megatron_ext.compat.enable_cpu_compat`` routes around them, and ``model.py`` builds the GPT under ``cpu_device_mode`` because with PP > 1 and tied embeddings
-``LanguageModule.setup_embeddings_and_output_layer`` calls ``weight.data.cuda()``. Limits, with the reasons:
+``megatron_ext.compat.enable_cpu_compat`` routes around them, and ``model.py`` builds the GPT under
+``cpu_device_mode`` because with PP > 1 and tied embeddings ``LanguageModule.setup_embeddings_and_output_layer``
+calls ``weight.data.cuda()``. Limits, with the reasons:
 
 * ``--sequence-parallel`` needs ``--transformer-impl transformer_engine``: megatron-core's local layer spec
   (``WrappedTorchNorm``) raises "sequence parallel not supported by torch LayerNorm"; TE does not run on CPU.

@@ -42,8 +42,9 @@ MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("padded_vocab_size", "the padded vocabulary size (--make-vocab-size-divisible-by)"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ("virtual_pipeline_model_parallel_size", "the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank "
-                                             "or --num-layers-per-virtual-pipeline-stage)"),
+    ("virtual_pipeline_model_parallel_size",
+     "the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank or "
+     "--num-layers-per-virtual-pipeline-stage)"),
     ("ladder_residual", "--ladder-residual"),
     ("ladder_residual_layers", "--ladder-residual-layers"),
     ("desync_residual", "--desync-residual"),

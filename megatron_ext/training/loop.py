@@ -107,8 +107,8 @@ def evaluate(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer,
     return total / n if n else None
 
 
-def evaluate_and_print(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, data_iterator, iteration: int,
-                       prefix: str, tb: TensorBoard, tb_key: str) -> Optional[float]:
+def evaluate_and_print(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, data_iterator,
+                       iteration: int, prefix: str, tb: TensorBoard, tb_key: str) -> Optional[float]:
     """One evaluation (Megatron-LM's ``evaluate_and_print_results``): its traffic kept out of the step's bytes, the
     validation-loss line on the last rank and the TensorBoard scalar ``tb_key``."""
     with ledger_paused(model):
@@ -219,8 +219,8 @@ def open_tensorboard(args: argparse.Namespace) -> TensorBoard:
     return tb
 
 
-def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train_iter, valid_iter, *, start_iteration: int,
-          consumed_train_samples: int, consumed_valid_samples: int,
+def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train_iter, valid_iter, *,
+          start_iteration: int, consumed_train_samples: int, consumed_valid_samples: int,
           save_fn: Optional[Callable[[int, int, int], None]] = None, start_time: float,
           exit_signal: Optional[ExitSignal] = None, tb: TensorBoard) -> Dict[str, Any]:
     """Run iterations ``start_iteration+1 .. --train-iters``; returns the loss history and data position, and
@@ -319,7 +319,7 @@ def mean_bytes_per_rank(ledgers: Sequence, iters: int) -> Tuple[float, float]:
     from .initialize import collective_device
 
     totals = [ledger.summary().get("total", {}) for ledger in ledgers]   # one ledger per model chunk
-    traffic = torch.tensor([float(sum(t.get("intra", 0) for t in totals)), float(sum(t.get("inter", 0) for t in totals))],
+    traffic = torch.tensor([float(sum(t.get(side, 0) for t in totals)) for side in ("intra", "inter")],
                            dtype=torch.float64, device=collective_device())
     dist.all_reduce(traffic)
     intra, inter = (traffic / (iters * dist.get_world_size())).tolist()
