@@ -86,6 +86,8 @@ ACCEPTED_WITHOUT_EFFECT = {
     "--tp-comm-overlap": (False, "Transformer Engine's tensor-parallel communication overlap is not enabled"),
     "--accumulate-allreduce-grads-in-fp32": (False, "bf16/fp16 gradients are always reduced in fp32 here"),
     "--overlap-param-gather-with-optimizer-step": (False, "the ODO overlaps its gathers with the next forward"),
+    "--no-align-grad-reduce": (False, "each model chunk's reduce-scatters start from its own backward"),
+    "--no-align-param-gather": (False, "every chunk's all-gathers start right after the step"),
     "--no-create-attention-mask-in-dataloader": (False, "the dataloader never builds masks here"),
     "--async-save": (False, "checkpoints are saved synchronously"),
     "--ckpt-fully-parallel-save": (False, "every rank writes its own files already"),
@@ -352,7 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--pipeline-model-parallel-size)")
     g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                    help="interleaved pipeline: batch the stage-to-stage sends and receives instead of overlapping "
-                   "them with compute (needs --pipeline-model-parallel-size > 2, as in Megatron-LM)")
+                   "them with compute (needs --pipeline-model-parallel-size > 2, as in Megatron-LM); the plain "
+                   "pipeline always batches them")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   dest="overlap_p2p_comm_warmup_flush",
+                   help="interleaved pipeline: overlap the sends and receives of the warm-up and flush phases too")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-model-parallel-size > 1; needs --transformer-impl transformer_engine")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -1037,13 +1043,16 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     if per_chunk is None and chunks is None:
         for flag, given in (("--microbatch-group-size-per-virtual-pipeline-stage",
                              args.microbatch_group_size_per_vp_stage is not None),
-                            ("--no-overlap-p2p-communication", not args.overlap_p2p_comm)):
+                            ("--overlap-p2p-communication-warmup-flush", args.overlap_p2p_comm_warmup_flush)):
             if given:
                 _fail(f"{flag} applies to the interleaved pipeline only (--num-virtual-stages-per-pipeline-rank or "
                       "--num-layers-per-virtual-pipeline-stage)")
         return
     if per_chunk is not None and chunks is not None:
         _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank conflict: give one")
+    if args.overlap_p2p_comm_warmup_flush and not args.overlap_p2p_comm:
+        _fail("--overlap-p2p-communication-warmup-flush and --no-overlap-p2p-communication conflict: the warm-up "
+              "and flush overlap individual sends and receives")
     flag = ("--num-layers-per-virtual-pipeline-stage" if per_chunk is not None
             else "--num-virtual-stages-per-pipeline-rank")
     value = per_chunk if per_chunk is not None else chunks

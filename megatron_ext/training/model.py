@@ -40,12 +40,16 @@ def config_overrides(args: argparse.Namespace) -> dict:
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        deallocate_pipeline_outputs=True,   # as Megatron-LM: a stage's output freed once sent (its graph stays)
     )
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp is not None:   # Megatron-LM's settings for the interleaved schedule
+    if vpp is not None:
+        # Megatron-LM's messages of the interleaved schedule: one send or receive at a time, overlapped with compute,
+        # unless --no-overlap-p2p-communication batches them (the plain 1F1B schedule always batches them)
         overrides.update(virtual_pipeline_model_parallel_size=vpp,
                          microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
-                         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm)
+                         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm,
+                         overlap_p2p_comm_warmup_flush=args.overlap_p2p_comm_warmup_flush)
     if args.swiglu:
         overrides.update(gated_linear_unit=True, activation_func=F.silu)
     if args.squared_relu:
