@@ -86,6 +86,9 @@ ACCEPTED_WITHOUT_EFFECT = {
     "--tp-comm-overlap": (False, "Transformer Engine's tensor-parallel communication overlap is not enabled"),
     "--accumulate-allreduce-grads-in-fp32": (False, "bf16/fp16 gradients are always reduced in fp32 here"),
     "--overlap-param-gather-with-optimizer-step": (False, "the ODO overlaps its gathers with the next forward"),
+    "--overlap-p2p-communication-warmup-flush": (False, "the interleaved pipeline's warm-up and flush wait for "
+                                                        "their messages (megatron-core's overlap of them deadlocked "
+                                                        "on gloo here)"),
     "--no-align-grad-reduce": (False, "each model chunk's reduce-scatters start from its own backward"),
     "--no-align-param-gather": (False, "every chunk's all-gathers start right after the step"),
     "--no-create-attention-mask-in-dataloader": (False, "the dataloader never builds masks here"),
@@ -356,9 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved pipeline: batch the stage-to-stage sends and receives instead of overlapping "
                    "them with compute (needs --pipeline-model-parallel-size > 2, as in Megatron-LM); the plain "
                    "pipeline always batches them")
-    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
-                   dest="overlap_p2p_comm_warmup_flush",
-                   help="interleaved pipeline: overlap the sends and receives of the warm-up and flush phases too")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-model-parallel-size > 1; needs --transformer-impl transformer_engine")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
@@ -1041,18 +1041,12 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     per_chunk, chunks = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     args.virtual_pipeline_model_parallel_size = None
     if per_chunk is None and chunks is None:
-        for flag, given in (("--microbatch-group-size-per-virtual-pipeline-stage",
-                             args.microbatch_group_size_per_vp_stage is not None),
-                            ("--overlap-p2p-communication-warmup-flush", args.overlap_p2p_comm_warmup_flush)):
-            if given:
-                _fail(f"{flag} applies to the interleaved pipeline only (--num-virtual-stages-per-pipeline-rank or "
-                      "--num-layers-per-virtual-pipeline-stage)")
+        if args.microbatch_group_size_per_vp_stage is not None:
+            _fail("--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved pipeline only "
+                  "(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)")
         return
     if per_chunk is not None and chunks is not None:
         _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank conflict: give one")
-    if args.overlap_p2p_comm_warmup_flush and not args.overlap_p2p_comm:
-        _fail("--overlap-p2p-communication-warmup-flush and --no-overlap-p2p-communication conflict: the warm-up "
-              "and flush overlap individual sends and receives")
     flag = ("--num-layers-per-virtual-pipeline-stage" if per_chunk is not None
             else "--num-virtual-stages-per-pipeline-rank")
     value = per_chunk if per_chunk is not None else chunks

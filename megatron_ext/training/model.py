@@ -48,8 +48,7 @@ def config_overrides(args: argparse.Namespace) -> dict:
         # unless --no-overlap-p2p-communication batches them (the plain 1F1B schedule always batches them)
         overrides.update(virtual_pipeline_model_parallel_size=vpp,
                          microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
-                         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm,
-                         overlap_p2p_comm_warmup_flush=args.overlap_p2p_comm_warmup_flush)
+                         overlap_p2p_comm=args.overlap_p2p_comm, batch_p2p_comm=not args.overlap_p2p_comm)
     if args.swiglu:
         overrides.update(gated_linear_unit=True, activation_func=F.silu)
     if args.squared_relu:

@@ -119,10 +119,6 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"],
      ["--pipeline-model-parallel-size > 2 with --no-overlap-p2p-communication"]),
     (PP2_8 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], ["applies to the interleaved pipeline"]),
-    (PP2_8 + ["--overlap-p2p-communication-warmup-flush"], ["applies to the interleaved pipeline"]),
-    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--overlap-p2p-communication-warmup-flush",
-              "--no-overlap-p2p-communication"], ["--overlap-p2p-communication-warmup-flush and "
-                                                  "--no-overlap-p2p-communication conflict"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"],   # 1 micro-batch
      ["--microbatch-group-size-per-virtual-pipeline-stage (2) must be between --pipeline-model-parallel-size (2)"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "12"],  # 3 = 2 + 1
