@@ -822,6 +822,10 @@ def _validate_backends(args: argparse.Namespace) -> None:
     args.qgz_bits = 4 if args.qgz_bits is None else args.qgz_bits
     args.quant_group_size = 2048 if args.quant_group_size is None else args.quant_group_size
     args.quant_notice = _quant_group_notice(args)
+    if args.odo_progress_engine is None:   # the arguments table shows what runs (the default honours the env var)
+        from megatron_ext.comm.progress import engine_enabled_by_default
+
+        args.odo_progress_engine = engine_enabled_by_default()
     args.dp_ranks_per_node = dp_ranks_per_node(args)
     sharding_plan_from_args(args, args.data_parallel_size, args.dp_ranks_per_node)
 

@@ -58,6 +58,16 @@ def test_megatron_flags_accepted_and_derived_values():
     assert args.use_overlapped_distributed_optimizer
 
 
+@pytest.mark.parametrize("env, flag, engine", [(None, [], True), ("0", [], False), ("0", ["--odo-progress-engine"], True),
+                                               (None, ["--no-odo-progress-engine"], False)])
+def test_progress_engine_setting_is_resolved_for_the_arguments_table(monkeypatch, env, flag, engine):
+    if env is None:
+        monkeypatch.delenv("MEGATRON_EXT_PROGRESS_ENGINE", raising=False)
+    else:
+        monkeypatch.setenv("MEGATRON_EXT_PROGRESS_ENGINE", env)
+    assert parse_args(BASE + flag, world_size=2).odo_progress_engine is engine
+
+
 def test_help_exits_cleanly(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--help"])
