@@ -117,7 +117,7 @@ ACCEPTED_WITHOUT_EFFECT = {
     "--wandb-save-dir": (True, "Weights & Biases logging is not implemented (use --tensorboard-dir)"),
     "--no-query-key-layer-scaling": (False, "query-key layer scaling is off here (megatron-core's default)"),
     "--create-attention-mask-in-dataloader": (False, "the dataloader never builds masks here"),
-    "--log-loss-scale-to-tensorboard": (False, "the loss scale is not written to TensorBoard"),
+    "--log-loss-scale-to-tensorboard": (False, "the loss scale is always written to TensorBoard"),
     "--no-save-rng": (False, "checkpoints hold the RNG states"),
 }
 
@@ -442,7 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="the last rank writes each log line's values (lm loss, learning-rate, grad-norm, loss-scale, "
+                   "iteration-time, bytes-per-step/intra-node and inter-node) and the validation and test losses as "
+                   "TensorBoard scalars, Megatron-LM's tags (needs the tensorboard package)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true", help="accepted for compatibility")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after the iteration that is a multiple")
     g.add_argument("--exit-signal-handler", action="store_true",

@@ -85,7 +85,9 @@ def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_datase
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4",
         "--eval-iters", "1", "--eval-interval", "4", "--ranks-per-node", "2"]
     vpp = base + ["--num-layers-per-virtual-pipeline-stage", "1"]
-    runs = spawn(_runs_from_one_init, 4, [base, vpp + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
+    tb_dir = str(tmp_path / "tb")
+    runs = spawn(_runs_from_one_init, 4, [base + ["--tensorboard-dir", tb_dir],
+                                          vpp + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
                                           vpp + ["--load", ckpt], base + ["--load", ckpt],
                                           vpp + ["--param-shard-size", "2"]], timeout=300)
     plain, first, resumed, refused, zero3 = runs[-1]   # the last rank is on the last stage and holds the losses
@@ -96,6 +98,17 @@ def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_datase
     assert resumed["eval"] == plain["eval"] and list(plain["eval"]) == [4]
     assert plain["losses"][4] < plain["losses"][1] - 0.1, plain["losses"]   # and it learns
     assert zero3["losses"] == plain["losses"], (zero3["losses"], plain["losses"])   # ZeRO-3 gathers per chunk
+    # --tensorboard-dir: the last rank's events hold what the log lines printed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb_dir).Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["lm loss"] == sorted(plain["losses"].items()), scalars["lm loss"]
+    # as Megatron-LM: the in-loop evaluation, then the final one, under one tag
+    final = plain["final_eval"]
+    assert scalars["lm loss validation"] == [(4, plain["eval"][4]), (4, final["validation"])], scalars
+    assert "test" not in final and "lm loss test" not in scalars   # (--split 90,10,0: no test set)
+    assert {"learning-rate", "grad-norm", "bytes-per-step/intra-node"} <= set(scalars), set(scalars)
     # the memory line adds up the chunks (each holds its own optimizer states; the padding of the buckets differs)
     for part in ("parameters", "optimizer_states"):
         assert abs(first["memory"][part] / plain["memory"][part] - 1) < 0.05, (part, first["memory"], plain["memory"])
