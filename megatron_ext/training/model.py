@@ -26,6 +26,14 @@ def transformer_config_from_args(args: argparse.Namespace):
                            **config_overrides(args))
 
 
+def _frees_sent_outputs(args: argparse.Namespace) -> bool:
+    """Megatron-LM frees a stage's output tensor once it is sent (its autograd graph stays). Only with NCCL: gloo's
+    ``isend`` reads the buffer while the schedule goes on, so the interleaved schedule's unbatched sends would carry
+    freed (reused) memory; measured here as wrong losses, then NaN, whenever micro-batches outnumber the stages."""
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    return backend == "nccl"
+
+
 def config_overrides(args: argparse.Namespace) -> dict:
     """The TransformerConfig fields these flags set (beyond the shape), as Megatron-LM sets them."""
     import torch.nn.functional as F
@@ -40,7 +48,7 @@ def config_overrides(args: argparse.Namespace) -> dict:
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        deallocate_pipeline_outputs=True,   # as Megatron-LM: a stage's output freed once sent (its graph stays)
+        deallocate_pipeline_outputs=_frees_sent_outputs(args),
     )
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None:

@@ -77,12 +77,13 @@ def _runs_from_one_init(argvs):
 
 def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_dataset, tiny_model_flags, tmp_path):
     """PP 2 x DP 2 with two model chunks per stage (stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; the
-    interleaved schedule, one ODO over both chunks) trains like PP 2 x DP 2 with one chunk per stage from the same
+    interleaved schedule, one ODO over both chunks; 4 micro-batches per step, so its steady state runs: with 2 it
+    never did, and hid gloo sends of freed memory) trains like PP 2 x DP 2 with one chunk per stage from the same
     weights, under ZeRO-1 and ZeRO-3; a checkpoint saved halfway resumes to the same losses, and a resume with
     another chunk count is refused by name."""
     ckpt = str(tmp_path / "ckpt")
     base = tiny_model_flags[2:] + _data_flags(text_dataset) + [
-        "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+        "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "4",
         "--eval-iters", "1", "--eval-interval", "4", "--ranks-per-node", "2"]
     vpp = base + ["--num-layers-per-virtual-pipeline-stage", "1"]
     tb_dir = str(tmp_path / "tb")
