@@ -1089,6 +1089,10 @@ def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int) -> None:
     m, group = args.num_micro_batches, args.microbatch_group_size_per_vp_stage
     if group is None:
         group = args.microbatch_group_size_per_vp_stage = pp
+        if m < pp:
+            _fail(f"the interleaved pipeline needs at least --pipeline-model-parallel-size ({pp}) micro-batches per "
+                  f"step, got {m} (= --global-batch-size / (--micro-batch-size x data-parallel size)); raise "
+                  "--global-batch-size")
     if not pp <= group <= m:
         _fail(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be between "
               f"--pipeline-model-parallel-size ({pp}) and the micro-batches per step ({m} = --global-batch-size / "

@@ -280,7 +280,9 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
             logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "intra_bytes": intra,
                                  "inter_bytes": inter}
-            if memory is None:   # once, as Megatron-LM's report_memory: DP rank 0 of each TP/PP position
+            if memory is None and iteration - start_iteration > total_skipped:
+                # once, as Megatron-LM's report_memory (DP rank 0 of each TP/PP position), after an applied update
+                # (the optimizer's states exist from then on: fp16's first steps are skipped while the scale falls)
                 memory = report_memory(model, iteration)
             for chunk in model:
                 chunk.ledger.reset()

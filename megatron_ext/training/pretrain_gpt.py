@@ -300,6 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .notices import quiet_known_notices
 
     quiet_known_notices()   # before megatron-core is imported: its import-time notices once, on rank 0
+    from ..optimizer.distributed_optimizer import StepAbortedOnAllRanks
     from .checkpointing import CheckpointError
 
     try:
@@ -311,6 +312,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.stderr.write(f"pretrain_gpt: error: {e}\n")
             sys.stderr.flush()
         return 2
+    except StepAbortedOnAllRanks as e:   # (a non-finite gradient norm: every rank of the world raised it together)
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"pretrain_gpt: error: {e}\n")
+            sys.stderr.flush()
+        return 1
     return 0
 
 

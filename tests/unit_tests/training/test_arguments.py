@@ -130,7 +130,10 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
      ["--pipeline-model-parallel-size > 2 with --no-overlap-p2p-communication"]),
     (PP2_8 + ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], ["applies to the interleaved pipeline"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"],   # 1 micro-batch
-     ["--microbatch-group-size-per-virtual-pipeline-stage (2) must be between --pipeline-model-parallel-size (2)"]),
+     ["needs at least --pipeline-model-parallel-size (2) micro-batches per step, got 1"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8",
+              "--microbatch-group-size-per-virtual-pipeline-stage", "3"],
+     ["--microbatch-group-size-per-virtual-pipeline-stage (3) must be between --pipeline-model-parallel-size (2)"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "12"],  # 3 = 2 + 1
      ["micro-batches per step (3) to be a multiple of --microbatch-group-size-per-virtual-pipeline-stage (2)"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--ladder-residual"],

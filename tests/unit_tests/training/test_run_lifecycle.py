@@ -84,6 +84,11 @@ def _lifecycle_runs(base, root):
         rc = main(base + ["--load", os.path.join(root, "e"), "--save", os.path.join(root, "e"),
                           "--exit-on-missing-checkpoint"])
     out["missing"] = (rc, stderr.getvalue())
+    # a non-finite gradient norm stops every rank together: one line from rank 0, exit status 1
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        rc = main(base + ["--lr", "1e30", "--min-lr", "1e29", "--clip-grad", "0"])
+    out["nan"] = (rc, stderr.getvalue())
     return out
 
 
@@ -122,3 +127,6 @@ def test_final_evaluation_finetune_early_exits_and_a_failed_save(spawn, text_dat
         rc, printed = res["missing"]
         assert rc == 2 and (printed.count("pretrain_gpt: error: --load") == 1 and "no such directory" in printed
                             if r == 0 else "error" not in printed), (r, res["missing"])
+        rc, printed = res["nan"]
+        assert rc == 1 and (printed.count("pretrain_gpt: error: the gradient norm is") == 1 and "Traceback" not in
+                            printed if r == 0 else "error" not in printed), (r, res["nan"])
