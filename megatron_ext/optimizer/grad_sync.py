@@ -28,6 +28,15 @@ of each communicating backward (an autograd-engine callback) every remaining buc
 buckets whose parameters got no gradient (they contribute zeros), so every rank issues exactly one
 reduce-scatter per bucket. A bucket is complete when each of its *distinct* parameters has delivered a gradient.
 
+[Note: the backward's end]
+"The end of this backward" is the end of the outermost autograd graph task that reaches the wrapper's output. The
+first gradient can arrive inside a nested one: megatron-core's full recomputation (a re-entrant checkpoint) runs
+the recomputed layers' backward as a graph task of its own, and on a pipeline stage without the output layer those
+layers produce the first gradients. A callback queued from that gradient would end the micro-batch when the nested
+task ends and launch every bucket half full, then launch them again for the rest (right sums, up to twice the
+bytes). So the wrapper hooks its forward output, and the backward reaching it (in the outer task) queues the end
+there; a backward that never reaches it (the wrapper bypassed) ends at the first gradient's task, as before.
+
 [Note: multi-hop]
 Hierarchical backends (qgZ, ByteGrad) reduce in several dependent hops; a hop can only be launched once the one
 before has finished. Launching the next bucket is the moment the ODO drives them: every in-flight reduction is
@@ -131,6 +140,7 @@ class GradSync:
         self.last_step_mode: Optional[str] = None
         self.error: Optional[str] = None         # recorded inside backward, raised by the optimizer on all ranks
         self._in_backward = False
+        self._root_end_queued = False   # the outer graph task will end this micro-batch ([Note: the backward's end])
         self._comm_this_micro = False
         self._pending_local = False
         self._deferred_done = False
@@ -208,7 +218,19 @@ class GradSync:
         self._next_launch = 0
         self._reset_launch_flags()
         self._final_launch.clear()   # this micro-batch's final reductions only, never an earlier step's
-        Variable._execution_engine.queue_callback(self._end_micro)
+        if not self._root_end_queued:
+            Variable._execution_engine.queue_callback(self._end_micro)
+
+    def backward_reached_output(self) -> None:
+        """The backward reached the wrapper's forward output, in the graph task that will end the micro-batch."""
+        if not self._root_end_queued:
+            self._root_end_queued = True
+            Variable._execution_engine.queue_callback(self._end_root)
+
+    def _end_root(self) -> None:
+        self._root_end_queued = False
+        if self._in_backward:   # (no gradient arrived: nothing to end)
+            self._end_micro()
 
     def _end_micro(self) -> None:
         self._in_backward = False

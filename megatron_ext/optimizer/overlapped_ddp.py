@@ -13,6 +13,7 @@ from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from ..comm.backend import available_grad_reduce, available_param_gather, build_param_gather
 from ..comm.ledger import CommLedger
@@ -158,7 +159,15 @@ class OverlappedDDP(torch.nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():   # where the backward starts, see [Note: the backward's end] in grad_sync.py
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._backward_reached_output)
+        return out
+
+    def _backward_reached_output(self, grad: torch.Tensor) -> None:
+        self.grad_sync.backward_reached_output()
 
     # -- megatron-core DDP surface ------------------------------------------------------------------
     @contextlib.contextmanager

@@ -126,14 +126,30 @@ def test_out_of_order_backward_costs_buffers_not_correctness(spawn):
             torch.testing.assert_close(params[n], r, rtol=1e-5, atol=1e-6)
 
 
+class _RecomputedTail(torch.nn.Module):
+    """A DeepMLP whose last two layers are recomputed in backward by a re-entrant checkpoint (megatron-core's full
+    recomputation): the first gradients of each backward arrive inside a nested autograd graph task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = make_mlp()
+
+    def forward(self, x):
+        layers = self.mlp.layers
+        return torch.utils.checkpoint.checkpoint(layers[-2:], layers[:-2](x), use_reentrant=True)
+
+
 def _rs_bytes_per_policy(micro_batches):
     out = {}
-    for policy in ("shard", "local", "auto"):
-        model = mx.OverlappedDDP(make_model(), mx.OverlapConfig(bucket_size=700, accumulate=policy))
+    for policy, factory in (("shard", make_model), ("local", make_model), ("auto", make_model),
+                            ("mlp", make_mlp), ("mlp recomputed", _RecomputedTail)):
+        model = mx.OverlappedDDP(factory(), mx.OverlapConfig(bucket_size=700 if factory is make_model else 300,
+                                                             accumulate=policy if factory is make_model else "auto"))
         opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), model)
         model.ledger.reset()
-        odo_train_step(model, opt, 0, dist.get_rank(), micro_batches=micro_batches)
-        out[policy] = (model.ledger.bytes("reduce_scatter"), model.grad_sync.last_step_mode)
+        step = odo_train_step(model, opt, 0, dist.get_rank(), micro_batches=micro_batches)
+        rs = model.ledger.summary()["reduce_scatter"]
+        out[policy] = (rs["total"], model.grad_sync.last_step_mode, rs["calls"], step[1], len(model.buckets))
     return out
 
 
@@ -145,6 +161,12 @@ def test_auto_accumulation_picks_the_cheaper_policy(spawn, micro_batches):
     assert res["auto"][0] == one                        # never more traffic than local
     # M = 1: auto uses the pooled (bounded-memory) path; M > 1: the once-per-step local path.
     assert res["auto"][1] == ("pool" if micro_batches == 1 else "local")
+    # Recomputation (a nested backward produces the first gradients) sends what the plain backward sends, one
+    # reduce-scatter per bucket and synchronising micro-batch, for the same gradient norm: the micro-batch ends with
+    # the outer backward ([Note: the backward's end]), not with the nested one (which launched half-full buckets).
+    plain, recomputed = res["mlp"], res["mlp recomputed"]
+    assert recomputed == plain and plain[4] > 2, (plain, recomputed)
+    assert plain[2] == plain[4] * (micro_batches if plain[1] == "pool" else 1), plain
 
 
 def _live_tensor_bytes() -> int:
