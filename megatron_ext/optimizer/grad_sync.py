@@ -483,6 +483,8 @@ class GradSync:
 
     def zero_grad(self) -> None:
         self.wait_all()
+        # a backward that raised never ran its end callbacks: the next step's first backward starts afresh
+        self._in_backward = self._root_end_queued = False
         self.partition_grad.zero_()
         self._out_state = [_FRESH] * len(self.buckets)
         for st in self._state:
