@@ -312,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             sys.stderr.write(f"pretrain_gpt: error: {e}\n")
             sys.stderr.flush()
         return 2
-    except StepAbortedOnAllRanks as e:   # (a non-finite gradient norm: every rank of the world raised it together)
+    except StepAbortedOnAllRanks as e:   # every rank raised it together (a non-finite grad norm, a failed grad sync)
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"pretrain_gpt: error: {e}\n")
             sys.stderr.flush()
