@@ -80,8 +80,8 @@ def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_datase
     """PP 2 x DP 2 with two model chunks per stage (stage 0 holds layers 1 and 3, stage 1 layers 2 and 4; the
     interleaved schedule, one ODO over both chunks; 4 micro-batches per step, so its steady state runs: with 2 it
     never did, and hid gloo sends of freed memory) trains like PP 2 x DP 2 with one chunk per stage from the same
-    weights, under ZeRO-1 and ZeRO-3; a checkpoint saved halfway resumes to the same losses, and a resume with
-    another chunk count is refused by name."""
+    weights; a checkpoint saved halfway resumes under ZeRO-3 (which gathers per chunk) to the same losses, and a
+    resume with another chunk count is refused by name."""
     ckpt = str(tmp_path / "ckpt")
     base = tiny_model_flags[2:] + _data_flags(text_dataset) + [
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--train-iters", "4",
@@ -90,18 +90,16 @@ def test_interleaved_pipeline_trains_like_one_chunk_per_stage(spawn, text_datase
     tb_dir = str(tmp_path / "tb")
     runs = spawn(_runs_from_one_init, 4, [base + ["--tensorboard-dir", tb_dir],
                                           vpp + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
-                                          vpp + ["--load", ckpt], base + ["--load", ckpt],
-                                          vpp + ["--param-shard-size", "2"],
+                                          vpp + ["--load", ckpt, "--param-shard-size", "2"], base + ["--load", ckpt],
                                           vpp + ["--fp16", "--initial-loss-scale", "4194304", "--hysteresis", "1"]],
                  timeout=300)
-    plain, first, resumed, refused, zero3, fp16 = runs[-1]   # the last rank is on the last stage: the losses
+    plain, first, resumed, refused, fp16 = runs[-1]   # the last rank is on the last stage and holds the losses
     assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
     # Bit for bit: each layer computes and reduces the same sums in the same order; only the buckets differ (one
     # set per chunk), and the grad norm and Adam work element by element or in fixed-order sums over them.
     assert {**first["losses"], **resumed["losses"]} == plain["losses"], (first, resumed, plain)
     assert resumed["eval"] == plain["eval"] and list(plain["eval"]) == [4]
     assert plain["losses"][4] < plain["losses"][1] - 0.1, plain["losses"]   # and it learns
-    assert zero3["losses"] == plain["losses"], (zero3["losses"], plain["losses"])   # ZeRO-3 gathers per chunk
     # --tensorboard-dir: the last rank's events hold what the log lines printed
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
