@@ -27,17 +27,18 @@ def attach_to_schedules(model: Union[torch.nn.Module, Sequence[torch.nn.Module]]
     ``no_sync_func`` (no reduction for all but the last micro-batch; one per chunk of an interleaved pipeline,
     whose schedule lifts it chunk by chunk, each before its last backward), ``finalize_model_grads_func``
     (megatron-core's, which calls each wrapper's ``finish_grad_sync``) and ``grad_scale_func`` (the loss scale).
-    Returns the config (the chunks share it)."""
+    Set on every chunk's config (megatron-core's schedules read the first chunk's); returns the first's."""
     from megatron.core.distributed import finalize_model_grads
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    config = model_config(chunks[0])
-    if config is None:
+    configs = [model_config(c) for c in chunks]
+    if any(config is None for config in configs):
         raise ValueError("model wraps no module with a megatron-core config: the schedules need one")
-    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    return config
+    for config in configs:
+        config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+    return configs[0]
 
 
 def per_token_loss(module: torch.nn.Module) -> bool:

@@ -1072,12 +1072,17 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     elif per_stage % chunks:
         _fail(f"--num-virtual-stages-per-pipeline-rank ({chunks}) must divide the layers per pipeline stage "
               f"({per_stage} = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
-    if chunks == 1:
-        return   # one chunk per stage: the plain 1F1B schedule
+    if chunks == 1:   # one chunk per stage: the plain 1F1B schedule
+        if args.microbatch_group_size_per_vp_stage is not None:
+            _fail(f"--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved pipeline only ({flag} "
+                  f"{value} gives one chunk per stage)")
+        return
     args.virtual_pipeline_model_parallel_size = chunks
     for other, on in (("--ladder-residual/--desync-residual",
                        args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual),
-                      ("--odo-speculative-step", args.odo_speculative_step)):
+                      ("--odo-speculative-step", args.odo_speculative_step),
+                      # its activation model is the plain 1F1B schedule's (planner/model_spec.py)
+                      ("--auto-plan", getattr(args, "auto_plan", False))):
         if on:
             _fail(f"{flag} does not work with {other} (it supports one model chunk per pipeline stage)")
 
@@ -1087,7 +1092,8 @@ def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int) -> None:
     ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP) per chunk; it raises inside the first step
     on counts it cannot schedule, so they are named here."""
     m, group = args.num_micro_batches, args.microbatch_group_size_per_vp_stage
-    if group is None:
+    given = group is not None
+    if not given:
         group = args.microbatch_group_size_per_vp_stage = pp
         if m < pp:
             _fail(f"the interleaved pipeline needs at least --pipeline-model-parallel-size ({pp}) micro-batches per "
@@ -1098,6 +1104,9 @@ def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int) -> None:
               f"--pipeline-model-parallel-size ({pp}) and the micro-batches per step ({m} = --global-batch-size / "
               "(--micro-batch-size x data-parallel size)); raise --global-batch-size")
     if 0 < m % group < pp:
+        if not given:   # (the group is PP: no remainder can be at least PP)
+            _fail(f"the interleaved pipeline needs the micro-batches per step ({m}) to be a multiple of "
+                  f"--pipeline-model-parallel-size ({pp}); change --global-batch-size")
         _fail(f"the interleaved pipeline needs the micro-batches per step ({m}) to be a multiple of "
               f"--microbatch-group-size-per-virtual-pipeline-stage ({group}), or to leave a remainder of at least "
               f"--pipeline-model-parallel-size ({pp}); change --global-batch-size")

@@ -30,8 +30,11 @@ def _frees_sent_outputs(args: argparse.Namespace) -> bool:
     """Megatron-LM frees a stage's output tensor once it is sent (its autograd graph stays). Only with NCCL: gloo's
     ``isend`` reads the buffer while the schedule goes on, so the interleaved schedule's unbatched sends would carry
     freed (reused) memory; measured here as wrong losses, then NaN, whenever micro-batches outnumber the stages."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    return backend == "nccl"
+    import torch.distributed as dist
+
+    if dist.is_initialized():   # the group that sends (pretrain_gpt may run inside an existing one)
+        return dist.get_backend() == "nccl"
+    return (args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "nccl"
 
 
 def config_overrides(args: argparse.Namespace) -> dict:

@@ -23,8 +23,8 @@ def test_interleaved_pipeline_flags_as_megatron_lm_reads_them():
     assert chunks("--num-layers-per-virtual-pipeline-stage", "2") == (2, 2)   # 4 layers per stage, 2 per chunk
     assert chunks("--num-virtual-stages-per-pipeline-rank", "4") == (4, 2)
     assert chunks("--num-layers-per-virtual-pipeline-stage", "4") == (None, None)   # one chunk: plain 1F1B
-    assert chunks("--num-virtual-stages-per-pipeline-rank", "2",
-                  "--microbatch-group-size-per-virtual-pipeline-stage", "2") == (2, 2)
+    assert chunks("--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "16",   # 4 micro-batches
+                  "--microbatch-group-size-per-virtual-pipeline-stage", "4") == (2, 4)
 
 
 def _tiny_data(prefix: str, documents: int = 40) -> str:
@@ -135,7 +135,14 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
               "--microbatch-group-size-per-virtual-pipeline-stage", "3"],
      ["--microbatch-group-size-per-virtual-pipeline-stage (3) must be between --pipeline-model-parallel-size (2)"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "12"],  # 3 = 2 + 1
-     ["micro-batches per step (3) to be a multiple of --microbatch-group-size-per-virtual-pipeline-stage (2)"]),
+     ["micro-batches per step (3) to be a multiple of --pipeline-model-parallel-size (2); change"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "20",   # 5 = 4 + 1
+              "--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+     ["micro-batches per step (5) to be a multiple of --microbatch-group-size-per-virtual-pipeline-stage (4), or"]),
+    (PP2_8 + ["--num-layers-per-virtual-pipeline-stage", "4", "--microbatch-group-size-per-virtual-pipeline-stage",
+              "2"], ["applies to the interleaved pipeline only (--num-layers-per-virtual-pipeline-stage 4 gives one"]),
+    (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--auto-plan", "--plan-hardware", "dgx-a100"],
+     ["--num-virtual-stages-per-pipeline-rank does not work with --auto-plan"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--ladder-residual"],
      ["--num-virtual-stages-per-pipeline-rank does not work with --ladder-residual"]),
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--recompute-granularity", "full", "--recompute-method",
