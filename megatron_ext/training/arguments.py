@@ -1064,18 +1064,15 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
                 "same two ranks)" if not args.overlap_p2p_comm else "> 1")
         _fail(f"{flag}: the interleaved pipeline needs --pipeline-model-parallel-size {need}, got {pp}")
     per_stage = args.num_layers // pp
+    if per_stage % value:
+        _fail(f"{flag} ({value}) must divide the layers per pipeline stage ({per_stage} = --num-layers "
+              f"{args.num_layers} / --pipeline-model-parallel-size {pp})")
     if per_chunk is not None:
-        if per_stage % per_chunk:
-            _fail(f"--num-layers-per-virtual-pipeline-stage ({per_chunk}) must divide the layers per pipeline stage "
-                  f"({per_stage} = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
         chunks = per_stage // per_chunk
-    elif per_stage % chunks:
-        _fail(f"--num-virtual-stages-per-pipeline-rank ({chunks}) must divide the layers per pipeline stage "
-              f"({per_stage} = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
     if chunks == 1:   # one chunk per stage: the plain 1F1B schedule
         if args.microbatch_group_size_per_vp_stage is not None:
-            _fail(f"--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved pipeline only ({flag} "
-                  f"{value} gives one chunk per stage)")
+            _fail("--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved pipeline only "
+                  f"({flag} {value} gives one chunk per stage)")
         return
     args.virtual_pipeline_model_parallel_size = chunks
     for other, on in (("--ladder-residual/--desync-residual",

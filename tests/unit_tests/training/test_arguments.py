@@ -58,7 +58,8 @@ def test_megatron_flags_accepted_and_derived_values():
     assert args.use_overlapped_distributed_optimizer
 
 
-@pytest.mark.parametrize("env, flag, engine", [(None, [], True), ("0", [], False), ("0", ["--odo-progress-engine"], True),
+@pytest.mark.parametrize("env, flag, engine", [(None, [], True), ("0", [], False),
+                                               ("0", ["--odo-progress-engine"], True),
                                                (None, ["--no-odo-progress-engine"], False)])
 def test_progress_engine_setting_is_resolved_for_the_arguments_table(monkeypatch, env, flag, engine):
     if env is None:
