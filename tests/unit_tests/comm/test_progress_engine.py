@@ -1,5 +1,5 @@
 """The progress engine (megatron_ext/comm/progress.py): the FIFO rule in one process with fake works (order under
-random delays, errors surfacing at wait, the CUDA stream seam), and the ODO at DP=4 on 2 simulated nodes: 30 steps
+random delays, errors surfacing at wait, the CUDA stream seam), and the ODO at DP=4 on 2 simulated nodes: 50 steps
 with random delays injected into the engine thread give bit-identical weights to the synchronous path (no engine,
 no delays), for every hierarchical backend and a plan with replicas (chained works), and never hang; the engine
 without delays is the inline engine's cases here and the backends' own tests with the engine on."""
@@ -380,7 +380,7 @@ def test_stream_order_launch_after_ready_event_consumer_waits_on_done_event(inli
 
 
 # -- the ODO at DP=4 ------------------------------------------------------------------------------------------------
-DP, RPN, STEPS = 4, 2, 30   # 6 of them with two micro-batches
+DP, RPN, STEPS = 4, 2, 50
 # (grad_reduce, param_gather, plan, qgz stages: None is the auto rule, one stage with this many buckets)
 CASES = [("qgz", "qwz", "zero2", 2), ("qgz", "qwz", "zero2", None), ("bytegrad", "plain", "zero2", 2),
          ("qgz", "plain", "mics", 2), ("plain", "plain", "zero2", 2)]
