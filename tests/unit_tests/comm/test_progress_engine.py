@@ -266,8 +266,8 @@ def test_close_lets_handles_in_flight_finish_then_fails_their_waits(monkeypatch)
 
 
 _EXIT_SCRIPT = """
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=2)
 import megatron_ext as mx
 from megatron.core.optimizer import OptimizerConfig
 torch.manual_seed(0)
@@ -340,10 +340,24 @@ def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
     root = str(Path(__file__).resolve().parents[3])   # the checkout, also when the package is not installed
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_EXT_PROGRESS_ENGINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    for _ in range(3):
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                              str(script)], env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-3000:]
+    # Two plain processes meeting in a file store: what torchrun would start, without its agent's start-up.
+    for run in range(3):
+        logs = [tmp_path / f"run{run}_rank{r}.log" for r in range(2)]
+        ranks = []
+        for r, log in enumerate(logs):
+            with open(log, "w") as err:   # the child holds its own copy of the descriptor
+                ranks.append(subprocess.Popen([sys.executable, str(script), f"file://{tmp_path / f'store{run}'}"],
+                                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=err))
+        try:
+            for proc in ranks:
+                proc.wait(timeout=300)
+        finally:
+            for proc in ranks:
+                if proc.poll() is None:
+                    proc.kill()
+        for r, (proc, log) in enumerate(zip(ranks, logs)):
+            err = log.read_text()
+            assert proc.returncode == 0 and "terminate called" not in err, (run, r, proc.returncode, err[-3000:])
 
 
 class _RecordingStreams(StreamOps):
