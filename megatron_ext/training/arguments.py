@@ -749,6 +749,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--save-interval must be positive, got {args.save_interval}")
     if args.save:
         _check_save_dir(args.save)
+    if args.load:
+        _check_load_dir(args)
     te_available = _importable("transformer_engine")
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if te_available else "local"
@@ -1152,6 +1154,18 @@ def _check_save_dir(path: str) -> None:
         shutil.rmtree(tempfile.mkdtemp(prefix=".megatron_ext_probe_", dir=probe))
     except OSError as e:
         _fail(f"--save {path}: cannot write into {probe} ({e.strerror or e})")
+
+
+def _check_load_dir(args: argparse.Namespace) -> None:
+    """A ``--load`` directory that does not exist fails here, before any process group (every rank checks the same
+    path). The one exception is ``--load`` = ``--save``: nothing saved yet means starting from scratch, unless
+    ``--exit-on-missing-checkpoint``. Whether what is there is a usable checkpoint is decided after the process group
+    starts, where the ranks can agree on it."""
+    import os
+
+    same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+    if not os.path.isdir(args.load) and not (same_as_save and not args.exit_on_missing_checkpoint):
+        _fail(f"--load {args.load}: no such directory")
 
 
 def _importable(name: str) -> bool:

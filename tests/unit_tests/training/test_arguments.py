@@ -472,6 +472,17 @@ def test_unwritable_save_directory_is_found_by_a_real_write(capsys, tmp_path, mo
     assert "--save" in err and "cannot write into" in err and "Permission denied" in err
 
 
+def test_missing_load_directory_fails_before_any_process_group(capsys, tmp_path):
+    """--load naming no directory is an argument error; --load = --save with nothing saved yet is a fresh start
+    (unless --exit-on-missing-checkpoint); what is in an existing directory is judged later, by all ranks."""
+    missing = str(tmp_path / "does-not-exist")
+    assert f"--load {missing}: no such directory" in _error(capsys, ["--load", missing], world_size=1)
+    assert parse_args(BASE + ["--load", missing, "--save", missing], world_size=1).load == missing
+    err = _error(capsys, ["--load", missing, "--save", missing, "--exit-on-missing-checkpoint"], world_size=1)
+    assert f"--load {missing}: no such directory" in err
+    assert parse_args(BASE + ["--load", str(tmp_path)], world_size=1).load == str(tmp_path)
+
+
 def test_warmup_error_says_where_the_decay_iterations_came_from(capsys):
     err = _error(capsys, ["--lr-warmup-iters", "10"])   # BASE: --train-iters 10, no --lr-decay-iters
     assert "--lr-warmup-iters (10) must be smaller than --lr-decay-iters (10, by default --train-iters)" in err

@@ -97,15 +97,18 @@ def test_crash_mid_save_keeps_previous_checkpoint(spawn, text_dataset, tiny_mode
     assert not any(name.endswith(".tmp") for name in os.listdir(ckpt))
 
 
-def test_load_missing_checkpoint_is_a_clear_error(text_dataset, tiny_model_flags, tmp_path):
+def test_load_without_a_checkpoint_is_a_clear_error(text_dataset, tiny_model_flags, tmp_path):
+    """An existing --load directory with no checkpoint in it (a missing one is an argument error: test_arguments)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
     argv = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2",
-                                                           "--load", str(tmp_path / "does-not-exist")]
+                                                           "--load", str(empty)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # A world of one without torchrun: the entry point creates its own process group.
     out = subprocess.run([sys.executable, "-m", "megatron_ext.training.pretrain_gpt"] + argv, cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert f"--load {tmp_path / 'does-not-exist'}: no such directory" in out.stderr
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"pretrain_gpt: error: --load {empty}: no checkpoint there" in out.stderr
 
 
 def test_load_corrupt_file_fails_on_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):

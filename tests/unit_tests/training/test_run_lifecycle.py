@@ -76,9 +76,11 @@ def _lifecycle_runs(base, root):
     out["after_failed_save_tracker"] = tracker("a")
 
     # --exit-on-missing-checkpoint: --load that is also --save and holds nothing is an error, not a fresh start;
-    # the command line's main() prints an error every rank agreed on once, from rank 0, and exits with 2
+    # the command line's main() prints an error every rank agreed on once, from rank 0, and exits with 2 (a --load
+    # that does not exist at all is an argument error: test_arguments)
     from megatron_ext.training.pretrain_gpt import main
 
+    os.makedirs(os.path.join(root, "e"), exist_ok=True)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         rc = main(base + ["--load", os.path.join(root, "e"), "--save", os.path.join(root, "e"),
@@ -125,7 +127,7 @@ def test_final_evaluation_finetune_early_exits_and_a_failed_save(spawn, text_dat
         assert r == 0 or "(found by rank 0; nothing was saved)" in res["failed_save"], (r, res["failed_save"])
         assert res["after_failed_save_tracker"] == 4
         rc, printed = res["missing"]
-        assert rc == 2 and (printed.count("pretrain_gpt: error: --load") == 1 and "no such directory" in printed
+        assert rc == 2 and (printed.count("pretrain_gpt: error: --load") == 1 and "no checkpoint there" in printed
                             if r == 0 else "error" not in printed), (r, res["missing"])
         rc, printed = res["nan"]
         assert rc == 1 and (printed.count("pretrain_gpt: error: the gradient norm is") == 1 and "Traceback" not in
