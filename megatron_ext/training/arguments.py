@@ -145,10 +145,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         """The error alone (argparse's usage of some 200 flags buried it), printed once per node: by local rank 0
-        under torchrun (the flags and the node's files are the same for every rank there), exit status 2 on all."""
+        under torchrun (the flags and the node's files are the same for every rank there), exit status 2 on all.
+
+        Under torchrun the first rank to exit has the agent stop the others, so a quiet rank that exited first could
+        stop local rank 0 before it printed (the error was then lost now and then): the quiet ranks wait for local
+        rank 0's exit to stop them, at most ``QUIET_RANK_WAIT_S``."""
         if os.environ.get("LOCAL_RANK", "0") != "0":
+            if os.environ.get("TORCHELASTIC_RUN_ID"):
+                _wait_for_local_rank_0(QUIET_RANK_WAIT_S)
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the flags)\n")
+
+
+QUIET_RANK_WAIT_S = 30.0
+
+
+def _wait_for_local_rank_0(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
 
 
 def _drop_noop_values(extra: Sequence[str]) -> List[str]:

@@ -601,10 +601,17 @@ def test_data_files_and_splits_checked_with_the_flags(capsys, tmp_path):
 def test_a_flag_error_is_printed_once_per_node(capsys, monkeypatch):
     """Under torchrun every rank parses the same flags: local rank 0 prints the error, the others exit quietly with
     the same status (eight copies per node, interleaved, buried the message)."""
+    from megatron_ext.training import arguments
+
+    waits = []
+    monkeypatch.setattr(arguments, "_wait_for_local_rank_0", waits.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert _error(capsys, ["--lr", "-1"]) == ""
+    assert _error(capsys, ["--lr", "-1"]) == "" and waits == []   # not under torchrun: nobody to wait for
+    # under torchrun a quiet rank waits for local rank 0's exit to stop it, so it cannot stop rank 0 before it printed
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    assert _error(capsys, ["--lr", "-1"]) == "" and waits == [arguments.QUIET_RANK_WAIT_S]
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert "--lr" in _error(capsys, ["--lr", "-1"])
+    assert "--lr" in _error(capsys, ["--lr", "-1"]) and waits == [arguments.QUIET_RANK_WAIT_S]
 
 
 def test_quant_group_size_that_defeats_the_backends_gets_a_notice():
