@@ -184,6 +184,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print_rank_0(f"> sharding plan: {model[0].plan.describe()}; {_backends_text(args)}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
+        _notice_foreign_checkpoints(args)
         if args.load:
             ckpt, error = None, None
             try:
@@ -273,6 +274,24 @@ def _final_evaluation(args: argparse.Namespace, model, optimizer, iteration: int
         if loss is not None:
             out[name] = loss
     return out
+
+
+def _notice_foreign_checkpoints(args: argparse.Namespace) -> None:
+    """A ``--save`` directory that already holds checkpoints this run does not load: its saves will sit among
+    another run's, and one at the same iteration replaces that run's (Megatron-LM says nothing; found by user
+    test 6)."""
+    from . import checkpointing
+    from .loop import print_rank_0
+
+    if not args.save or (args.load and os.path.abspath(args.load) == os.path.abspath(args.save)):
+        return
+    tracker = os.path.join(args.save, checkpointing.TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            latest = f.read().strip()
+        print_rank_0(f"> notice: --save {args.save} already holds checkpoints (latest: {latest}) that this run does "
+                     "not load; its saves go among them, and a save at an iteration they have replaces theirs "
+                     "(--load the same directory to resume them instead)")
 
 
 def _find_checkpoint_or_fail(args: argparse.Namespace):

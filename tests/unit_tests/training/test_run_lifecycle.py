@@ -36,8 +36,13 @@ def _lifecycle_runs(base, root):
     out["finetune_common"] = {k: v for k, v in checkpointing._load(
         os.path.join(root, "b", "iter_0000002", "common.pt")).items() if k.startswith("consumed")}
 
-    out["late"] = pretrain(base + ["--exit-duration-in-mins", "1e-9", "--save", os.path.join(root, "c")])
-    out["late_tracker"] = tracker("c")
+    # into the finetune run's directory without loading it: a notice, and the save goes beside iteration 2
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        out["late"] = pretrain(base + ["--exit-duration-in-mins", "1e-9", "--save", os.path.join(root, "b")])
+    out["late_printed"] = printed.getvalue()
+    out["late_tracker"] = tracker("b")
+    out["late_beside"] = sorted(os.listdir(os.path.join(root, "b")))
 
     # SIGTERM reaches rank 0 only, during iteration 2: both ranks save and stop after iteration 2.
     step, calls = loop.train_step, []
@@ -98,6 +103,8 @@ def test_final_evaluation_finetune_early_exits_and_a_failed_save(spawn, text_dat
     base = [f for f in tiny_model_flags] + _data_flags(text_dataset)[:-2] + [
         "--split", "80,10,10", "--global-batch-size", "4", "--train-iters", "4", "--eval-iters", "1",
         "--eval-interval", "2"]
+    from megatron_ext.training.checkpointing import TRACKER
+
     per_rank = spawn(_lifecycle_runs, 2, base, str(tmp_path), timeout=300)
     last = per_rank[-1]   # the loss and the evaluations are on the last rank
 
@@ -119,6 +126,10 @@ def test_final_evaluation_finetune_early_exits_and_a_failed_save(spawn, text_dat
         # --exit-duration-in-mins: past it at once, so every rank saves and stops after iteration 1.
         assert res["late"]["exited"] and res["late"]["iteration"] == 1 and res["late_tracker"] == 1, (r, res["late"])
         assert "final_eval" not in res["late"]
+        assert res["late_beside"] == ["iter_0000001", "iter_0000002", TRACKER], res["late_beside"]
+        notice = "> notice: --save " + os.path.join(str(tmp_path), "b") + " already holds checkpoints (latest: 2)"
+        assert (notice in res["late_printed"]) == (r == 0), (r, res["late_printed"])
+        assert "already holds checkpoints" not in res["full_printed"]
         # --exit-signal-handler: SIGTERM on rank 0 stops both ranks after iteration 2, saved.
         assert res["signalled"]["exited"] and res["signalled"]["iteration"] == 2, (r, res["signalled"])
         assert res["signalled_tracker"] == 2 and res["sigterm_restored"]
