@@ -236,9 +236,11 @@ def summary(ranking: "Ranking", best: "Prediction", flags: List[str]) -> str:
     """The one line rank 0 prints: the plan, its predicted step time and memory, and the equivalent flags."""
     from megatron_ext.planner.search import format_size
 
+    from .logging_utils import fmt_significant
+
     wl, cand = ranking.workload, best.candidate
     return (f"> auto-plan: {cand.describe(wl.dp, wl.ranks_per_node)} ({cand.label}) on {ranking.profile.name}, "
-            f"DP {wl.dp} ({wl.ranks_per_node} per node): predicted step {1e3 * best.step_s:.1f} ms, "
+            f"DP {wl.dp} ({wl.ranks_per_node} per node): predicted step {fmt_significant(1e3 * best.step_s)} ms, "
             f"{format_size(best.memory['total'])} per GPU of {format_size(ranking.memory_cap)} "
             f"({len(ranking.ranked)} plans fit, {ranking.infeasible} over); flags: {' '.join(flags)}")
 

@@ -41,7 +41,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _fmt_significant(x: float) -> str:
+def fmt_significant(x: float) -> str:
     """Megatron's one decimal for GPU-sized values; 3 significant digits below 10 so that CPU runs (a few
     GFLOP/s, i.e. 0.00x TFLOP/s) do not print 0.000."""
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:#.3g}"
@@ -59,7 +59,7 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
         f" [{ts}] iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {_fmt_significant(tflops_per_rank)}",
+        f"throughput per GPU (TFLOP/s/GPU): {fmt_significant(tflops_per_rank)}",
         f"tokens per second per GPU: {tokens_per_sec_per_rank:.1f}",
         f"learning rate: {lr:.6E}",
         f"global batch size: {global_batch_size:5d}",

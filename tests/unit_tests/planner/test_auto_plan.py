@@ -85,6 +85,9 @@ def test_plan_respects_the_memory_cap_and_lands_in_args():
     fastest, cap = everything[0], min(p.memory["total"] for p in everything)
     assert fastest.memory["total"] > cap
     assert free.auto_plan_summary.endswith("flags: " + " ".join(fastest.candidate.flags()))
+    # three significant digits below 10 ms: a small model's step is not "0.0 ms" (user test 6)
+    printed = float(re.search(r"predicted step (\S+) ms", free.auto_plan_summary).group(1))
+    assert printed == float(f"{1e3 * fastest.step_s:#.3g}") and printed > 0, free.auto_plan_summary
     capped = parse_args(argv + ["--plan-gpu-memory", str(cap)], world_size=4)
     flags = capped.auto_plan_summary.split("flags: ", 1)[1].split()
     chosen = next(p for p in everything if p.candidate.flags() == flags)
