@@ -37,6 +37,13 @@ task ends and launch every bucket half full, then launch them again for the rest
 bytes). So the wrapper hooks its forward output, and the backward reaching it (in the outer task) queues the end
 there; a backward that never reaches it (the wrapper bypassed) ends at the first gradient's task, as before.
 
+[Note: deferred buffers]
+Deferred buckets (tied embeddings across pipeline stages, sequence-parallel norms and biases: gradients reduced
+over a model-parallel group first, in ``finish_grad_sync``) accumulate the whole step, so they always need a
+persistent buffer. Each has its own, of the bucket's size; the full-size ``local`` buffer covers the regular buckets
+only. (Carving the deferred buckets out of one full-size buffer kept a full copy of the gradients in every step, so
+ZeRO-2 lost its gradient sharding on those ranks.)
+
 [Note: multi-hop]
 Hierarchical backends (qgZ, ByteGrad) reduce in several dependent hops; a hop can only be launched once the one
 before has finished. Launching the next bucket is the moment the ODO drives them: every in-flight reduction is
@@ -131,6 +138,7 @@ class GradSync:
             if gd not in self.pools:
                 self.pools[gd] = BufferPool(pool_size, biggest, gd, device)
         self._local: Dict[torch.dtype, torch.Tensor] = {}   # persistent full-gradient buffers, lazily made
+        self._deferred_own: Dict[int, torch.Tensor] = {}     # bucket index -> buffer ([Note: deferred buffers])
         self._state = [_BucketState() for _ in buckets]
         self._out_state = [_FRESH] * len(buckets)   # what each bucket's partition slice holds this step
         self._inflight: List[Callable[[], None]] = []
@@ -262,11 +270,16 @@ class GradSync:
 
     def _get_buffer(self, b: Bucket) -> Tuple[torch.Tensor, bool]:
         gd = self.grad_dtype[b.dtype]
-        if self.step_mode == "pool" and not b.deferred:
+        if b.deferred:
+            own = self._deferred_own.get(b.index)
+            if own is None:
+                own = self._deferred_own[b.index] = torch.zeros(b.numel, dtype=gd, device=self.partition_grad.device)
+            return own, False
+        if self.step_mode == "pool":
             return self.pools[gd].acquire(b.numel), True
         flat = self._local.get(b.dtype)
         if flat is None:
-            total = max(x.buffer_offset + x.numel for x in self.buckets if x.dtype == b.dtype)
+            total = max(x.buffer_offset + x.numel for x in self.regular if x.dtype == b.dtype)
             flat = self._local[b.dtype] = torch.zeros(total, dtype=gd, device=self.partition_grad.device)
         return flat[b.buffer_offset:b.buffer_offset + b.numel], False
 

@@ -82,11 +82,11 @@ class Workload:
         return 1.0
 
     @property
-    def has_deferred_params(self) -> bool:
-        """Parameters whose gradients are reduced over a model-parallel group before DP (sequence-parallel norms,
-        a tied embedding split over pipeline stages): the ODO keeps them in deferred buckets, which hold a full
-        gradient buffer (``optimizer/grad_sync.py``)."""
-        return (self.tp > 1 and self.sequence_parallel) or (self.pp > 1 and not self.spec.untie_embeddings)
+    def deferred_numel(self) -> int:
+        """The busiest stage's elements whose gradients are reduced over a model-parallel group before DP: the ODO
+        keeps their buckets in buffers of their own ([Note: deferred buffers] in ``optimizer/grad_sync.py``)."""
+        return self.spec.stage_deferred_numel(self.tp, self.pp, self.spec.busiest_stage(self.tp, self.pp),
+                                              self.sequence_parallel)
 
     def wire(self) -> WireOptions:
         s = self.setup
@@ -400,7 +400,7 @@ def predict(cand: Candidate, wl: Workload, profile: HardwareProfile) -> Predicti
     step_s = r.step_s + profile.overlap_slowdown * min(r.busy_s, M * per_micro)
     flops_gpu = wl.spec.flops_per_sequence() * wl.micro_batch * M / (wl.tp * wl.pp)
 
-    states = model_state_memory(cand, plan, buckets, data, wl.setup, M, deferred=wl.has_deferred_params)
+    states = model_state_memory(cand, plan, buckets, data, wl.setup, M, deferred_numel=wl.deferred_numel)
     model_states = sum(states.values())
     activations = wl.spec.activation_bytes(wl.micro_batch, tp=wl.tp, pp=wl.pp, micro_batches=M,
                                            recompute=wl.recompute, recompute_method=wl.recompute_method,

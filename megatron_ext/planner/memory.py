@@ -108,14 +108,13 @@ def owned_numel(buckets: Sequence[BucketShape], data_numels: Sequence[int], shar
 
 def model_state_memory(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[BucketShape],
                        data_numels: Sequence[int], setup: TrainingSetup, micro_batches: int,
-                       deferred: bool = False) -> Dict[str, int]:
+                       deferred_numel: int = 0) -> Dict[str, int]:
     """Model-state bytes of DP rank ``plan.dp_rank``, per component (``optimizer.memory.model_state_bytes``).
 
-    ``deferred``: some parameters are reduced over a model-parallel group first; their buckets accumulate in the
-    full-size gradient buffer, which then exists in every accumulation mode (the bucket layout is taken as without
-    them: a few elements of padding apart)."""
+    ``deferred_numel``: elements reduced over a model-parallel group first; their buckets keep buffers of their own
+    in every accumulation mode (the bucket layout is taken as without them: a few elements of padding apart)."""
     padded = sum(b.numel for b in buckets)
-    local = plan.accumulates_locally(micro_batches > 1) or deferred
+    local = plan.accumulates_locally(micro_batches > 1)
     lossless_fp32 = setup.param_bytes == 4 and cand.param_gather == "plain"
     largest = max(b.numel for b in buckets)
     pool = setup.pool_buffers(plan, cand.grad_reduce) if not plan.accumulates_locally(micro_batches > 1) else 0
@@ -124,7 +123,7 @@ def model_state_memory(cand: Candidate, plan: ResolvedPlan, buckets: Sequence[Bu
         param_bytes=setup.param_bytes, grad_bytes=setup.grad_bytes, param_shards=plan.param,
         optim_shards=plan.optim, full_grad_buffer=local, master_bytes=0 if lossless_fp32 else 4,
         state_bytes=setup.state_bytes,
-        pool_bytes=pool * setup.grad_bytes * largest, hpz=plan.hpz)
+        pool_bytes=pool * setup.grad_bytes * largest, hpz=plan.hpz, deferred_numel=deferred_numel)
 
 
 def transient_memory(plan: ResolvedPlan, buckets: Sequence[BucketShape], setup: TrainingSetup) -> int:

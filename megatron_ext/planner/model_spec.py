@@ -108,9 +108,30 @@ class ModelSpec:
                 out.append(self.vocab_size * h // tp)
         return out
 
-    def busiest_stage_numels(self, tp: int = 1, pp: int = 1) -> List[int]:
+    def busiest_stage(self, tp: int = 1, pp: int = 1) -> int:
         """The stage with the most parameters: the one whose optimizer memory and traffic bound a plan."""
-        return max((self.stage_param_numels(tp, pp, s) for s in range(pp)), key=sum)
+        return max(range(pp), key=lambda s: sum(self.stage_param_numels(tp, pp, s)))
+
+    def busiest_stage_numels(self, tp: int = 1, pp: int = 1) -> List[int]:
+        return self.stage_param_numels(tp, pp, self.busiest_stage(tp, pp))
+
+    def stage_deferred_numel(self, tp: int = 1, pp: int = 1, stage: int = 0, sequence_parallel: bool = False) -> int:
+        """Elements of the stage's parameters whose gradients are reduced over a model-parallel group before DP
+        (the ODO's deferred buckets, ``optimizer/model_parallel.py``): a tied embedding or output weight split over
+        pipeline stages; with TP the q/k norms, and with sequence parallelism also the norms and the row-parallel
+        biases, which megatron-core marks ``sequence_parallel``."""
+        first, last = stage == 0, stage == pp - 1
+        n = 0
+        if pp > 1 and not self.untie_embeddings and (first or last):
+            n += self.vocab_size * self.hidden_size // tp
+        if tp > 1:   # the q/k norms are summed over TP with or without sequence parallelism
+            h, per_norm = self.hidden_size, (2 if self.normalization == "LayerNorm" else 1)
+            layers = self.num_layers // pp + (1 if stage < self.num_layers % pp else 0)
+            per_layer = 2 * per_norm * self.head_dim if self.qk_layernorm else 0
+            if sequence_parallel:
+                per_layer += 2 * per_norm * h + (2 * h if self.add_bias_linear else 0)
+            n += layers * per_layer + (per_norm * h if sequence_parallel and last else 0)
+        return n
 
     @property
     def num_params(self) -> int:

@@ -10,7 +10,8 @@ from ..test_utilities import Utils
 VOCAB, SEQ, MBS, STEPS = 64, 16, 2, 3
 
 
-def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, sharding=None, **model_kw):
+def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, sharding=None, accumulate=None,
+           report: bool = False, **model_kw):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -24,7 +25,8 @@ def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, 
         dp_rank = ps.get_data_parallel_rank()
         gpt = build_gpt_model(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
                               share_embeddings_and_output_weights=tied, **model_kw)
-        ocfg = mx.OverlapConfig(bucket_size=4000, sharding=sharding or mx.ShardingPlan(), gather_pool_size=6)
+        ocfg = mx.OverlapConfig(bucket_size=4000, sharding=sharding or mx.ShardingPlan(), gather_pool_size=6,
+                                accumulate=accumulate)
         model = mx.OverlappedDDP(gpt, ocfg, dp_group=ps.get_data_parallel_group())
         opt = mx.OverlappedDistributedOptimizer(
             OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0), model)
@@ -48,7 +50,11 @@ def _train(tp: int, global_micro_batches: int, pp: int = 1, tied: bool = False, 
             losses.append(local.item() / dp)
         model.force_param_sync()
         tied_weight = gpt.shared_embedding_or_output_weight().detach().clone() if tied else None
-        return losses, len(model.buckets), tied_weight, model.ledger.summary()
+        out = losses, len(model.buckets), tied_weight, model.ledger.summary()
+        if report:   # the model-state memory and what it is made of
+            out += ({"memory": model.memory_report(), "optim": model.plan.optim,
+                     "buckets": [(b.numel, b.deferred) for b in model.buckets]},)
+        return out
     finally:
         Utils.destroy_model_parallel()
 
@@ -91,6 +97,31 @@ def test_pipeline_tied_embeddings_stay_identical(spawn):
         tied_bytes = VOCAB * 32 * 4
         assert ledger["mp_grad_all_reduce"] == {"calls": 1, "intra": tied_bytes, "inter": 0, "total": tied_bytes}
         assert ledger["mp_scalar_all_reduce"] == {"calls": 1, "intra": 16, "inter": 0, "total": 16}
+
+
+def _pp2_tied_memory():
+    return {mode: _train(tp=1, global_micro_batches=4, pp=2, tied=True, accumulate=mode, report=True)[-1]
+            for mode in ("shard", "local")}
+
+
+def test_tied_embedding_keeps_a_buffer_of_its_own_not_the_model_s(spawn):
+    """The pipeline-tied embedding's bucket is reduced over the embedding group first (deferred), so it accumulates
+    the whole step in a persistent buffer of its own; with per-micro-batch reduction (``shard``) every other bucket
+    uses the pool, so the gradients are the reduced shard plus that bucket (it used to be a full-size buffer,
+    ZeRO-1's gradient memory); with ``local`` the full buffer holds everything once. fp32 gradients: 4 bytes."""
+    from megatron_ext.planner.model_spec import ModelSpec
+
+    # the planner's count of the deferred elements: the tied weight, VOCAB x hidden, on both stages
+    spec = ModelSpec(name="test", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
+                     untie_embeddings=False)
+    assert [spec.stage_deferred_numel(1, 2, s) for s in (0, 1)] == [VOCAB * 32] * 2
+    for rank, modes in enumerate(spawn(_pp2_tied_memory, 4)):   # TP=1 x PP=2 x DP=2: every stage has the weight
+        for mode, r in modes.items():
+            padded = sum(n for n, _ in r["buckets"])
+            deferred = sum(n for n, d in r["buckets"] if d)
+            assert deferred == VOCAB * 32, (rank, r["buckets"])   # one bucket, already a multiple of DP
+            full = padded if mode == "local" else deferred
+            assert r["memory"]["gradients"] == 4 * (padded // r["optim"] + full), (rank, mode, r)
 
 
 def _per_token_batch(seed: int):

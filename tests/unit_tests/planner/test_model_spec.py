@@ -45,6 +45,14 @@ FLAG_SETS = [
 ]
 
 
+def _deferred(model) -> int:
+    """Elements the ODO would keep in deferred buckets (reduced over a model-parallel group first)."""
+    from megatron_ext.optimizer.model_parallel import model_parallel_grad_reductions
+
+    mp = model_parallel_grad_reductions(model)
+    return sum(p.numel() for p in model.parameters() if id(p) in mp)
+
+
 def _pretrain_gpt_numels(flag_sets):
     from megatron_ext.training.arguments import parse_args
     from megatron_ext.training.auto_plan import model_spec_from_args
@@ -60,9 +68,11 @@ def _pretrain_gpt_numels(flag_sets):
             args.padded_vocab_size = padded_vocab_size(201, args.make_vocab_size_divisible_by,
                                                        args.tensor_model_parallel_size)
             spec = model_spec_from_args(args)
-            built = [p.numel() for p in build_model(args).parameters()]
+            model = build_model(args)
+            built = [p.numel() for p in model.parameters()]
             out.append((spec.param_numels(args.tensor_model_parallel_size), built, spec.vocab_size,
-                        args.padded_vocab_size))
+                        args.padded_vocab_size, _deferred(model),
+                        spec.stage_deferred_numel(args.tensor_model_parallel_size, 1, 0)))
         finally:
             Utils.destroy_model_parallel()
     return out
@@ -70,9 +80,11 @@ def _pretrain_gpt_numels(flag_sets):
 
 def test_pretrain_gpt_flags_give_the_model_pretrain_gpt_builds(spawn):
     for rank_result in spawn(_pretrain_gpt_numels, 2, FLAG_SETS, timeout=180):
-        for (predicted, built, vocab, padded), flags in zip(rank_result, FLAG_SETS):
+        for (predicted, built, vocab, padded, deferred, predicted_deferred), flags in zip(rank_result, FLAG_SETS):
             assert vocab == padded, flags          # NullTokenizer: --vocab-size + 1 (EOD), padded as the model is
             assert predicted == built, flags
+            assert deferred == predicted_deferred, flags   # TP 2's query-key norms are summed over TP first
+        assert rank_result[1][4] == 2 * 2 * 16   # layers x (q, k) x head size (RMSNorm: a weight only)
 
 
 def _pipeline_stage_numels(flag_sets):
@@ -93,8 +105,10 @@ def _pipeline_stage_numels(flag_sets):
             args.padded_vocab_size = 128
             spec = model_spec_from_args(args)
             stage = ps.get_pipeline_model_parallel_rank()
-            built = [p.numel() for p in build_model(args).parameters()]
-            out.append((spec.stage_param_numels(1, 2, stage), built, sum(spec.busiest_stage_numels(1, 2))))
+            model = build_model(args)
+            built = [p.numel() for p in model.parameters()]
+            out.append((spec.stage_param_numels(1, 2, stage), built, sum(spec.busiest_stage_numels(1, 2)),
+                        _deferred(model), spec.stage_deferred_numel(1, 2, stage)))
         finally:
             Utils.destroy_model_parallel()
     return out
@@ -106,9 +120,11 @@ def test_pipeline_stages_hold_what_megatron_core_builds(spawn):
     per_rank = spawn(_pipeline_stage_numels, 2, flag_sets, timeout=180)
     for i, flags in enumerate(flag_sets):
         stages = [per_rank[r][i] for r in range(2)]
-        for predicted, built, _ in stages:
+        for predicted, built, _, deferred, predicted_deferred in stages:
             assert predicted == built, flags
-        assert stages[0][2] == max(sum(b) for _, b, _ in stages), flags
+            # the tied weight is reduced over the embedding group on both stages ([Note: deferred buffers])
+            assert deferred == predicted_deferred == (0 if flags else 128 * 32), flags
+        assert stages[0][2] == max(sum(b) for _, b, *_ in stages), flags
 
 
 def _matmul_flops(L, h, a, g, s, V, f, swiglu=False, d=None):
