@@ -38,11 +38,11 @@ bytes). So the wrapper hooks its forward output, and the backward reaching it (i
 there; a backward that never reaches it (the wrapper bypassed) ends at the first gradient's task, as before.
 
 [Note: deferred buffers]
-Deferred buckets (tied embeddings across pipeline stages, sequence-parallel norms and biases: gradients reduced
-over a model-parallel group first, in ``finish_grad_sync``) accumulate the whole step, so they always need a
-persistent buffer. Each has its own, of the bucket's size; the full-size ``local`` buffer covers the regular buckets
-only. (Carving the deferred buckets out of one full-size buffer kept a full copy of the gradients in every step, so
-ZeRO-2 lost its gradient sharding on those ranks.)
+Deferred buckets (tied embeddings across pipeline stages, TP's q/k norms, sequence-parallel norms and biases:
+gradients reduced over a model-parallel group first, in ``finish_grad_sync``) accumulate the whole step, so they
+always need a persistent buffer. Each has its own, of the bucket's size; the full-size ``local`` buffer covers the
+regular buckets only. (Carving the deferred buckets out of one full-size buffer kept a full copy of the gradients
+in every step, so ZeRO-2 lost its gradient sharding on those ranks.)
 
 [Note: multi-hop]
 Hierarchical backends (qgZ, ByteGrad) reduce in several dependent hops; a hop can only be launched once the one
