@@ -74,8 +74,9 @@ def test_gpt_trains_with_odo_and_tp1_equals_tp2(spawn):
 
 
 def _pp2_tied():
-    losses, _, tied, ledger = _train(tp=1, global_micro_batches=4, pp=2, tied=True)
-    return losses, tied, ledger
+    losses, _, tied, ledger, report = _train(tp=1, global_micro_batches=4, pp=2, tied=True, accumulate="shard",
+                                             report=True)
+    return losses, tied, ledger, report
 
 
 def test_pipeline_tied_embeddings_stay_identical(spawn):
@@ -83,6 +84,8 @@ def test_pipeline_tied_embeddings_stay_identical(spawn):
     # twice; megatron-core's finalize_model_grads all-reduces ``main_grad``, which a grad-freeing optimizer
     # does not have (the Megatron-LLaMA pitfall: the copies drift apart). The ODO reduces the tied gradient
     # over the embedding group itself, so both copies receive the same update and stay bit-identical.
+    from megatron_ext.planner.model_spec import ModelSpec
+
     per_rank = spawn(_pp2_tied, 4)   # TP=1 x PP=2 x DP=2
     losses = per_rank[0][0]
     assert losses[-1] < losses[0], losses
@@ -93,35 +96,22 @@ def test_pipeline_tied_embeddings_stay_identical(spawn):
     # Ledger of one step: the tied gradient's all-reduce over the 2-rank embedding group (fp32, VOCAB x 32),
     # and the grad-norm all-reduce ([norm^2, failed], float64) over the 2-rank model-parallel group; in an
     # all-reduce of B bytes over P ranks a rank sends 2B/P to each of its P-1 peers (all on one node here).
-    for _, _, ledger in per_rank:
+    for _, _, ledger, _ in per_rank:
         tied_bytes = VOCAB * 32 * 4
         assert ledger["mp_grad_all_reduce"] == {"calls": 1, "intra": tied_bytes, "inter": 0, "total": tied_bytes}
         assert ledger["mp_scalar_all_reduce"] == {"calls": 1, "intra": 16, "inter": 0, "total": 16}
-
-
-def _pp2_tied_memory():
-    return {mode: _train(tp=1, global_micro_batches=4, pp=2, tied=True, accumulate=mode, report=True)[-1]
-            for mode in ("shard", "local")}
-
-
-def test_tied_embedding_keeps_a_buffer_of_its_own_not_the_model_s(spawn):
-    """The pipeline-tied embedding's bucket is reduced over the embedding group first (deferred), so it accumulates
-    the whole step in a persistent buffer of its own; with per-micro-batch reduction (``shard``) every other bucket
-    uses the pool, so the gradients are the reduced shard plus that bucket (it used to be a full-size buffer,
-    ZeRO-1's gradient memory); with ``local`` the full buffer holds everything once. fp32 gradients: 4 bytes."""
-    from megatron_ext.planner.model_spec import ModelSpec
-
-    # the planner's count of the deferred elements: the tied weight, VOCAB x hidden, on both stages
-    spec = ModelSpec(name="test", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB, seq_length=SEQ,
-                     untie_embeddings=False)
+    # Memory ([Note: deferred buffers]): the tied bucket, reduced over the embedding group first, accumulates the
+    # whole step in a buffer of its own; every other bucket reduces each micro-batch (``shard``) from the pool, so the
+    # fp32 gradients are the reduced shard plus the tied bucket (a full-size buffer, ZeRO-1's gradient memory,
+    # before). The planner counts the same deferred elements: the tied weight on both stages.
+    spec = ModelSpec(name="test", num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                     seq_length=SEQ, untie_embeddings=False)
     assert [spec.stage_deferred_numel(1, 2, s) for s in (0, 1)] == [VOCAB * 32] * 2
-    for rank, modes in enumerate(spawn(_pp2_tied_memory, 4)):   # TP=1 x PP=2 x DP=2: every stage has the weight
-        for mode, r in modes.items():
-            padded = sum(n for n, _ in r["buckets"])
-            deferred = sum(n for n, d in r["buckets"] if d)
-            assert deferred == VOCAB * 32, (rank, r["buckets"])   # one bucket, already a multiple of DP
-            full = padded if mode == "local" else deferred
-            assert r["memory"]["gradients"] == 4 * (padded // r["optim"] + full), (rank, mode, r)
+    for rank, (*_, r) in enumerate(per_rank):
+        padded = sum(n for n, _ in r["buckets"])
+        deferred = sum(n for n, d in r["buckets"] if d)
+        assert deferred == VOCAB * 32, (rank, r["buckets"])   # one bucket, already a multiple of DP
+        assert r["memory"]["gradients"] == 4 * (padded // r["optim"] + deferred), (rank, r)
 
 
 def _per_token_batch(seed: int):
