@@ -14,12 +14,17 @@ def spawn():
     return run_distributed
 
 
-# The files that take longest on 2 cores (cold caches), started first: the two xdist workers take whole files in
-# collection order, so a long file collected late would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("comm/test_convergence.py", "kernels/test_compiled.py", "comm/test_progress_engine.py",
-                 "training/test_checkpoint_resume.py", "kernels/test_native.py", "kernels/test_triton_interpreted.py",
-                 "optimizer/test_sharding_plans.py", "optimizer/test_speculative_step.py",
-                 "optimizer/test_param_sync_and_errors.py")
+# The files that take longest on 2 cores (cold caches; seconds per file from a `--durations=0` run), started first:
+# the two xdist workers take whole files in collection order, so a long file collected late would run alone at the
+# end while the other worker idles.
+LONGEST_FIRST = ("kernels/test_compiled.py", "comm/test_progress_engine.py", "comm/test_convergence.py",
+                 "optimizer/test_sharding_plans.py", "training/test_checkpoint_resume.py",
+                 "optimizer/test_param_sync_and_errors.py", "kernels/test_triton_interpreted.py",
+                 "training/test_pretrain_gpt.py", "kernels/test_native.py", "optimizer/test_zero3.py",
+                 "optimizer/test_gpt_megatron.py", "optimizer/test_speculative_step.py", "planner/test_cli.py",
+                 "planner/test_volumes_memory.py", "optimizer/test_equivalence.py", "comm/test_trace_gpu_step.py",
+                 "optimizer/test_ledger_and_buffers.py", "megatron_lm/test_train_sequence_resume.py",
+                 "training/test_notices.py")
 
 
 def pytest_collection_modifyitems(config, items):
