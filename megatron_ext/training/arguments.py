@@ -1176,11 +1176,13 @@ def _check_load_dir(args: argparse.Namespace) -> None:
     path). The one exception is ``--load`` = ``--save``: nothing saved yet means starting from scratch, unless
     ``--exit-on-missing-checkpoint``. Whether what is there is a usable checkpoint is decided after the process group
     starts, where the ranks can agree on it."""
-    import os
-
-    same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
-    if not os.path.isdir(args.load) and not (same_as_save and not args.exit_on_missing_checkpoint):
+    if not os.path.isdir(args.load) and not (load_is_save(args) and not args.exit_on_missing_checkpoint):
         _fail(f"--load {args.load}: no such directory")
+
+
+def load_is_save(args: argparse.Namespace) -> bool:
+    """``--load`` and ``--save`` name the same directory (the launch scripts' resume-or-start pattern)."""
+    return bool(args.load and args.save) and os.path.abspath(args.load) == os.path.abspath(args.save)
 
 
 def _importable(name: str) -> bool:

@@ -281,9 +281,10 @@ def _notice_foreign_checkpoints(args: argparse.Namespace) -> None:
     another run's, and one at the same iteration replaces that run's (Megatron-LM says nothing; found by user
     test 6)."""
     from . import checkpointing
+    from .arguments import load_is_save
     from .loop import print_rank_0
 
-    if not args.save or (args.load and os.path.abspath(args.load) == os.path.abspath(args.save)):
+    if not args.save or load_is_save(args):
         return
     tracker = os.path.join(args.save, checkpointing.TRACKER)
     if os.path.isfile(tracker):
@@ -297,10 +298,10 @@ def _notice_foreign_checkpoints(args: argparse.Namespace) -> None:
 def _find_checkpoint_or_fail(args: argparse.Namespace):
     """The checkpoint to resume from, or None when ``--load`` is also ``--save`` and nothing was saved yet."""
     from . import checkpointing
+    from .arguments import load_is_save
     from .loop import print_rank_0
 
-    same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
-    same_as_save = same_as_save and not args.exit_on_missing_checkpoint   # then a missing one is an error
+    same_as_save = load_is_save(args) and not args.exit_on_missing_checkpoint   # else a missing one is an error
     if same_as_save and not os.path.isdir(args.load):
         print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")
         return None
@@ -325,18 +326,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         pretrain(argv)
     except CheckpointError as e:
-        # one write (lines of several ranks do not run together); an error every rank agreed on, once (rank 0's
-        # names the rank that found it)
-        if not e.everywhere or os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"pretrain_gpt: error: {e}\n")
-            sys.stderr.flush()
+        # an error every rank agreed on, once (rank 0's names the rank that found it); one found by some ranks only,
+        # by each of them
+        _print_error(e, once=e.everywhere)
         return 2
     except StepAbortedOnAllRanks as e:   # every rank raised it together (a non-finite grad norm, a failed grad sync)
-        if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"pretrain_gpt: error: {e}\n")
-            sys.stderr.flush()
+        _print_error(e, once=True)
         return 1
     return 0
+
+
+def _print_error(e: Exception, once: bool) -> None:
+    """One write, so that lines of several ranks do not run together; ``once``: from rank 0 only."""
+    if not once or os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"pretrain_gpt: error: {e}\n")
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":
