@@ -130,6 +130,9 @@ def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> Li
             continue
         if name in saved and old.get(name) != new.get(name):
             problems.append(f"{flag}: checkpoint {old.get(name)!r}, this run {new.get(name)!r}")
+            div = saved.get("make_vocab_size_divisible_by")
+            if name == "padded_vocab_size" and div and div != getattr(args, "make_vocab_size_divisible_by", div):
+                problems[-1] += f" (the checkpoint's: --make-vocab-size-divisible-by {div})"
     return problems
 
 

@@ -44,8 +44,9 @@ and file sizes; the CRC-32 of every file (the ranks share the files, each readin
 and the LR schedule (Megatron-LM's ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``;
 with neither, a schedule flag that differs from the checkpoint is an error). The ranks then agree in one all-reduce,
 and if any rank failed every rank raises CheckpointError with the first failing rank's message, so no rank applies a
-partial checkpoint or waits in a collective for a peer that gave up. TP/PP sizes must match the saving run; the DP
-size may differ (the RNG streams are then re-seeded instead of restored, since ranks do not map one to one).
+partial checkpoint or waits in a collective for a peer that gave up. TP/PP sizes must match the saving run
+(``tools/reshard_checkpoint.py`` rewrites a checkpoint for others: checkpoint_reshard.py); the DP size may differ
+(the RNG streams are then re-seeded instead of restored, since ranks do not map one to one).
 """
 from __future__ import annotations
 
@@ -233,17 +234,20 @@ def save_checkpoint(save_dir: str, iteration: int, model: Sequence, optimizer, s
     everyone: Optional[List[Dict[str, dict]]] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(files, everyone, dst=0)
     if rank == 0:
-        manifest = {"format": FORMAT, "iteration": iteration, "files": {}}
-        for f in everyone:
-            manifest["files"].update(f)
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        write_manifest(tmp, iteration, {k: v for f in everyone for k, v in f.items()})
         publish_checkpoint(save_dir, iteration)
     dist.barrier()
     return final
+
+
+def write_manifest(tmp: str, iteration: int, files: Dict[str, dict]) -> None:
+    """``manifest.json`` of the checkpoint being written in ``tmp`` (``files``: relative path -> size and CRC-32),
+    written last and fsynced with its directory, so it is the mark of a complete checkpoint."""
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump({"format": FORMAT, "iteration": iteration, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
 
 
 def publish_checkpoint(save_dir: str, iteration: int) -> str:
@@ -607,7 +611,8 @@ def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
         raise CheckpointError(
             f"{ckpt} was saved with --tensor-model-parallel-size {common['tensor_model_parallel_size']} "
             f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
-            "(only the data-parallel size may change on resume)")
+            "(only the data-parallel size may change on resume; tools/reshard_checkpoint.py rewrites a checkpoint "
+            "for other TP/PP sizes)")
     mp_dir = os.path.join(ckpt, mp_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
     model_state = _load(os.path.join(mp_dir, "model.pt"), mmap=True)
     optim_state = None

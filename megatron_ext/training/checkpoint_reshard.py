@@ -1,0 +1,428 @@
+"""Rewrite a pretrain_gpt checkpoint for other tensor/pipeline-parallel sizes (``tools/reshard_checkpoint.py``).
+
+A resume may change the DP size on its own (the optimizer state is canonical per parameter), but a checkpoint holds
+one ``mp_rank_TT_PPP`` directory per TP/PP position, each with that position's slices of the weights and of their
+optimizer states. This is Megatron-LM's ``tools/checkpoint/convert.py`` for our layout: offline, one process, no
+process group, and the source is never written to.
+
+[Note: reshard rules]
+* Pipeline: a stage-local ``decoder.layers.<j>`` is global layer ``(chunk * PP + stage) * L / (PP * V) + j``
+  (megatron-core's even layout, V model chunks per stage); the embedding lives on stage 0's first chunk, the final
+  norm and output layer on the last stage's last chunk. With tied embeddings and PP > 1 the last stage also holds
+  ``output_layer.weight``, a copy of the embedding kept identical by megatron-core's embedding-group all-reduce; it
+  is dropped on reading and written again from the embedding (weights and optimizer states) where the target needs
+  it.
+* Tensor: the layer classes fix the split. Column-parallel weights and biases (``linear_qkv``, ``linear_fc1``,
+  ``output_layer``) and the vocab-parallel embedding are split along dim 0, row-parallel weights (``linear_proj``,
+  ``linear_fc2``) along dim 1; everything else (norms, row-parallel biases, position embeddings) is replicated and
+  taken from TP rank 0. A fused SwiGLU ``linear_fc1`` holds ``[gate; up]`` per TP rank, so each half is split on its
+  own. The fused QKV weight needs nothing special: each TP rank holds whole query groups in order.
+* Vocabulary: the embedding and output layer are padded to a multiple of ``--make-vocab-size-divisible-by`` x TP,
+  and padded logits take part in the softmax (this tool measured 6.16 against 6.42 at the same step when a TP 2 -> 1
+  conversion of a young model cut 200 of 800 rows). So the padded size is kept wherever the new TP divides it, and
+  the notice names the ``--make-vocab-size-divisible-by`` that gives it at the new TP. Asked to pad by Megatron-LM's
+  rule instead (``--target-make-vocab-size-divisible-by``), padding rows are cut, or added as copies of the last row
+  (Megatron-LM's converter) with zero optimizer moments.
+* Optimizer state: every per-parameter tensor (master weights, Adam moments, ...) is reshaped to the parameter's
+  shape and resharded as the parameter; the param groups of all positions are merged by their overrides.
+* RNG states are per rank and are not carried over: the resumed run re-seeds them from ``--seed`` (as at a DP
+  change). Iteration, consumed samples and the LR schedule are kept.
+
+Each parameter is merged from the source files (memory-mapped) when a target position needs it, so memory holds one
+target position's state, not the model's.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .checkpointing import (CheckpointError, _fsync_save, _load, chunk_states, find_checkpoint, iter_dir_name,
+                            mp_dir_name, publish_checkpoint, remove_stale, verify_checksums, write_manifest)
+from .model import padded_vocab_size
+
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_COLUMN = re.compile(r"(^|\.)(linear_qkv|linear_fc1|output_layer)\.(weight|bias)$")
+_ROW_WEIGHT = re.compile(r"(^|\.)(linear_proj|linear_fc2)\.weight$")
+_VOCAB = re.compile(r"(^|\.)(embedding\.word_embeddings|output_layer)\.weight$")
+_EMBEDDING = re.compile(r"(^|\.)embedding\.")
+_LAST_STAGE = re.compile(r"(^|\.)(output_layer|decoder\.final_layernorm)\.")
+_OUTPUT_WEIGHT = re.compile(r"(^|\.)output_layer\.weight$")
+_CHUNK = re.compile(r"^(\d+)\.(.*)$")
+
+
+class Layout:
+    """Where the layers of a ``num_layers`` model live for TP ``tp`` x PP ``pp`` with ``vp`` chunks per stage."""
+
+    def __init__(self, num_layers: int, tp: int, pp: int, vp: int) -> None:
+        if tp < 1 or pp < 1 or vp < 1:
+            raise ValueError(f"parallel sizes must be at least 1 (TP {tp}, PP {pp}, chunks {vp})")
+        if num_layers % (pp * vp):
+            raise ValueError(f"--num-layers {num_layers} is not divisible by PP {pp} x {vp} model chunks per stage")
+        if vp > 1 and pp < 2:
+            raise ValueError("several model chunks per stage need a pipeline of at least 2 stages")
+        self.num_layers, self.tp, self.pp, self.vp = num_layers, tp, pp, vp
+        self.per_chunk = num_layers // (pp * vp)
+
+    def offset(self, stage: int, chunk: int) -> int:
+        return (chunk * self.pp + stage) * self.per_chunk
+
+    def where(self, layer: int) -> Tuple[int, int, int]:
+        """(stage, chunk, local index) of global layer ``layer``."""
+        block, local = divmod(layer, self.per_chunk)
+        chunk, stage = divmod(block, self.pp)
+        return stage, chunk, local
+
+    def holds(self, stage: int, chunk: int, name: str) -> bool:
+        """Whether the (stage, chunk) position holds the non-layer tensor ``name``."""
+        if _EMBEDDING.search(name):
+            return stage == 0 and chunk == 0
+        if _LAST_STAGE.search(name):
+            return stage == self.pp - 1 and chunk == self.vp - 1
+        return True
+
+
+def global_key(key: str, layout: Layout, stage: int, chunk: int) -> str:
+    m = _LAYER.match(key)
+    if m is None:
+        return key
+    return f"{m.group(1)}{layout.offset(stage, chunk) + int(m.group(2))}{m.group(3)}"
+
+
+def local_key(key: str, layout: Layout) -> Tuple[Optional[Tuple[int, int]], str]:
+    """(stage, chunk) of a layer tensor, or None for one outside the layers; and its stage-local name."""
+    m = _LAYER.match(key)
+    if m is None:
+        return None, key
+    stage, chunk, local = layout.where(int(m.group(2)))
+    return (stage, chunk), f"{m.group(1)}{local}{m.group(3)}"
+
+
+def tp_split_dim(name: str) -> Optional[int]:
+    """The dim a tensor-parallel layer splits ``name`` along; None for a replicated tensor (reshard rules)."""
+    if _COLUMN.search(name) or _VOCAB.search(name):
+        return 0
+    if _ROW_WEIGHT.search(name):
+        return 1
+    return None
+
+
+def _gated(name: str, swiglu: bool) -> bool:
+    return swiglu and "linear_fc1." in name
+
+
+def merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The full tensor of ``name`` from its TP shards (in TP rank order)."""
+    dim = tp_split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if _gated(name, swiglu):
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)],
+                         dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def split_tp(name: str, full: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
+    """TP rank ``rank``'s shard of ``full`` (inverse of :func:`merge_tp`)."""
+    dim = tp_split_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if full.shape[dim] % (2 * tp if _gated(name, swiglu) else tp):
+        raise CheckpointError(f"{name}: dim {dim} of shape {tuple(full.shape)} does not split over TP {tp}")
+    if _gated(name, swiglu):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+    return full.chunk(tp, dim=dim)[rank].clone()
+
+
+def resize_vocab(full: torch.Tensor, rows: int, fill_with_last_row: bool) -> torch.Tensor:
+    """Cut or pad the padding rows of a vocab-sized tensor to ``rows`` (reshard rules)."""
+    if full.shape[0] >= rows:
+        return full[:rows]
+    extra = rows - full.shape[0]
+    pad = full[-1:].expand(extra, *full.shape[1:]) if fill_with_last_row else full.new_zeros(extra, *full.shape[1:])
+    return torch.cat([full, pad])
+
+
+class _Source:
+    """The source checkpoint, read lazily: per (TP rank, stage) the model and optimizer files, memory-mapped."""
+
+    def __init__(self, ckpt: str, common: dict) -> None:
+        args = common.get("args") or {}
+        self.ckpt, self.common, self.args = ckpt, common, args
+        vp = args.get("virtual_pipeline_model_parallel_size") or 1
+        self.layout = Layout(args["num_layers"], common["tensor_model_parallel_size"],
+                             common["pipeline_model_parallel_size"], vp)
+        self.swiglu = bool(args.get("swiglu"))
+        self.tied = not args.get("untie_embeddings_and_output_weights", False)
+        self.has_optim = bool(common.get("has_optim", True))
+        self._model: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+        self._optim: Dict[Tuple[int, int], dict] = {}
+        self.model_keys: Dict[str, Tuple[int, int]] = {}    # global key -> (stage, chunk) holding it
+        self.optim_keys: Dict[str, Tuple[int, int]] = {}
+        lay = self.layout
+        for stage in range(lay.pp):
+            for chunk, state in enumerate(self.model(0, stage)):
+                for key in state:
+                    g = global_key(key, lay, stage, chunk)
+                    if not (self.tied and lay.pp > 1 and _OUTPUT_WEIGHT.search(g)):
+                        self.model_keys.setdefault(g, (stage, chunk))
+            if self.has_optim:
+                for name in self.optim(0, stage)["params"]:
+                    chunk, key = self._split_chunk(name)
+                    g = global_key(key, lay, stage, chunk)
+                    if not (self.tied and lay.pp > 1 and _OUTPUT_WEIGHT.search(g)):
+                        self.optim_keys.setdefault(g, (stage, chunk))
+
+    def _split_chunk(self, name: str) -> Tuple[int, str]:
+        if self.layout.vp == 1:
+            return 0, name
+        m = _CHUNK.match(name)
+        if m is None:
+            raise CheckpointError(f"{self.ckpt}: optimizer parameter {name!r} names no model chunk")
+        return int(m.group(1)), m.group(2)
+
+    def _path(self, tp_rank: int, stage: int, name: str) -> str:
+        return os.path.join(self.ckpt, mp_dir_name(tp_rank, stage), name)
+
+    def model(self, tp_rank: int, stage: int) -> List[Dict[str, Any]]:
+        if (tp_rank, stage) not in self._model:
+            saved = _load(self._path(tp_rank, stage, "model.pt"), mmap=True)
+            self._model[tp_rank, stage] = chunk_states(saved, self.layout.vp)
+        return self._model[tp_rank, stage]
+
+    def optim(self, tp_rank: int, stage: int) -> dict:
+        if (tp_rank, stage) not in self._optim:
+            self._optim[tp_rank, stage] = _load(self._path(tp_rank, stage, "optim.pt"), mmap=True)
+        return self._optim[tp_rank, stage]
+
+    def _local(self, g: str, where: Tuple[int, int]) -> Tuple[int, int, str]:
+        stage, chunk = where
+        m = _LAYER.match(g)
+        if m is None:
+            return stage, chunk, g
+        return stage, chunk, f"{m.group(1)}{int(m.group(2)) - self.layout.offset(stage, chunk)}{m.group(3)}"
+
+    def model_tensor(self, g: str) -> Any:
+        """The full (TP-merged) model tensor of global key ``g`` (or the non-tensor entry, e.g. ``_extra_state``)."""
+        stage, chunk, key = self._local(g, self.model_keys[g])
+        shards = [self.model(t, stage)[chunk][key] for t in range(self.layout.tp)]
+        if not torch.is_tensor(shards[0]):
+            return shards[0]
+        return merge_tp(g, shards, self.swiglu)
+
+    def optim_entry(self, g: str) -> Dict[str, Any]:
+        """Global key ``g``'s optimizer entry with each state tensor full and in the parameter's shape."""
+        stage, chunk, key = self._local(g, self.optim_keys[g])
+        name = key if self.layout.vp == 1 else f"{chunk}.{key}"
+        entries = [self.optim(t, stage)["params"][name] for t in range(self.layout.tp)]
+        out: Dict[str, Any] = {}
+        for field, value in entries[0].items():
+            if torch.is_tensor(value):
+                shape = tuple(entries[0]["shape"])
+                out[field] = merge_tp(g, [e[field].reshape(shape) for e in entries], self.swiglu)
+        return out
+
+    def optim_header(self) -> Dict[str, Any]:
+        """The non-parameter part of the canonical state: type, step, loss scaler, param groups of every stage."""
+        first = self.optim(0, 0)
+        groups: List[dict] = []
+        seen = set()
+        for stage in range(self.layout.pp):
+            for g in self.optim(0, stage)["param_groups"]:
+                key = repr(g.get("overrides"))
+                if key not in seen:
+                    seen.add(key)
+                    groups.append(g)
+        return {"format": first["format"], "optimizer": first["optimizer"],
+                "step": max(self.optim(0, s)["step"] for s in range(self.layout.pp)),
+                "param_groups": groups, "grad_scaler": first["grad_scaler"]}
+
+
+def target_vocab(args: Dict[str, Any], tp: int, divisible_by: Optional[int] = None
+                 ) -> Tuple[Optional[int], Optional[int], Optional[str]]:
+    """(padded rows, --make-vocab-size-divisible-by that gives them at TP ``tp``, notice or None) for the target.
+
+    Without ``divisible_by`` the padded size is kept when ``tp`` divides it, so the model computes the same function
+    (padded logits take part in the softmax); the notice then names the smallest ``--make-vocab-size-divisible-by``
+    that pads to it at TP ``tp``, for the resumed run. Otherwise the vocabulary is padded by that rule.
+    """
+    vocab, rows, old_div = (args.get("tokenizer_vocab_size") or args.get("vocab_size"), args.get("padded_vocab_size"),
+                            args.get("make_vocab_size_divisible_by"))
+    if not vocab or not rows or not old_div:
+        return None, None, None
+    if divisible_by is None:
+        if padded_vocab_size(vocab, old_div, tp) == rows:
+            return rows, old_div, None
+        if rows % tp == 0:
+            d = next(d for d in range(1, rows // tp + 1) if (rows // tp) % d == 0
+                     and padded_vocab_size(vocab, d, tp) == rows)
+            return rows, d, (f"> notice: the padded vocabulary keeps its {rows} rows (tokenizer: {vocab}); at TP {tp} "
+                             f"resume with --make-vocab-size-divisible-by {d} (--make-vocab-size-divisible-by "
+                             f"{old_div} would pad to {padded_vocab_size(vocab, old_div, tp)}; reshard with "
+                             "--target-make-vocab-size-divisible-by for that)")
+        divisible_by = old_div
+    new_rows = padded_vocab_size(vocab, divisible_by, tp)
+    note = None
+    if new_rows != rows:
+        note = (f"> notice: the padded vocabulary changes from {rows} to {new_rows} rows (tokenizer: {vocab}; "
+                f"--make-vocab-size-divisible-by {divisible_by} at TP {tp}): padding rows are cut, or added as "
+                "copies of the last row with zero optimizer moments. Padded logits take part in the softmax, so "
+                "the loss moves by the probability they held")
+    return new_rows, divisible_by, note
+
+
+def tp_problems(args: Dict[str, Any], tp: int) -> List[str]:
+    """What megatron-core's layers need of TP ``tp`` for this model (whole heads and query groups per rank, an
+    evenly split FFN): a split that only fits the shapes would cut through a query group."""
+    heads = args.get("num_attention_heads") or 0
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    ffn = args.get("ffn_hidden_size") or 0
+    problems = []
+    for value, what in ((heads, "--num-attention-heads"), (groups, "query groups (--num-query-groups)"),
+                        (ffn, "--ffn-hidden-size")):
+        if value and value % tp:
+            problems.append(f"{what} {value} is not divisible by it")
+    return problems
+
+
+def _tied_output(g: str, target: Layout, tied: bool) -> Optional[str]:
+    """For a tied model at PP > 1: the embedding key whose copy the last stage's ``output_layer.weight`` is."""
+    if tied and target.pp > 1 and _OUTPUT_WEIGHT.search(g):
+        return g[: len(g) - len("output_layer.weight")] + "embedding.word_embeddings.weight"
+    return None
+
+
+def _target_keys(keys: Dict[str, Tuple[int, int]], target: Layout, tied: bool) -> Iterator[Tuple[int, int, str, str]]:
+    """(stage, chunk, local key, global key) of every tensor each target position holds, in source order."""
+    for g in keys:
+        where, key = local_key(g, target)
+        if where is not None:
+            yield where[0], where[1], key, g
+            continue
+        for stage in range(target.pp):
+            for chunk in range(target.vp):
+                if target.holds(stage, chunk, g):
+                    yield stage, chunk, key, g
+        if tied and target.pp > 1 and re.search(r"(^|\.)embedding\.word_embeddings\.weight$", g):
+            out = g[: len(g) - len("embedding.word_embeddings.weight")] + "output_layer.weight"
+            yield target.pp - 1, target.vp - 1, out, out
+
+
+def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optional[int] = None,
+                       divisible_by: Optional[int] = None, log: Callable[[str], None] = print) -> str:
+    """Write ``load_dir``'s tracked checkpoint into ``save_dir`` for TP ``tp`` x PP ``pp`` (``vp`` model chunks per
+    stage; default: the source's), published atomically with its own manifest. Returns the new checkpoint directory.
+    ``divisible_by``: pad the vocabulary as ``--make-vocab-size-divisible-by`` would at TP ``tp`` (default: keep the
+    padded size where TP ``tp`` divides it; see the reshard rules).
+    """
+    ckpt = find_checkpoint(load_dir)
+    if ckpt is None:
+        raise CheckpointError(f"--load {load_dir}: no checkpoint there")
+    if os.path.realpath(save_dir) == os.path.realpath(load_dir):
+        raise CheckpointError(f"--save {save_dir} is the --load directory: write the resharded checkpoint elsewhere "
+                              "(the source stays untouched)")
+    verify_checksums(ckpt)
+    common = _load(os.path.join(ckpt, "common.pt"))
+    if not isinstance(common, dict) or not str(common.get("format", "")).startswith("megatron_ext.pretrain_gpt/"):
+        raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint")
+    src = _Source(ckpt, common)
+    args = src.args
+    try:
+        target = Layout(args["num_layers"], tp, pp, vp or src.layout.vp)
+    except ValueError as e:
+        raise CheckpointError(f"target layout: {e}") from None
+    problems = tp_problems(args, tp)
+    if problems:
+        raise CheckpointError(f"--target-tensor-parallel-size {tp} does not fit this model: " + "; ".join(problems))
+    if args.get("ladder_residual") or args.get("desync_residual"):
+        log("> notice: a Ladder/Desynced Residual model: pipeline stages that cut through its ladder layers change "
+            "where it re-syncs (see README)")
+    new_rows, divisible_by, vocab_note = target_vocab(args, tp, divisible_by)
+    if vocab_note:
+        log(vocab_note)
+
+    def fit_vocab(g: str, t: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        if new_rows is None or not _VOCAB.search(g) or t.shape[0] == new_rows:
+            return t
+        return resize_vocab(t, new_rows, fill_with_last_row=is_weight)
+
+    iteration = common["iteration"]
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    os.makedirs(save_dir, exist_ok=True)
+    remove_stale(save_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    written: Dict[str, int] = {}
+    try:
+        model_plan = list(_target_keys(src.model_keys, target, src.tied))
+        optim_plan = list(_target_keys(src.optim_keys, target, src.tied)) if src.has_optim else []
+        header = src.optim_header() if src.has_optim else None
+        for stage in range(target.pp):
+            cache: Dict[str, Any] = {}   # one stage's full tensors, shared by its TP ranks
+
+            def full_model(g: str) -> Any:
+                if g not in cache:
+                    emb = _tied_output(g, target, src.tied)
+                    t = src.model_tensor(emb or g)
+                    cache[g] = fit_vocab(g, t, True) if torch.is_tensor(t) else t
+                return cache[g]
+
+            def full_optim(g: str) -> Dict[str, torch.Tensor]:
+                k = "optim:" + g
+                if k not in cache:
+                    emb = _tied_output(g, target, src.tied)
+                    entry = src.optim_entry(emb or g)
+                    cache[k] = {f: fit_vocab(g, v, f == "master") for f, v in entry.items()}
+                return cache[k]
+
+            for t in range(target.tp):
+                mp_dir = os.path.join(tmp, mp_dir_name(t, stage))
+                chunks: List[Dict[str, Any]] = [{} for _ in range(target.vp)]
+                for s, c, key, g in model_plan:
+                    if s == stage:
+                        v = full_model(g)
+                        chunks[c][key] = split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
+                model = chunks[0] if target.vp == 1 else {f"model{i}": st for i, st in enumerate(chunks)}
+                path = os.path.join(mp_dir, "model.pt")
+                written[path] = _fsync_save(model, path)
+                del model, chunks
+                if header is not None:
+                    params: Dict[str, dict] = {}
+                    for s, c, key, g in optim_plan:
+                        if s != stage:
+                            continue
+                        shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g).items()}
+                        shape = next(iter(shard.values())).shape
+                        name = key if target.vp == 1 else f"{c}.{key}"
+                        params[name] = {"shape": tuple(shape), "numel": shape.numel(),
+                                        **{f: v.reshape(-1).clone() for f, v in shard.items()}}
+                    path = os.path.join(mp_dir, "optim.pt")
+                    written[path] = _fsync_save({**copy.deepcopy(header), "params": params}, path)
+                    del params
+        new_common = dict(common)
+        new_args = dict(args)
+        new_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                        virtual_pipeline_model_parallel_size=target.vp if target.vp > 1 else None,
+                        num_virtual_stages_per_pipeline_rank=target.vp if target.vp > 1 else None,
+                        num_layers_per_virtual_pipeline_stage=None, world_size=None, data_parallel_size=None)
+        if new_rows is not None:
+            new_args.update(padded_vocab_size=new_rows, make_vocab_size_divisible_by=divisible_by)
+        new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
+                          data_parallel_size=None, args=new_args, resharded_from=ckpt)
+        path = os.path.join(tmp, "common.pt")
+        written[path] = _fsync_save(new_common, path)
+        write_manifest(tmp, iteration, {os.path.relpath(p, tmp): {"size": os.path.getsize(p), "crc32": crc}
+                                        for p, crc in written.items()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_checkpoint(save_dir, iteration)
+    log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage) into "
+        f"{final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage); RNG states are re-seeded on resume")
+    return final

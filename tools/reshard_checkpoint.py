@@ -1,0 +1,64 @@
+#!/usr/bin/env python
+"""Rewrite a pretrain_gpt checkpoint for other tensor/pipeline-parallel sizes (Megatron-LM's
+``tools/checkpoint/convert.py`` for megatron_ext checkpoints).
+
+Reads the checkpoint the tracker of ``--load`` names (checksums verified) and publishes the same iteration in
+``--save`` for ``--target-tensor-parallel-size`` x ``--target-pipeline-parallel-size``: weights, optimizer state
+(master weights and moments), LR schedule, iteration and data position. One process, no GPU, no process group; the
+source is only read. Resume it with the new sizes and any DP size::
+
+    python tools/reshard_checkpoint.py --load ckpt --save ckpt_tp1pp2 \\
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 2
+    torchrun --nproc-per-node 4 -m megatron_ext.training.pretrain_gpt ... \\
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --load ckpt_tp1pp2 --save ckpt_tp1pp2
+
+RNG states are not carried over (they are per rank): the resumed run re-seeds from ``--seed``. How each tensor is
+split: ``megatron_ext/training/checkpoint_reshard.py`` ([Note: reshard rules]).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from megatron_ext.training.checkpoint_reshard import reshard_checkpoint
+from megatron_ext.training.checkpointing import CheckpointError
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--load", required=True, help="checkpoint directory (the one holding "
+                   "latest_checkpointed_iteration.txt); only read")
+    p.add_argument("--save", required=True, help="directory to publish the resharded checkpoint in (not --load)")
+    p.add_argument("--target-tensor-parallel-size", type=int, required=True)
+    p.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    p.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="model chunks per pipeline stage (interleaved schedule); default: the checkpoint's")
+    p.add_argument("--target-make-vocab-size-divisible-by", type=int, default=None,
+                   help="pad the vocabulary to a multiple of this x the target TP (Megatron-LM's rule; padding rows "
+                        "are cut or added, which moves the loss); default: keep the checkpoint's padded size when "
+                        "the target TP divides it (the notice names the flag to resume with)")
+    args = p.parse_args(argv)
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_num_virtual_stages_per_pipeline_rank", "target_make_vocab_size_divisible_by"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    try:
+        reshard_checkpoint(args.load, args.save, args.target_tensor_parallel_size,
+                           args.target_pipeline_parallel_size, args.target_num_virtual_stages_per_pipeline_rank,
+                           args.target_make_vocab_size_divisible_by)
+    except CheckpointError as e:
+        print(f"reshard_checkpoint.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
