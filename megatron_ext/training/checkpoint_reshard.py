@@ -29,7 +29,7 @@ process group, and the source is never written to.
   change). Iteration, consumed samples and the LR schedule are kept.
 
 Each parameter is merged from the source files (memory-mapped) when a target position needs it, so memory holds one
-target position's state, not the model's.
+target position's state and one full parameter, not the model's state.
 """
 from __future__ import annotations
 
@@ -128,10 +128,11 @@ def merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tenso
 
 
 def split_tp(name: str, full: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
-    """TP rank ``rank``'s shard of ``full`` (inverse of :func:`merge_tp`)."""
+    """TP rank ``rank``'s shard of ``full`` (inverse of :func:`merge_tp`), in storage of its own (torch.save writes a
+    view's whole storage: a cut vocabulary's rows, another rank's slice)."""
     dim = tp_split_dim(name)
     if dim is None or tp == 1:
-        return full
+        return full.clone()
     if full.shape[dim] % (2 * tp if _gated(name, swiglu) else tp):
         raise CheckpointError(f"{name}: dim {dim} of shape {tuple(full.shape)} does not split over TP {tp}")
     if _gated(name, swiglu):
@@ -363,24 +364,17 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         model_plan = list(_target_keys(src.model_keys, target, src.tied))
         optim_plan = list(_target_keys(src.optim_keys, target, src.tied)) if src.has_optim else []
         header = src.optim_header() if src.has_optim else None
+
+        # Merged again for each TP rank rather than kept: memory holds one position's state, not a stage's.
+        def full_model(g: str) -> Any:
+            t = src.model_tensor(_tied_output(g, target, src.tied) or g)
+            return fit_vocab(g, t, True) if torch.is_tensor(t) else t
+
+        def full_optim(g: str) -> Dict[str, torch.Tensor]:
+            entry = src.optim_entry(_tied_output(g, target, src.tied) or g)
+            return {f: fit_vocab(g, v, f == "master") for f, v in entry.items()}
+
         for stage in range(target.pp):
-            cache: Dict[str, Any] = {}   # one stage's full tensors, shared by its TP ranks
-
-            def full_model(g: str) -> Any:
-                if g not in cache:
-                    emb = _tied_output(g, target, src.tied)
-                    t = src.model_tensor(emb or g)
-                    cache[g] = fit_vocab(g, t, True) if torch.is_tensor(t) else t
-                return cache[g]
-
-            def full_optim(g: str) -> Dict[str, torch.Tensor]:
-                k = "optim:" + g
-                if k not in cache:
-                    emb = _tied_output(g, target, src.tied)
-                    entry = src.optim_entry(emb or g)
-                    cache[k] = {f: fit_vocab(g, v, f == "master") for f, v in entry.items()}
-                return cache[k]
-
             for t in range(target.tp):
                 mp_dir = os.path.join(tmp, mp_dir_name(t, stage))
                 chunks: List[Dict[str, Any]] = [{} for _ in range(target.vp)]
@@ -401,7 +395,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                         shape = next(iter(shard.values())).shape
                         name = key if target.vp == 1 else f"{c}.{key}"
                         params[name] = {"shape": tuple(shape), "numel": shape.numel(),
-                                        **{f: v.reshape(-1).clone() for f, v in shard.items()}}
+                                        **{f: v.reshape(-1) for f, v in shard.items()}}
                     path = os.path.join(mp_dir, "optim.pt")
                     written[path] = _fsync_save({**copy.deepcopy(header), "params": params}, path)
                     del params

@@ -109,7 +109,7 @@ def test_tp_split_follows_the_layer_classes():
     assert torch.equal(split_tp("decoder.layers.0.self_attention.linear_proj.weight", full, 2, 1, False), full[:, 3:])
     for name in ("decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.0.input_layernorm.weight",
                  "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"):
-        assert split_tp(name, bias, 2, 1, False) is bias
+        assert torch.equal(split_tp(name, bias, 2, 1, False), bias)
     # column-parallel and vocab-parallel: dim 0, prefixes (Float16Module's "module.") allowed
     assert torch.equal(split_tp("module.output_layer.weight", full, 4, 3, False), full[6:])
     assert torch.equal(split_tp("module.embedding.word_embeddings.weight", full, 2, 0, False), full[:4])
