@@ -468,17 +468,19 @@ def verify_checksums(ckpt: str, rank: int = 0, world: int = 1) -> int:
     Returns the bytes read. Checkpoints saved before checksums (sizes only) are not checked."""
     with open(os.path.join(ckpt, "manifest.json")) as f:
         files = sorted(json.load(f).get("files", {}).items())
-    read = 0
-    for i, (rel, entry) in enumerate(files):
-        if i % world != rank or not isinstance(entry, dict) or "crc32" not in entry:
-            continue
-        p = os.path.join(ckpt, rel)
-        crc = file_crc32(p)
-        read += os.path.getsize(p)
-        if crc != entry["crc32"]:
-            raise CheckpointError(f"corrupt checkpoint file {p}: its CRC-32 is {crc:08x}, the manifest recorded "
-                                  f"{entry['crc32']:08x} when it was written (the file changed after the save)")
-    return read
+    return sum(_verify_file(ckpt, rel, entry) for i, (rel, entry) in enumerate(files) if i % world == rank)
+
+
+def _verify_file(ckpt: str, rel: str, entry: Any) -> int:
+    """Check one file's CRC-32 against its manifest entry; returns the bytes read (0: no checksum recorded)."""
+    if not isinstance(entry, dict) or "crc32" not in entry:
+        return 0
+    p = os.path.join(ckpt, rel)
+    crc = file_crc32(p)
+    if crc != entry["crc32"]:
+        raise CheckpointError(f"corrupt checkpoint file {p}: its CRC-32 is {crc:08x}, the manifest recorded "
+                              f"{entry['crc32']:08x} when it was written (the file changed after the save)")
+    return os.path.getsize(p)
 
 
 def _load(path: str, mmap: bool = False) -> Any:
@@ -600,9 +602,13 @@ def agree_on_checkpoint(ckpt: Optional[str]) -> None:
                                     "anything")
 
 
-def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
+def check_parallel_sizes(ckpt: str) -> Dict[str, Any]:
+    """``common.pt`` of ``ckpt`` (its checksum checked before it is unpickled), if it was saved at this run's TP
+    and PP sizes (else CheckpointError)."""
     from megatron.core import parallel_state as ps
 
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        _verify_file(ckpt, "common.pt", json.load(f).get("files", {}).get("common.pt"))
     common = _load(os.path.join(ckpt, "common.pt"))
     if not isinstance(common, dict) or common.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint")
@@ -613,6 +619,13 @@ def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
             f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
             "(only the data-parallel size may change on resume; tools/reshard_checkpoint.py rewrites a checkpoint "
             "for other TP/PP sizes)")
+    return common
+
+
+def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
+    from megatron.core import parallel_state as ps
+
+    common = check_parallel_sizes(ckpt)
     mp_dir = os.path.join(ckpt, mp_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()))
     model_state = _load(os.path.join(mp_dir, "model.pt"), mmap=True)
     optim_state = None

@@ -159,6 +159,10 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             from .auto_plan import check_ranks_agree
             check_ranks_agree(args)
             print_rank_0(args.auto_plan_summary)
+        # Which checkpoint to resume from, agreed by every rank before the data and the model are built (a wrong
+        # --load fails in seconds, not after building the datasets' indices); it is read and checked further below.
+        _notice_foreign_checkpoints(args)
+        ckpt = _agreed_checkpoint(args) if args.load else None
         tokenizer, (train_ds, valid_ds, test_ds) = _build_data(args)
         # --vocab-size stays what the user gave (NullTokenizer's ids before EOD, as in Megatron-LM).
         args.tokenizer_vocab_size = tokenizer.vocab_size
@@ -184,29 +188,23 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print_rank_0(f"> sharding plan: {model[0].plan.describe()}; {_backends_text(args)}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
-        _notice_foreign_checkpoints(args)
-        if args.load:
-            ckpt, error = None, None
-            try:
-                ckpt = _find_checkpoint_or_fail(args)
-            except (checkpointing.CheckpointError, OSError) as e:   # an unreadable directory is an error too
-                error = str(e)
-            checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
-            checkpointing.agree_on_checkpoint(ckpt)  # and all of them resume from the same one
-            if ckpt is not None and args.finetune:   # the weights only; everything else starts afresh
+        if ckpt is not None:
+            if args.finetune:   # the weights only; everything else starts afresh
                 common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=False, load_rng=False)
                 print_rank_0(f"> --finetune: loaded the weights of {ckpt} (iteration {common['iteration']}); "
                              "starting at iteration 0 with a fresh optimizer, schedule and data position")
-            elif ckpt is not None:
+            else:
                 common = checkpointing.load_checkpoint(ckpt, model, optimizer, scheduler, args=args,
                                                        load_optim=not args.no_load_optim,
                                                        load_rng=not args.no_load_rng)
                 iteration = common["iteration"]
                 consumed_train = common["consumed_train_samples"]
                 consumed_valid = common["consumed_valid_samples"]
-                print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} (saved at DP="
-                             f"{common['data_parallel_size']}, now DP={args.data_parallel_size})")
+                saved_at = (f"saved at DP={common['data_parallel_size']}" if common.get("data_parallel_size")
+                            else "resharded by tools/reshard_checkpoint.py")
+                print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} ({saved_at}, now "
+                             f"DP={args.data_parallel_size})")
                 if iteration >= args.train_iters:
                     print_rank_0(f"> the checkpoint is at iteration {iteration}, not below --train-iters "
                                  f"{args.train_iters}: no iteration to train (raise --train-iters to continue)")
@@ -293,6 +291,26 @@ def _notice_foreign_checkpoints(args: argparse.Namespace) -> None:
         print_rank_0(f"> notice: --save {args.save} already holds checkpoints (latest: {latest}) that this run does "
                      "not load; its saves go among them, and a save at an iteration they have replaces theirs "
                      "(--load the same directory to resume them instead)")
+
+
+def _agreed_checkpoint(args: argparse.Namespace) -> Optional[str]:
+    """Collective: ``--load``'s checkpoint as every rank sees it (or None), after each rank found it complete and
+    saved at this run's TP/PP sizes; any rank's failure is raised on every rank."""
+    from . import checkpointing
+
+    ckpt, error = None, None
+    try:
+        ckpt = _find_checkpoint_or_fail(args)
+        if ckpt is not None:
+            checkpointing.check_parallel_sizes(ckpt)
+    except checkpointing.CheckpointError as e:
+        error = str(e)
+    except OSError as e:   # an unreadable directory or file is an error too
+        error = (f"--load {args.load}: {type(e).__name__} while looking for the checkpoint and checking its "
+                 f"common.pt checksum: {e}")
+    checkpointing.agree_on_error(error)  # a rank that cannot see the checkpoint stops all of them
+    checkpointing.agree_on_checkpoint(ckpt)  # and all of them resume from the same one
+    return ckpt
 
 
 def _find_checkpoint_or_fail(args: argparse.Namespace):

@@ -305,23 +305,31 @@ def test_zero3_resumes_exactly(spawn, text_dataset, tiny_model_flags, tmp_path):
 
 
 def _load_with_io_error(argv):
+    """Rank 1 cannot read common.pt (checked before the model is built), then any other file (its share of the
+    checksums, while loading): each time every rank raises the same error."""
     import megatron_ext.training.checkpointing as ck
     from megatron_ext.training.pretrain_gpt import pretrain
 
-    if dist.get_rank() == 1:   # a rank-local I/O error while checking its share of the checksums
+    intact, errors = ck.file_crc32, []
+    for unreadable in (lambda path: path.endswith("common.pt"), lambda path: not path.endswith("common.pt")):
         def broken(path, chunk=1 << 22):
-            raise OSError(5, "Input/output error", path)
+            if dist.get_rank() == 1 and unreadable(path):
+                raise OSError(5, "Input/output error", path)
+            return intact(path, chunk)
         ck.file_crc32 = broken
-    try:
-        pretrain(argv)
-    except ck.CheckpointError as e:
-        return str(e)
-    return "no error"
+        try:
+            pretrain(argv)
+            errors.append("no error")
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+    ck.file_crc32 = intact
+    return errors
 
 
 def test_io_error_in_checksum_check_fails_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
     spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
-    errs = spawn(_load_with_io_error, 2, base + ["--load", ckpt], timeout=120)
-    assert all("OSError" in e and "checksums" in e for e in errs), errs
+    early, loading = zip(*spawn(_load_with_io_error, 2, base + ["--load", ckpt], timeout=120))
+    assert all("OSError while looking for the checkpoint" in e and "common.pt" in e for e in early), early
+    assert all("OSError while checking the checksums" in e for e in loading), loading
