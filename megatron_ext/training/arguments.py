@@ -27,9 +27,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
-    "--train-samples": "use --train-iters",
-    "--lr-decay-samples": "the schedule is given in iterations here: use --lr-decay-iters",
-    "--lr-warmup-samples": "the schedule is given in iterations here: use --lr-warmup-iters or --lr-warmup-fraction",
     "--rampup-batch-size": "batch-size ramp-up is not implemented: the global batch size is fixed "
                            "(--global-batch-size)",
     "--reset-attention-mask": "per-document attention masks are not implemented: attention is causal over the "
@@ -54,7 +51,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--fp8-format": "FP8 training is not implemented",
     "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
     "--use-legacy-models": "the models are megatron-core's (the legacy model code is not used)",
-    "--lr-wsd-decay-samples": "the schedule is given in iterations here: use --lr-wsd-decay-iters",
     "--apply-residual-connection-post-layernorm": "megatron-core 0.16's transformer layers do not implement it (the "
                                                   "TransformerConfig field is read nowhere)",
     "--recompute-modules": "selective recomputation here covers core attention only (--recompute-activations; "
@@ -398,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="iterations of WSD's decay phase")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="samples of WSD's decay phase (with --train-samples)")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default --train-samples")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warm up over this fraction of the decay (instead of --lr-warmup-iters)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
@@ -452,7 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(flag, action="store_true", default=None, help=f"accepted: {why}")
 
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="iterations to train (or --train-samples; the schedule flags then count the same unit)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train, as Megatron-LM: --train-samples // --global-batch-size iterations, with "
+                        "the schedule in samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples)")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100)
@@ -545,13 +549,14 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     check_auto_plan_flags(args, given)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                    ("--micro-batch-size", args.micro_batch_size), ("--train-iters", args.train_iters),
+                    ("--micro-batch-size", args.micro_batch_size),
                     ("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
                     ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length),
                     ("--log-interval", args.log_interval), ("--eval-interval", args.eval_interval),
                     ("--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by)):
         if v <= 0:
             _fail(f"{flag} must be positive, got {v}")
+    unit = _training_length_unit(args)
     if world_size % (tp * pp) != 0:
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
               f"--pipeline-model-parallel-size ({pp})")
@@ -612,6 +617,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    if unit == "samples":   # Megatron-LM's update_train_iters (no batch-size ramp-up)
+        if args.train_samples < args.global_batch_size:
+            _fail(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
+                  f"({args.global_batch_size}): no iteration to train")
+        args.train_iters = args.train_samples // args.global_batch_size
     if args.virtual_pipeline_model_parallel_size is not None:
         _check_interleaved_micro_batches(args, pp)
     elif pp > 1 and args.num_micro_batches < pp:
@@ -638,30 +648,32 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                 _fail(f"--{flag.replace('_', '-')} must be positive, got {v}")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
-    # Optimizer and schedule.
-    decay_default = args.lr_decay_iters is None
+    # Optimizer and schedule, in the training length's unit (iterations or samples).
+    total, decay, warmup, wsd = (f"train_{unit}", f"lr_decay_{unit}", f"lr_warmup_{unit}", f"lr_wsd_decay_{unit}")
+    flag = {k: "--" + k.replace("_", "-") for k in (total, decay, warmup, wsd)}
+    decay_default = getattr(args, decay) is None
     if decay_default:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_decay_iters <= 0:
-        _fail(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
-    if args.lr_warmup_iters < 0:
-        _fail(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+        setattr(args, decay, getattr(args, total))
+    if getattr(args, decay) <= 0:
+        _fail(f"{flag[decay]} must be positive, got {getattr(args, decay)}")
+    if getattr(args, warmup) < 0:
+        _fail(f"{flag[warmup]} must be >= 0, got {getattr(args, warmup)}")
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            _fail("--lr-warmup-fraction and --lr-warmup-iters conflict: choose one")
+        if getattr(args, warmup):
+            _fail(f"--lr-warmup-fraction and {flag[warmup]} conflict: choose one")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             _fail(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --lr-decay-iters "
-              f"({args.lr_decay_iters}{', by default --train-iters' if decay_default else ''})")
+    if getattr(args, warmup) >= getattr(args, decay):
+        _fail(f"{flag[warmup]} ({getattr(args, warmup)}) must be smaller than {flag[decay]} "
+              f"({getattr(args, decay)}{', by default ' + flag[total] if decay_default else ''})")
     if args.lr_decay_style == "WSD":
-        if args.lr_wsd_decay_iters is None:
-            _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (the iterations of its final decay)")
-        if not 0 < args.lr_wsd_decay_iters <= args.lr_decay_iters:
-            _fail(f"--lr-wsd-decay-iters ({args.lr_wsd_decay_iters}) must be in [1, --lr-decay-iters "
-                  f"({args.lr_decay_iters})]")
-    elif args.lr_wsd_decay_iters is not None:
-        _warn(f"--lr-wsd-decay-iters is ignored: --lr-decay-style is {args.lr_decay_style}, not WSD")
+        if getattr(args, wsd) is None:
+            _fail(f"--lr-decay-style WSD needs {flag[wsd]} (the {'iterations' if unit == 'iters' else unit} of its "
+                  "final decay)")
+        if not 0 < getattr(args, wsd) <= getattr(args, decay):
+            _fail(f"{flag[wsd]} ({getattr(args, wsd)}) must be in [1, {flag[decay]} ({getattr(args, decay)})]")
+    elif getattr(args, wsd) is not None:
+        _warn(f"{flag[wsd]} is ignored: --lr-decay-style is {args.lr_decay_style}, not WSD")
     if args.lr < 0 or args.min_lr < 0:
         _fail(f"--lr ({args.lr}) and --min-lr ({args.min_lr}) must be >= 0")
     if args.min_lr > args.lr:
@@ -1057,6 +1069,24 @@ def _stage_wiring_notice(args: argparse.Namespace, ladder, n_ladder: int) -> Opt
     return (f"> pipeline stages end after layer(s) {', '.join(map(str, inside))} inside the "
             f"{'Desync' if ladder.desync else 'Ladder'} layers: each stage {what}, so this network depends on "
             f"--pipeline-model-parallel-size {pp}; evaluate, fine-tune and serve it with the same stage layout")
+
+
+def _training_length_unit(args: argparse.Namespace) -> str:
+    """"iters" or "samples": Megatron-LM trains for --train-iters with the schedule in iterations, or for
+    --train-samples with it in samples, never a mix (its validate_args asserts; here each conflict is named)."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail("give --train-iters or --train-samples" if args.train_iters is None else
+              "--train-iters and --train-samples conflict: choose one")
+    unit, other = ("iters", "samples") if args.train_iters is not None else ("samples", "iters")
+    given = getattr(args, f"train_{unit}")
+    if given <= 0:
+        _fail(f"--train-{unit} must be positive, got {given}")
+    for name in ("lr_decay", "lr_wsd_decay", "lr_warmup"):
+        value = getattr(args, f"{name}_{other}")
+        if value is not None and not (name == "lr_warmup" and value == 0):
+            dash = name.replace("_", "-")
+            _fail(f"--{dash}-{other} counts {other}, but this run is given --train-{unit}: use --{dash}-{unit}")
+    return unit
 
 
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:

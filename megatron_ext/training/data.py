@@ -40,10 +40,12 @@ def ensure_dataset_helpers() -> None:
 
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_interval: int,
-                                 eval_iters: int) -> List[int]:
-    """Megatron-LM's sizing: enough samples for all training, all evaluations, and one final evaluation."""
+                                 eval_iters: int, train_samples: Optional[int] = None) -> List[int]:
+    """Megatron-LM's sizing: enough samples for all training (``--train-samples`` when given, as Megatron-LM builds
+    its dataset for them, which fixes the shuffle), all evaluations, and one final evaluation."""
     evals = (train_iters // eval_interval + 1) * eval_iters if eval_iters > 0 else 0
-    return [train_iters * global_batch_size, evals * global_batch_size, eval_iters * global_batch_size]
+    train = train_samples if train_samples is not None else train_iters * global_batch_size
+    return [train, evals * global_batch_size, eval_iters * global_batch_size]
 
 
 def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: int, tokenizer, num_samples: List[int],

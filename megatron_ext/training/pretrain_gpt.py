@@ -43,7 +43,7 @@ def _build_data(args: argparse.Namespace):
         args.data_notice = check_data_path(data_path, args.split, max(args.eval_iters, 0), what="the corpus")
     tokenizer = load_tokenizer(tok_type, **tok_kwargs)
     sizes = train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
-                                         args.eval_iters)
+                                         args.eval_iters, args.train_samples)
     datasets = build_datasets(data_path or [], args.split, args.seq_length, args.seed, tokenizer, sizes,
                               mock=args.mock_data, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
                               reset_position_ids=args.reset_position_ids)
@@ -52,15 +52,21 @@ def _build_data(args: argparse.Namespace):
 
 def scheduler_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """megatron-core ``OptimizerParamScheduler`` arguments from the flags, as Megatron-LM builds them: steps are
-    samples (a warmup fraction is of the decay's samples, unrounded)."""
-    decay_steps = args.lr_decay_iters * args.global_batch_size
-    warmup_steps = (args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None
-                    else args.lr_warmup_iters * args.global_batch_size)
-    wsd = ({"wsd_decay_steps": args.lr_wsd_decay_iters * args.global_batch_size,
-            "lr_wsd_decay_style": args.lr_wsd_decay_style} if args.lr_decay_style == "WSD" else {})
+    samples (the iteration flags times --global-batch-size, the sample flags as given; a warmup fraction is of the
+    decay's samples, unrounded)."""
+    if args.train_samples is not None:
+        decay_steps, warmup, wsd_steps, wd_steps = (args.lr_decay_samples, args.lr_warmup_samples,
+                                                    args.lr_wsd_decay_samples, args.train_samples)
+    else:
+        gbs = args.global_batch_size
+        decay_steps, warmup, wd_steps = args.lr_decay_iters * gbs, args.lr_warmup_iters * gbs, args.train_iters * gbs
+        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    warmup_steps = args.lr_warmup_fraction * decay_steps if args.lr_warmup_fraction is not None else warmup
+    wsd = ({"wsd_decay_steps": wsd_steps, "lr_wsd_decay_style": args.lr_wsd_decay_style}
+           if args.lr_decay_style == "WSD" else {})
     return dict(init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
                 lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-                end_wd=args.end_weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+                end_wd=args.end_weight_decay, wd_incr_steps=wd_steps,
                 wd_incr_style=args.weight_decay_incr_style,
                 use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
                 override_opt_param_scheduler=args.override_opt_param_scheduler, **wsd)
@@ -206,8 +212,11 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} ({saved_at}, now "
                              f"DP={args.data_parallel_size})")
                 if iteration >= args.train_iters:
-                    print_rank_0(f"> the checkpoint is at iteration {iteration}, not below --train-iters "
-                                 f"{args.train_iters}: no iteration to train (raise --train-iters to continue)")
+                    length = (f"--train-iters {args.train_iters}" if args.train_samples is None else
+                              f"{args.train_iters} iterations (--train-samples {args.train_samples})")
+                    print_rank_0(f"> the checkpoint is at iteration {iteration}, not below {length}: no iteration to "
+                                 f"train (raise --train-{'iters' if args.train_samples is None else 'samples'} to "
+                                 "continue)")
 
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 

@@ -379,7 +379,7 @@ def test_out_of_range_values_name_their_flag(capsys, argv, flag):
 
 
 def test_megatron_lm_flags_with_reasons_and_accepted_no_ops(capsys):
-    for flag, reason in (("--rampup-batch-size", "ramp-up"), ("--lr-warmup-samples", "--lr-warmup-fraction")):
+    for flag, reason in (("--rampup-batch-size", "ramp-up"), ("--reset-attention-mask", "causal")):
         err = _error(capsys, [flag, "1"], world_size=1)
         assert f"{flag} is a Megatron-LM flag that pretrain_gpt does not support" in err and reason in err, err
         assert "did you mean" not in err
@@ -572,6 +572,44 @@ def test_wsd_schedule_is_megatron_cores(capsys):
     assert lrs[6:] == pytest.approx([1e-5 + (1e-3 - 1e-5) * f for f in (0.75, 0.5, 0.25, 0.0)])
     parse_args(BASE + ["--lr-wsd-decay-iters", "4"], world_size=4)
     assert "--lr-wsd-decay-iters is ignored" in capsys.readouterr().err
+
+
+def test_sample_based_training_as_megatron_lm(capsys):
+    """--train-samples: --train-samples // --global-batch-size iterations, the data sized for the samples, and the
+    schedule in samples; a run that gives the same lengths in iterations gets the same scheduler, so the same LR
+    at every step. Iteration and sample flags never mix (Megatron-LM asserts; here the error names both)."""
+    from megatron_ext.training.data import train_valid_test_num_samples
+    from megatron_ext.training.pretrain_gpt import scheduler_kwargs
+
+    iters = BASE[:-2] + ["--global-batch-size", "8", "--lr-decay-style", "WSD", "--min-lr", "1e-5"]
+    by_iters = parse_args(iters + ["--train-iters", "12", "--lr-decay-iters", "10", "--lr-warmup-iters", "2",
+                                   "--lr-wsd-decay-iters", "4"], world_size=4)
+    by_samples = parse_args(iters + ["--train-samples", "96", "--lr-decay-samples", "80", "--lr-warmup-samples",
+                                     "16", "--lr-wsd-decay-samples", "32"], world_size=4)
+    assert by_samples.train_iters == 12 and scheduler_kwargs(by_samples) == scheduler_kwargs(by_iters)
+    odd = parse_args(BASE[:-2] + ["--global-batch-size", "8", "--train-samples", "100",
+                                  "--lr-warmup-fraction", "0.1"], world_size=4)
+    assert odd.train_iters == 12 and odd.lr_decay_samples == 100   # Megatron-LM: the decay defaults to all samples
+    kw = scheduler_kwargs(odd)
+    assert (kw["lr_decay_steps"], kw["lr_warmup_steps"], kw["wd_incr_steps"]) == (100, 10.0, 100)
+    assert train_valid_test_num_samples(12, 8, 1000, 0, train_samples=100)[0] == 100
+
+    def error(argv):
+        with pytest.raises(SystemExit):
+            parse_args(BASE[:-2] + ["--global-batch-size", "8"] + argv, world_size=4)
+        return capsys.readouterr().err
+
+    assert "give --train-iters or --train-samples" in error([])
+    assert "--train-iters and --train-samples conflict" in error(["--train-iters", "2", "--train-samples", "16"])
+    assert "--lr-decay-iters counts iters, but this run is given --train-samples: use --lr-decay-samples" in error(
+        ["--train-samples", "64", "--lr-decay-iters", "4"])
+    assert "--lr-warmup-samples counts samples, but this run is given --train-iters: use --lr-warmup-iters" in error(
+        ["--train-iters", "8", "--lr-warmup-samples", "8"])
+    assert "--train-samples (4) is less than one --global-batch-size (8)" in error(["--train-samples", "4"])
+    assert "--lr-warmup-samples (64) must be smaller than --lr-decay-samples (64, by default --train-samples)" in \
+        error(["--train-samples", "64", "--lr-warmup-samples", "64"])
+    assert "--lr-decay-style WSD needs --lr-wsd-decay-samples" in error(["--train-samples", "64", "--lr-decay-style",
+                                                                         "WSD"])
 
 
 def test_tokenizer_files_without_a_tokenizer_type_are_an_error(capsys):
