@@ -253,6 +253,15 @@ class OverlappedDistributedOptimizer:
                 c.main_grad_partition.mul_(coeff)
         return norm
 
+    def get_params_norm(self) -> float:
+        """L2 norm of the fp32 master weights, each element once (as the grad norm counts it): Megatron-LM's
+        ``calc_params_l2_norm`` over the main params, logged under --log-params-norm. Collective, like the grad norm."""
+        masters = [pc.master for pc in self.pieces if pc.counted and pc.master.numel() > 0]
+        sq = torch.zeros(1, dtype=torch.float64, device=self.grad_device)
+        if masters:
+            sq[0] = torch.stack(torch._foreach_norm(masters, 2.0)).double().pow(2).sum()
+        return math.sqrt(self._all_reduce(sq, dist.ReduceOp.SUM).item())
+
     def count_zeros(self) -> int:
         """Zeros in the gradient, each element counted once, as the norm counts it (TP duplicates and
         pipeline-shared copies once, as megatron-core's ``count_zeros_fp32``)."""

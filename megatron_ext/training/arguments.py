@@ -99,8 +99,6 @@ ACCEPTED_WITHOUT_EFFECT = {
     "--empty-unused-memory-level": (True, "the caching allocator is not emptied"),
     "--deterministic-mode": (False, "CPU runs are deterministic; on GPUs the default kernels run"),
     "--log-throughput": (False, "every log line shows throughput"),
-    "--log-params-norm": (False, "the parameter norm is not logged"),
-    "--log-num-zeros-in-grad": (False, "zeros in the gradient are not counted"),
     "--timing-log-level": (True, "timers are not logged"),
     "--tensorboard-log-interval": (True, "TensorBoard scalars are written every --log-interval"),
     "--tensorboard-queue-size": (True, "TensorBoard's default queue"),
@@ -460,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the fp32 master weights (Megatron-LM's 'params norm')")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log the zeros in the last step's gradient (Megatron-LM's 'num zeros')")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--tensorboard-dir", default=None,
                    help="the last rank writes each log line's values (lm loss, learning-rate, grad-norm, loss-scale, "

@@ -51,9 +51,11 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
                       tflops_per_rank: float, tokens_per_sec_per_rank: float, lr: float, global_batch_size: int,
                       lm_loss: Optional[float], loss_scale: float, grad_norm: Optional[float], skipped: int,
                       nan_iters: int, intra_bytes: float, inter_bytes: float, plan: Optional[str] = None,
-                      speculative: Optional[Tuple[int, int]] = None) -> str:
+                      speculative: Optional[Tuple[int, int]] = None, num_zeros: Optional[int] = None,
+                      params_norm: Optional[float] = None) -> str:
     """One Megatron-LM-style log line (values averaged over the log interval); ``speculative``: the interval's
-    speculative rounds (committed, rolled back) under --odo-speculative-step."""
+    speculative rounds (committed, rolled back) under --odo-speculative-step; ``num_zeros`` / ``params_norm``
+    under --log-num-zeros-in-grad / --log-params-norm, where Megatron-LM prints them."""
     ts = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
         f" [{ts}] iteration {iteration:8d}/{train_iters:8d}",
@@ -69,6 +71,10 @@ def format_train_line(*, iteration: int, train_iters: int, consumed_samples: int
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        parts.append(f"num zeros: {float(num_zeros):.1f}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan_iters:3d}"]
     if plan is not None:
         parts.append(f"sharding: {plan}")

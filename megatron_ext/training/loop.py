@@ -68,19 +68,21 @@ def _mean_lm_loss(losses: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tenso
 
 
 def train_step(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, scheduler,
-               data_iterator) -> Tuple[Optional[float], bool, Optional[float]]:
-    """One iteration; returns ``(lm loss or None, update applied, grad norm)``."""
+               data_iterator) -> Tuple[Optional[float], bool, Optional[float], Optional[int]]:
+    """One iteration; returns ``(lm loss or None, update applied, grad norm, zeros in the gradient)`` (the zeros
+    under --log-num-zeros-in-grad only)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=list(model),
                 num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm, num_zeros = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)
     loss = _mean_lm_loss(losses)
-    return (None if loss is None else loss.item()), bool(ok), (None if grad_norm is None else float(grad_norm))
+    return ((None if loss is None else loss.item()), bool(ok), (None if grad_norm is None else float(grad_norm)),
+            num_zeros)
 
 
 @torch.no_grad()
@@ -250,7 +252,7 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
     spec = getattr(model[0], "speculation", None)   # --odo-speculative-step (one chunk): rounds per log interval
     spec_seen = (spec.committed, spec.rolled_back) if spec is not None else None
     while iteration < args.train_iters:
-        loss, ok, grad_norm = train_step(args, fb, model, optimizer, scheduler, train_iter)
+        loss, ok, grad_norm, num_zeros = train_step(args, fb, model, optimizer, scheduler, train_iter)
         iteration += 1
         consumed_train_samples += args.global_batch_size
         stats.add(loss, ok, grad_norm)
@@ -264,6 +266,8 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
             lr = logged_lr(optimizer.param_groups)
             lm = stats.lm_loss
             scale = float(optimizer.get_loss_scale())
+            # Megatron-LM's optional fields: the last iteration's zeros, the weights' norm now (a collective)
+            params_norm = optimizer.get_params_norm() if args.log_params_norm else None
             rounds = None
             if spec is not None:
                 rounds = (spec.committed - spec_seen[0], spec.rolled_back - spec_seen[1])
@@ -274,12 +278,13 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
                 tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
                 global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
                 skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
-                plan=model[0].plan.short(), speculative=rounds))
+                plan=model[0].plan.short(), speculative=rounds, num_zeros=num_zeros, params_norm=params_norm))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
-                                   "loss-scale": scale, "iteration-time": elapsed,
+                                   "loss-scale": scale, "iteration-time": elapsed, "num-zeros": num_zeros,
+                                   "params-norm": params_norm,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
             logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "intra_bytes": intra,
-                                 "inter_bytes": inter}
+                                 "inter_bytes": inter, "num_zeros": num_zeros, "params_norm": params_norm}
             if memory is None and iteration - start_iteration > total_skipped:
                 # once, as Megatron-LM's report_memory (DP rank 0 of each TP/PP position), after an applied update
                 # (the optimizer's states exist from then on: fp16's first steps are skipped while the scale falls)

@@ -89,6 +89,7 @@ def _build_optimizer(args: argparse.Namespace, model):
                           apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                           sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                          log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                           params_dtype=args.params_dtype, use_distributed_optimizer=True, **fp16_kw)
     opt = mx.OverlappedDistributedOptimizer(cfg, model)
     sched = OptimizerParamScheduler(opt, **scheduler_kwargs(args))

@@ -56,7 +56,8 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
     base = tiny_model_flags + MODEL + _data_flags(text_dataset) + ["--global-batch-size", "8", "--train-iters", "4"]
     ckpt = str(tmp_path / "ckpt")
     ref = spawn(_runs, 4, [base + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                   "--save", ckpt, "--save-interval", "2"]], timeout=200)[-1][0]
+                                   "--save", ckpt, "--save-interval", "2", "--log-params-norm",
+                                   "--log-num-zeros-in-grad"]], timeout=200)[-1][0]
     with open(os.path.join(ckpt, TRACKER), "w") as f:
         f.write("2")
     flat, chunked, back = (str(tmp_path / n) for n in ("tp1pp1", "tp1pp2v2", "back"))
@@ -69,6 +70,11 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
     assert not os.path.exists(os.path.join(flat, "iter_0000002", "rng"))
     assert _reshard(ckpt, ckpt, 1, 1) == 1   # never into the source; a split through query groups is refused
     assert _reshard(ckpt, str(tmp_path / "tp4"), 4, 1) == 1 and not os.path.exists(tmp_path / "tp4" / TRACKER)
+    # --log-params-norm logged the norm of these weights (fp32: the masters), each element once across TP and PP
+    full = torch.load(os.path.join(flat, "iter_0000002", "mp_rank_00_000", "model.pt"), weights_only=False)
+    norm = sum(t.double().pow(2).sum() for t in full.values() if torch.is_tensor(t)).sqrt().item()
+    assert ref["log"][2]["params_norm"] == pytest.approx(norm, rel=1e-9), (ref["log"][2], norm)
+    assert isinstance(ref["log"][2]["num_zeros"], int)
     source, again = _tensors(os.path.join(ckpt, "iter_0000002")), _tensors(os.path.join(back, "iter_0000002"))
     assert source.keys() == again.keys() and any("output_layer.weight" in k for k in source)
     for k, t in source.items():

@@ -100,12 +100,13 @@ def test_log_line_averages_applied_iterations_only_and_shows_small_tflops():
                              global_batch_size=8, lm_loss=stats.lm_loss, loss_scale=1.0, grad_norm=2.5, skipped=2,
                              nan_iters=1, intra_bytes=0, inter_bytes=0)
     assert "(TFLOP/s/GPU): 0.000123 |" in line and "lm loss: 4.000000E+00" in line
-    assert "speculative" not in line
+    assert "speculative" not in line and "num zeros" not in line and "params norm" not in line
     spec = format_train_line(iteration=4, train_iters=10, consumed_samples=32, elapsed_ms=120.0, tflops_per_rank=1.0,
                              tokens_per_sec_per_rank=1000.0, lr=1e-3, global_batch_size=8, lm_loss=4.0,
                              loss_scale=1.0, grad_norm=2.5, skipped=0, nan_iters=0, intra_bytes=0, inter_bytes=0,
-                             speculative=(3, 1))
+                             speculative=(3, 1), num_zeros=7, params_norm=123.4567)
     assert "| speculative steps committed: 3/4 |" in spec
+    assert "| grad norm: 2.500 | num zeros: 7.0 | params norm: 123.457 |" in spec   # Megatron-LM's order and format
     mb = 1024 * 1024
     memory = format_memory_line(3, 10, {"parameters": 3 * mb, "hpz_secondary": 0, "gradients": mb // 2,
                                         "optimizer_states": 6 * mb}, {"allocated": 20 * mb})
