@@ -27,8 +27,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
-    "--rampup-batch-size": "batch-size ramp-up is not implemented: the global batch size is fixed "
-                           "(--global-batch-size)",
     "--reset-attention-mask": "per-document attention masks are not implemented: attention is causal over the "
                               "whole sequence",
     "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, averaged over micro-batches",
@@ -452,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=None,
                    help="iterations to train (or --train-samples; the schedule flags then count the same unit)")
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="with --train-samples: start at global batch START and raise it by INCREMENT, evenly over "
+                        "SAMPLES samples, up to --global-batch-size (Megatron-LM's ramp-up)")
     g.add_argument("--train-samples", type=int, default=None,
                    help="samples to train, as Megatron-LM: --train-samples // --global-batch-size iterations, with "
                         "the schedule in samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples)")
@@ -624,6 +625,13 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             _fail(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
                   f"({args.global_batch_size}): no iteration to train")
         args.train_iters = args.train_samples // args.global_batch_size
+    if args.rampup_batch_size is not None:
+        from .batch_size import rampup_problems, rampup_train_iters
+
+        problem = rampup_problems(args)
+        if problem:
+            _fail(f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: {problem}")
+        args.train_iters = rampup_train_iters(args)
     if args.virtual_pipeline_model_parallel_size is not None:
         _check_interleaved_micro_batches(args, pp)
     elif pp > 1 and args.num_micro_batches < pp:

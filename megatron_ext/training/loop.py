@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_ext.optimizer.param_groups import logged_lr
 
+from .batch_size import global_batch_size_at, rampup_calculator
 from .logging_utils import (TensorBoard, format_eval_line, format_memory_line, format_train_line,
                             num_floating_point_operations)
 
@@ -68,18 +69,20 @@ def _mean_lm_loss(losses: List[Dict[str, torch.Tensor]]) -> Optional[torch.Tenso
 
 
 def train_step(args: argparse.Namespace, fb: Callable, model: Sequence, optimizer, scheduler,
-               data_iterator) -> Tuple[Optional[float], bool, Optional[float], Optional[int]]:
-    """One iteration; returns ``(lm loss or None, update applied, grad norm, zeros in the gradient)`` (the zeros
-    under --log-num-zeros-in-grad only)."""
+               data_iterator, global_batch_size: int) -> Tuple[Optional[float], bool, Optional[float], Optional[int]]:
+    """One iteration of ``global_batch_size`` samples (below --global-batch-size during a ramp-up); returns ``(lm
+    loss or None, update applied, grad norm, zeros in the gradient)`` (the zeros under --log-num-zeros-in-grad
+    only)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = fb(forward_step_func=forward_step, data_iterator=data_iterator, model=list(model),
-                num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+                num_microbatches=global_batch_size // (args.micro_batch_size * args.data_parallel_size),
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length, forward_only=False)
     ok, grad_norm, num_zeros = optimizer.step()
     if ok:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=global_batch_size)
     loss = _mean_lm_loss(losses)
     return ((None if loss is None else loss.item()), bool(ok), (None if grad_norm is None else float(grad_norm)),
             num_zeros)
@@ -139,11 +142,14 @@ class IntervalStats:
         self.skipped = 0
         self.nan = 0
         self.grad_norm: Optional[float] = None
+        self.samples = 0
         self.t0 = time.perf_counter()
 
-    def add(self, loss: Optional[float], applied: bool, grad_norm: Optional[float]) -> None:
-        """One iteration: ``loss`` is None off the last pipeline stage; ``applied`` is False for a skipped step."""
+    def add(self, loss: Optional[float], applied: bool, grad_norm: Optional[float], samples: int = 0) -> None:
+        """One iteration of ``samples`` samples: ``loss`` is None off the last pipeline stage; ``applied`` is False
+        for a skipped step."""
         self.iters += 1
+        self.samples += samples
         if not applied:
             self.skipped += 1
         if loss is not None:
@@ -234,8 +240,7 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
 
     attach_to_schedules(model, optimizer)
     fb = get_forward_backward_func()
-    flops_per_iter = num_floating_point_operations(args, args.global_batch_size)
-    tokens_per_iter = args.global_batch_size * args.seq_length
+    ramp = rampup_calculator(args)   # None: every iteration takes --global-batch-size samples
 
     history: Dict[int, float] = {}
     evals: Dict[int, float] = {}
@@ -252,10 +257,11 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
     spec = getattr(model[0], "speculation", None)   # --odo-speculative-step (one chunk): rounds per log interval
     spec_seen = (spec.committed, spec.rolled_back) if spec is not None else None
     while iteration < args.train_iters:
-        loss, ok, grad_norm, num_zeros = train_step(args, fb, model, optimizer, scheduler, train_iter)
+        batch = global_batch_size_at(ramp, args, consumed_train_samples)
+        loss, ok, grad_norm, num_zeros = train_step(args, fb, model, optimizer, scheduler, train_iter, batch)
         iteration += 1
-        consumed_train_samples += args.global_batch_size
-        stats.add(loss, ok, grad_norm)
+        consumed_train_samples += batch
+        stats.add(loss, ok, grad_norm, samples=batch)
         total_skipped += 0 if ok else 1
         if loss is not None and math.isfinite(loss):
             history[iteration] = loss
@@ -274,16 +280,19 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
                 spec_seen = (spec.committed, spec.rolled_back)
             print_rank_last(format_train_line(
                 iteration=iteration, train_iters=args.train_iters, consumed_samples=consumed_train_samples,
-                elapsed_ms=elapsed * 1000, tflops_per_rank=flops_per_iter / (elapsed * args.world_size * 1e12),
-                tokens_per_sec_per_rank=tokens_per_iter / (elapsed * args.world_size), lr=lr,
-                global_batch_size=args.global_batch_size, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
+                elapsed_ms=elapsed * 1000,
+                tflops_per_rank=num_floating_point_operations(args, stats.samples / stats.iters) / (
+                    elapsed * args.world_size * 1e12),
+                tokens_per_sec_per_rank=stats.samples / stats.iters * args.seq_length / (elapsed * args.world_size),
+                lr=lr, global_batch_size=batch, lm_loss=lm, loss_scale=scale, grad_norm=stats.grad_norm,
                 skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
                 plan=model[0].plan.short(), speculative=rounds, num_zeros=num_zeros, params_norm=params_norm))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
                                    "loss-scale": scale, "iteration-time": elapsed, "num-zeros": num_zeros,
                                    "params-norm": params_norm,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
-            logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "intra_bytes": intra,
+            logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "global_batch_size": batch,
+                                 "intra_bytes": intra,
                                  "inter_bytes": inter, "num_zeros": num_zeros, "params_norm": params_norm}
             if memory is None and iteration - start_iteration > total_skipped:
                 # once, as Megatron-LM's report_memory (DP rank 0 of each TP/PP position), after an applied update

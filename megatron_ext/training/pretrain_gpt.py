@@ -191,7 +191,9 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print_rank_0(f"> GPT stage 0: {n_params / 1e6:.2f}M parameters{chunks} on rank 0 (TP="
                      f"{args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} DP="
                      f"{args.data_parallel_size}), vocab {args.tokenizer_vocab_size} padded to "
-                     f"{args.padded_vocab_size}, {args.num_micro_batches} micro-batches per step")
+                     f"{args.padded_vocab_size}, {args.num_micro_batches} micro-batches per step"
+                     + (f" (ramped up from global batch {args.rampup_batch_size[0]} over "
+                        f"{args.rampup_batch_size[2]} samples)" if args.rampup_batch_size else ""))
         print_rank_0(f"> sharding plan: {model[0].plan.describe()}; {_backends_text(args)}")
 
         iteration, consumed_train, consumed_valid = 0, 0, 0
