@@ -14,8 +14,9 @@ process group, and the source is never written to.
   it.
 * Tensor: the layer classes fix the split. Column-parallel weights and biases (``linear_qkv``, ``linear_fc1``,
   ``output_layer``) and the vocab-parallel embedding are split along dim 0, row-parallel weights (``linear_proj``,
-  ``linear_fc2``) along dim 1; everything else (norms, row-parallel biases, position embeddings) is replicated and
-  taken from TP rank 0. A fused SwiGLU ``linear_fc1`` holds ``[gate; up]`` per TP rank, so each half is split on its
+  ``linear_fc2``) along dim 1; everything else (norms, row-parallel biases, position embeddings) is replicated:
+  at the same TP size each rank keeps its own copy, and when the TP size changes the copies must be equal (checked:
+  an unknown split, or a Desynced Residual model's per-rank norms, is refused by name). A fused SwiGLU ``linear_fc1`` holds ``[gate; up]`` per TP rank, so each half is split on its
   own. The fused QKV weight needs nothing special: each TP rank holds whole query groups in order.
 * Vocabulary: the embedding and output layer are padded to a multiple of ``--make-vocab-size-divisible-by`` x TP,
   and padded logits take part in the softmax (this tool measured 6.16 against 6.42 at the same step when a TP 2 -> 1
@@ -41,8 +42,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (CheckpointError, _fsync_save, _load, chunk_states, find_checkpoint, iter_dir_name,
-                            mp_dir_name, publish_checkpoint, remove_stale, verify_checksums, write_manifest)
+from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, chunk_states, find_checkpoint,
+                            iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale, verify_checksums,
+                            write_manifest)
 from .model import padded_vocab_size
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
@@ -116,9 +118,15 @@ def _gated(name: str, swiglu: bool) -> bool:
 
 
 def merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """The full tensor of ``name`` from its TP shards (in TP rank order)."""
+    """The full tensor of ``name`` from its TP shards (in TP rank order). A replicated tensor's copies must be equal:
+    one that differs is a split this tool does not know, or a Desynced Residual model's per-rank norms (whose TP
+    size then cannot change)."""
     dim = tp_split_dim(name)
     if dim is None or len(shards) == 1:
+        if any(not torch.equal(shards[0], s) for s in shards[1:]):
+            raise CheckpointError(f"{name}: its copies on the {len(shards)} TP ranks differ, so it cannot be merged "
+                                  "as a replicated tensor (a tensor-parallel parameter this tool does not know, or a "
+                                  "Desynced Residual model's per-rank norms): keep the checkpoint's TP size")
         return shards[0]
     if _gated(name, swiglu):
         halves = [s.chunk(2, dim=dim) for s in shards]
@@ -209,15 +217,22 @@ class _Source:
             return stage, chunk, g
         return stage, chunk, f"{m.group(1)}{int(m.group(2)) - self.layout.offset(stage, chunk)}{m.group(3)}"
 
-    def model_tensor(self, g: str) -> Any:
+    def _full(self, g: str, shards: List[torch.Tensor], tp_rank: Optional[int]) -> torch.Tensor:
+        """TP-merged; a replicated tensor as TP rank ``tp_rank`` holds it when the TP size stays (rank copies may
+        legitimately differ: Desynced Residual)."""
+        if tp_rank is not None and tp_split_dim(g) is None:
+            return shards[tp_rank]
+        return merge_tp(g, shards, self.swiglu)
+
+    def model_tensor(self, g: str, tp_rank: Optional[int] = None) -> Any:
         """The full (TP-merged) model tensor of global key ``g`` (or the non-tensor entry, e.g. ``_extra_state``)."""
         stage, chunk, key = self._local(g, self.model_keys[g])
         shards = [self.model(t, stage)[chunk][key] for t in range(self.layout.tp)]
         if not torch.is_tensor(shards[0]):
             return shards[0]
-        return merge_tp(g, shards, self.swiglu)
+        return self._full(g, shards, tp_rank)
 
-    def optim_entry(self, g: str) -> Dict[str, Any]:
+    def optim_entry(self, g: str, tp_rank: Optional[int] = None) -> Dict[str, Any]:
         """Global key ``g``'s optimizer entry with each state tensor full and in the parameter's shape."""
         stage, chunk, key = self._local(g, self.optim_keys[g])
         name = key if self.layout.vp == 1 else f"{chunk}.{key}"
@@ -226,7 +241,7 @@ class _Source:
         for field, value in entries[0].items():
             if torch.is_tensor(value):
                 shape = tuple(entries[0]["shape"])
-                out[field] = merge_tp(g, [e[field].reshape(shape) for e in entries], self.swiglu)
+                out[field] = self._full(g, [e[field].reshape(shape) for e in entries], tp_rank)
         return out
 
     def optim_header(self) -> Dict[str, Any]:
@@ -236,7 +251,8 @@ class _Source:
         seen = set()
         for stage in range(self.layout.pp):
             for g in self.optim(0, stage)["param_groups"]:
-                key = repr(g.get("overrides"))
+                # (groups saved before they carried their overrides are told apart as the loader matches them)
+                key = repr(g["overrides"] if "overrides" in g else (g.get("wd_mult"), g.get("lr_mult")))
                 if key not in seen:
                     seen.add(key)
                     groups.append(g)
@@ -325,9 +341,13 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     ckpt = find_checkpoint(load_dir)
     if ckpt is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")
-    if os.path.realpath(save_dir) == os.path.realpath(load_dir):
-        raise CheckpointError(f"--save {save_dir} is the --load directory: write the resharded checkpoint elsewhere "
-                              "(the source stays untouched)")
+    src_dir, dst_dir = os.path.realpath(load_dir), os.path.realpath(save_dir)
+    if os.path.commonpath([src_dir, dst_dir]) == src_dir:
+        raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the resharded "
+                              "checkpoint elsewhere (the source stays untouched)")
+    if os.path.isdir(save_dir) and any(n == TRACKER or n.startswith("iter_") for n in os.listdir(save_dir)):
+        raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory (publishing "
+                              "there would move its tracker and could replace a checkpoint of the same iteration)")
     verify_checksums(ckpt)
     common = _load(os.path.join(ckpt, "common.pt"))
     if not isinstance(common, dict) or not str(common.get("format", "")).startswith("megatron_ext.pretrain_gpt/"):
@@ -337,7 +357,10 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     try:
         target = Layout(args["num_layers"], tp, pp, vp or src.layout.vp)
     except ValueError as e:
-        raise CheckpointError(f"target layout: {e}") from None
+        hint = (f" (the checkpoint has {src.layout.vp} model chunks per stage: pass "
+                "--target-num-virtual-stages-per-pipeline-rank for the target)" if vp is None and src.layout.vp > 1
+                else "")
+        raise CheckpointError(f"target layout: {e}{hint}") from None
     problems = tp_problems(args, tp)
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} does not fit this model: " + "; ".join(problems))
@@ -366,12 +389,14 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         header = src.optim_header() if src.has_optim else None
 
         # Merged again for each TP rank rather than kept: memory holds one position's state, not a stage's.
-        def full_model(g: str) -> Any:
-            t = src.model_tensor(_tied_output(g, target, src.tied) or g)
-            return fit_vocab(g, t, True) if torch.is_tensor(t) else t
+        same_tp = tp == src.layout.tp
 
-        def full_optim(g: str) -> Dict[str, torch.Tensor]:
-            entry = src.optim_entry(_tied_output(g, target, src.tied) or g)
+        def full_model(g: str, t: int) -> Any:
+            v = src.model_tensor(_tied_output(g, target, src.tied) or g, t if same_tp else None)
+            return fit_vocab(g, v, True) if torch.is_tensor(v) else v
+
+        def full_optim(g: str, t: int) -> Dict[str, torch.Tensor]:
+            entry = src.optim_entry(_tied_output(g, target, src.tied) or g, t if same_tp else None)
             return {f: fit_vocab(g, v, f == "master") for f, v in entry.items()}
 
         for stage in range(target.pp):
@@ -380,7 +405,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                 chunks: List[Dict[str, Any]] = [{} for _ in range(target.vp)]
                 for s, c, key, g in model_plan:
                     if s == stage:
-                        v = full_model(g)
+                        v = full_model(g, t)
                         chunks[c][key] = split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
                 model = chunks[0] if target.vp == 1 else {f"model{i}": st for i, st in enumerate(chunks)}
                 path = os.path.join(mp_dir, "model.pt")
@@ -391,7 +416,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                     for s, c, key, g in optim_plan:
                         if s != stage:
                             continue
-                        shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g).items()}
+                        shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g, t).items()}
                         shape = next(iter(shard.values())).shape
                         name = key if target.vp == 1 else f"{c}.{key}"
                         params[name] = {"shape": tuple(shape), "numel": shape.numel(),
@@ -408,7 +433,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         if new_rows is not None:
             new_args.update(padded_vocab_size=new_rows, make_vocab_size_divisible_by=divisible_by)
         new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
-                          data_parallel_size=None, args=new_args, resharded_from=ckpt)
+                          data_parallel_size=None, args=new_args, resharded_from=os.path.realpath(ckpt))
         path = os.path.join(tmp, "common.pt")
         written[path] = _fsync_save(new_common, path)
         write_manifest(tmp, iteration, {os.path.relpath(p, tmp): {"size": os.path.getsize(p), "crc32": crc}

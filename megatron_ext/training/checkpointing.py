@@ -602,9 +602,9 @@ def agree_on_checkpoint(ckpt: Optional[str]) -> None:
                                     "anything")
 
 
-def check_parallel_sizes(ckpt: str) -> Dict[str, Any]:
+def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None) -> Dict[str, Any]:
     """``common.pt`` of ``ckpt`` (its checksum checked before it is unpickled), if it was saved at this run's TP
-    and PP sizes (else CheckpointError)."""
+    and PP sizes and, when given, ``chunks`` model chunks per stage (else CheckpointError)."""
     from megatron.core import parallel_state as ps
 
     with open(os.path.join(ckpt, "manifest.json")) as f:
@@ -619,6 +619,13 @@ def check_parallel_sizes(ckpt: str) -> Dict[str, Any]:
             f"--pipeline-model-parallel-size {common['pipeline_model_parallel_size']}; this run uses {tp} and {pp} "
             "(only the data-parallel size may change on resume; tools/reshard_checkpoint.py rewrites a checkpoint "
             "for other TP/PP sizes)")
+    saved_args = common.get("args") or {}
+    saved_chunks = saved_args.get("virtual_pipeline_model_parallel_size") or 1
+    if chunks is not None and "virtual_pipeline_model_parallel_size" in saved_args and saved_chunks != chunks:
+        raise CheckpointError(
+            f"{ckpt} does not fit this run: the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank "
+            f"or --num-layers-per-virtual-pipeline-stage): checkpoint {saved_chunks}, this run {chunks} "
+            "(tools/reshard_checkpoint.py --target-num-virtual-stages-per-pipeline-rank rewrites it)")
     return common
 
 

@@ -314,7 +314,7 @@ def _agreed_checkpoint(args: argparse.Namespace) -> Optional[str]:
     try:
         ckpt = _find_checkpoint_or_fail(args)
         if ckpt is not None:
-            checkpointing.check_parallel_sizes(ckpt)
+            checkpointing.check_parallel_sizes(ckpt, args.virtual_pipeline_model_parallel_size or 1)
     except checkpointing.CheckpointError as e:
         error = str(e)
     except OSError as e:   # an unreadable directory or file is an error too

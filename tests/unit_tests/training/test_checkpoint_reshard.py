@@ -12,7 +12,7 @@ from megatron_ext.training.checkpoint_reshard import (Layout, global_key, local_
 from megatron_ext.training.checkpointing import CheckpointError, TRACKER, verify_checksums
 
 from .conftest import REPO
-from .test_checkpoint_resume import _runs
+from .test_checkpoint_resume import _load_error, _runs
 from .test_pretrain_gpt import _data_flags
 
 # The shapes a TP split must respect (fused SwiGLU, grouped-query attention) and the tied embedding that PP > 1 keeps
@@ -47,7 +47,11 @@ def _tensors(ckpt):
     return out
 
 
-def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_model_flags, tmp_path):
+def _resumes_then_refusal(argvs, refused):
+    return _runs(argvs), _load_error(refused)
+
+
+def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_model_flags, tmp_path, capsys):
     """Saved at TP 2 x PP 2 (DP 1), iteration 2 of 4; resharded to TP 1 x PP 1 (resumed at DP 2) and to TP 1 x PP 2
     with two chunks per stage: iterations 3 and 4 give the straight run's losses within fp32 rounding. TP changes
     the order of the row-parallel sums, so bits may differ; 1e-5 relative is 100x the gap measured (1e-7), and a
@@ -68,8 +72,15 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
         assert open(os.path.join(out, TRACKER)).read() == "2"
         assert verify_checksums(os.path.join(out, "iter_0000002")) > 0
     assert not os.path.exists(os.path.join(flat, "iter_0000002", "rng"))
-    assert _reshard(ckpt, ckpt, 1, 1) == 1   # never into the source; a split through query groups is refused
-    assert _reshard(ckpt, str(tmp_path / "tp4"), 4, 1) == 1 and not os.path.exists(tmp_path / "tp4" / TRACKER)
+    capsys.readouterr()
+    # never into (or inside) the source, nor among other checkpoints; a split through query groups is refused
+    for dst, tp, pp in ((ckpt, 1, 1), (os.path.join(ckpt, "inside"), 1, 1), (flat, 1, 1), (str(tmp_path / "tp4"), 4, 1)):
+        assert _reshard(ckpt, dst, tp, pp) == 1 and not os.path.exists(os.path.join(ckpt, "inside"))
+    err = capsys.readouterr().err
+    assert "is the --load directory or inside it" in err and "already holds checkpoints" in err, err
+    assert "query groups (--num-query-groups) 2 is not divisible by it" in err and not os.path.exists(tmp_path / "tp4")
+    assert _reshard(chunked, str(tmp_path / "pp1"), 1, 1) == 1   # two chunks per stage need PP >= 2: the flag named
+    assert "pass --target-num-virtual-stages-per-pipeline-rank" in capsys.readouterr().err
     # --log-params-norm logged the norm of these weights (fp32: the masters), each element once across TP and PP
     full = torch.load(os.path.join(flat, "iter_0000002", "mp_rank_00_000", "model.pt"), weights_only=False)
     norm = sum(t.double().pow(2).sum() for t in full.values() if torch.is_tensor(t)).sqrt().item()
@@ -80,9 +91,11 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
     for k, t in source.items():
         assert t.dtype == again[k].dtype and torch.equal(t, again[k]), k
 
-    flat_run, chunked_run = spawn(_runs, 2, [base + ["--load", flat], base + [
+    (flat_run, chunked_run), refusal = spawn(_resumes_then_refusal, 2, [base + ["--load", flat], base + [
         "--load", chunked, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]],
-        timeout=200)[-1]
+        base + ["--load", ckpt], timeout=200)[-1]
+    assert ("was saved with --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2; this run uses 1 and 1"
+            in refusal and "tools/reshard_checkpoint.py" in refusal), refusal
     for run in (flat_run, chunked_run):
         assert sorted(run["losses"]) == [3, 4]
         for i in (3, 4):
@@ -119,6 +132,8 @@ def test_tp_split_follows_the_layer_classes():
     # column-parallel and vocab-parallel: dim 0, prefixes (Float16Module's "module.") allowed
     assert torch.equal(split_tp("module.output_layer.weight", full, 4, 3, False), full[6:])
     assert torch.equal(split_tp("module.embedding.word_embeddings.weight", full, 2, 0, False), full[:4])
+    with pytest.raises(CheckpointError, match="its copies on the 2 TP ranks differ"):   # not replicated after all
+        merge_tp("decoder.layers.0.mlp.linear_fc3.weight", [full, full + 1], swiglu=False)
     with pytest.raises(CheckpointError, match="does not split over TP 3"):
         split_tp("decoder.layers.0.self_attention.linear_qkv.weight", full, 3, 0, False)
 
