@@ -15,9 +15,10 @@ process group, and the source is never written to.
 * Tensor: the layer classes fix the split. Column-parallel weights and biases (``linear_qkv``, ``linear_fc1``,
   ``output_layer``) and the vocab-parallel embedding are split along dim 0, row-parallel weights (``linear_proj``,
   ``linear_fc2``) along dim 1; everything else (norms, row-parallel biases, position embeddings) is replicated:
-  at the same TP size each rank keeps its own copy, and when the TP size changes the copies must be equal (checked:
-  an unknown split, or a Desynced Residual model's per-rank norms, is refused by name). A fused SwiGLU ``linear_fc1`` holds ``[gate; up]`` per TP rank, so each half is split on its
-  own. The fused QKV weight needs nothing special: each TP rank holds whole query groups in order.
+  at the same TP size each rank keeps its own copy, and when the TP size changes the copies must be equal (checked,
+  so that a tensor-parallel parameter these rules do not know is refused by name). A fused SwiGLU
+  ``linear_fc1`` holds ``[gate; up]`` per TP rank, so each half is split on its own. The fused QKV weight needs
+  nothing special: each TP rank holds whole query groups in order.
 * Vocabulary: the embedding and output layer are padded to a multiple of ``--make-vocab-size-divisible-by`` x TP,
   and padded logits take part in the softmax (this tool measured 6.16 against 6.42 at the same step when a TP 2 -> 1
   conversion of a young model cut 200 of 800 rows). So the padded size is kept wherever the new TP divides it, and
@@ -119,14 +120,13 @@ def _gated(name: str, swiglu: bool) -> bool:
 
 def merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
     """The full tensor of ``name`` from its TP shards (in TP rank order). A replicated tensor's copies must be equal:
-    one that differs is a split this tool does not know, or a Desynced Residual model's per-rank norms (whose TP
-    size then cannot change)."""
+    one that differs is a tensor-parallel split these rules do not know."""
     dim = tp_split_dim(name)
     if dim is None or len(shards) == 1:
         if any(not torch.equal(shards[0], s) for s in shards[1:]):
-            raise CheckpointError(f"{name}: its copies on the {len(shards)} TP ranks differ, so it cannot be merged "
-                                  "as a replicated tensor (a tensor-parallel parameter this tool does not know, or a "
-                                  "Desynced Residual model's per-rank norms): keep the checkpoint's TP size")
+            raise CheckpointError(f"{name}: its copies on the {len(shards)} TP ranks differ, so it is not the replicated "
+                                  "tensor the reshard rules take it for (a tensor-parallel parameter they do not "
+                                  "know): keep the checkpoint's TP size")
         return shards[0]
     if _gated(name, swiglu):
         halves = [s.chunk(2, dim=dim) for s in shards]
@@ -218,8 +218,8 @@ class _Source:
         return stage, chunk, f"{m.group(1)}{int(m.group(2)) - self.layout.offset(stage, chunk)}{m.group(3)}"
 
     def _full(self, g: str, shards: List[torch.Tensor], tp_rank: Optional[int]) -> torch.Tensor:
-        """TP-merged; a replicated tensor as TP rank ``tp_rank`` holds it when the TP size stays (rank copies may
-        legitimately differ: Desynced Residual)."""
+        """TP-merged; a replicated tensor as TP rank ``tp_rank`` holds it when the TP size stays (each rank's own
+        copy: nothing is assumed equal that need not be)."""
         if tp_rank is not None and tp_split_dim(g) is None:
             return shards[tp_rank]
         return merge_tp(g, shards, self.swiglu)

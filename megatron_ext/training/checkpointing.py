@@ -623,8 +623,9 @@ def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None) -> Dict[str, A
     saved_chunks = saved_args.get("virtual_pipeline_model_parallel_size") or 1
     if chunks is not None and "virtual_pipeline_model_parallel_size" in saved_args and saved_chunks != chunks:
         raise CheckpointError(
-            f"{ckpt} does not fit this run: the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank "
-            f"or --num-layers-per-virtual-pipeline-stage): checkpoint {saved_chunks}, this run {chunks} "
+            f"{ckpt} does not fit this run: the model chunks per pipeline stage "
+            f"(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage): checkpoint "
+            f"{saved_chunks}, this run {chunks} "
             "(tools/reshard_checkpoint.py --target-num-virtual-stages-per-pipeline-rank rewrites it)")
     return common
 

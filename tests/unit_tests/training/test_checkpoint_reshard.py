@@ -74,7 +74,8 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
     assert not os.path.exists(os.path.join(flat, "iter_0000002", "rng"))
     capsys.readouterr()
     # never into (or inside) the source, nor among other checkpoints; a split through query groups is refused
-    for dst, tp, pp in ((ckpt, 1, 1), (os.path.join(ckpt, "inside"), 1, 1), (flat, 1, 1), (str(tmp_path / "tp4"), 4, 1)):
+    for dst, tp, pp in ((ckpt, 1, 1), (os.path.join(ckpt, "inside"), 1, 1), (flat, 1, 1),
+                        (str(tmp_path / "tp4"), 4, 1)):
         assert _reshard(ckpt, dst, tp, pp) == 1 and not os.path.exists(os.path.join(ckpt, "inside"))
     err = capsys.readouterr().err
     assert "is the --load directory or inside it" in err and "already holds checkpoints" in err, err
@@ -109,7 +110,8 @@ def test_layouts_map_layers_both_ways():
         (stage, chunk), local = local_key(f"decoder.layers.{layer}.mlp.linear_fc1.weight", lay)
         assert global_key(local, lay, stage, chunk) == f"decoder.layers.{layer}.mlp.linear_fc1.weight"
     assert local_key("embedding.word_embeddings.weight", lay) == (None, "embedding.word_embeddings.weight")
-    assert lay.holds(0, 0, "embedding.word_embeddings.weight") and not lay.holds(0, 1, "embedding.word_embeddings.weight")
+    emb = "embedding.word_embeddings.weight"
+    assert lay.holds(0, 0, emb) and not lay.holds(0, 1, emb)
     assert lay.holds(1, 1, "output_layer.weight") and not lay.holds(1, 0, "decoder.final_layernorm.weight")
     with pytest.raises(ValueError, match="not divisible by PP 3"):
         Layout(8, tp=1, pp=3, vp=1)
