@@ -32,11 +32,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, averaged over micro-batches",
     "--fp16-lm-cross-entropy": "the cross entropy is computed in fp32",
     "--distribute-saved-activations": "not implemented",
-    "--train-data-path": "per-split data paths are not implemented: use --data-path with --split",
-    "--valid-data-path": "per-split data paths are not implemented: use --data-path with --split",
-    "--test-data-path": "per-split data paths are not implemented: use --data-path with --split",
     "--data-args-path": "use --data-path",
-    "--per-split-data-args-path": "use --data-path with --split",
+    "--per-split-data-args-path": "give the paths as --train-data-path / --valid-data-path / --test-data-path",
     "--vocab-extra-ids": "a T5 option; GPT tokenizers here add no extra ids",
     "--use-checkpoint-args": "give the model flags on the command line: --load checks them against the checkpoint "
                              "and names any that differ",
@@ -482,6 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="indexed dataset prefix(es), optionally weighted: 'w1 p1 w2 p2'; default: the cached "
                    "standard-library corpus")
     g.add_argument("--split", default="969,30,1")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="+", default=None,
+                       help=f"the {split} split's own prefix(es), optionally weighted (Megatron-LM's per-split data; "
+                            "instead of --data-path and --split)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true",
@@ -724,15 +725,25 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     _validate_later_features(args)
 
     # Data and tokenizer.
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if any(per_split):
+        if args.data_path or args.mock_data:
+            _fail(f"{'--data-path' if args.data_path else '--mock-data'} conflicts with --train-data-path / "
+                  "--valid-data-path / --test-data-path: give one blend split by --split, or one per split")
+        if not args.train_data_path:
+            _fail("--valid-data-path / --test-data-path need --train-data-path (the data to train on)")
+        if "split" in set(given or ()):
+            _warn(f"--split {args.split} is ignored: with --train-data-path each split reads its own files whole")
+    data = args.data_path or args.train_data_path
     if args.mock_data and args.data_path:
         _fail("--mock-data conflicts with --data-path")
     if args.mock_data and args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer"
         args.vocab_size = args.vocab_size or 1024
-    if args.data_path and args.tokenizer_type is None:
-        _fail("--data-path needs --tokenizer-type (the tokenizer the data was preprocessed with)"
-              + _tokenizer_hint(args.data_path))
-    if not args.data_path and not args.mock_data and args.tokenizer_type is not None:
+    if data and args.tokenizer_type is None:
+        _fail(f"{'--data-path' if args.data_path else '--train-data-path'} needs --tokenizer-type (the tokenizer the "
+              "data was preprocessed with)" + _tokenizer_hint(data))
+    if not data and not args.mock_data and args.tokenizer_type is not None:
         _fail("--tokenizer-type without --data-path: the default corpus brings its own tokenizer")
     unused = [f for f, v in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
                              ("--tokenizer-model", args.tokenizer_model)) if v is not None]
@@ -746,7 +757,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _warn(f"--vocab-size {args.vocab_size} is ignored: only --tokenizer-type NullTokenizer reads it; "
               f"the vocabulary size comes from the tokenizer ({args.tokenizer_type or 'the default corpus'})")
     try:
-        from .data import check_data_path, parse_split
+        from .data import check_data_path, check_per_split_paths, parse_split
 
         parse_split(args.split)
     except ValueError as e:
@@ -759,13 +770,15 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                            merge_file=args.merge_file)
         except (ValueError, OSError) as e:
             _fail(str(e))
-    if args.data_path and not args.mock_data:   # the files and splits now, not after the process group started
+    if data and not args.mock_data:   # the files and splits now, not after the process group started
         try:
-            args.data_notice = check_data_path(args.data_path, args.split, max(args.eval_iters, 0))
+            args.data_notice = (check_data_path(args.data_path, args.split, max(args.eval_iters, 0)) if args.data_path
+                                else check_per_split_paths(per_split, max(args.eval_iters, 0)))
         except (ValueError, OSError) as e:
             _fail(str(e))
         except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx
-            _fail(f"--data-path {' '.join(map(str, args.data_path))}: an index file is not a megatron-core .idx ({e})")
+            _fail(f"{'--data-path' if args.data_path else 'a per-split data path'} "
+                  f"{' '.join(map(str, data))}: an index file is not a megatron-core .idx ({e})")
 
     # Evaluation and exit.
     if args.eval_iters < 0:

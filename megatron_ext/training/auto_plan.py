@@ -153,7 +153,7 @@ def tokenizer_vocab_size(args: argparse.Namespace) -> int:
     from .corpus import DEFAULT_VOCAB_SIZE
     from .tokenizer import load_tokenizer
 
-    if not args.data_path and not args.mock_data:
+    if not (args.data_path or args.train_data_path) and not args.mock_data:
         return DEFAULT_VOCAB_SIZE
     try:
         return load_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,

@@ -50,21 +50,28 @@ def train_valid_test_num_samples(train_iters: int, global_batch_size: int, eval_
 
 def build_datasets(data_prefix: List[str], split: str, seq_length: int, seed: int, tokenizer, num_samples: List[int],
                    mock: bool = False, cache_dir: Optional[str] = None, eod_mask_loss: bool = False,
-                   reset_position_ids: bool = False) -> List[Optional[torch.utils.data.Dataset]]:
-    """(train, valid, test) GPTDatasets from a ``--data-path`` blend and ``--split``, via megatron-core's builder
-    (``--eod-mask-loss`` and ``--reset-position-ids`` are its options of the same names)."""
+                   reset_position_ids: bool = False, per_split: Optional[List[Optional[List[str]]]] = None
+                   ) -> List[Optional[torch.utils.data.Dataset]]:
+    """(train, valid, test) GPTDatasets from a ``--data-path`` blend and ``--split``, or from ``per_split`` blends
+    (``--train-data-path`` ...: each split's files whole, megatron-core's ``blend_per_split``), via megatron-core's
+    builder (``--eod-mask-loss`` and ``--reset-position-ids`` are its options of the same names)."""
     ensure_dataset_helpers()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    if not mock:
+    blend, blend_per_split = None, None
+    if per_split is not None:
+        split = None
+        blend_per_split = [get_blend_from_list(p) if p else None for p in per_split]
+    elif not mock:
         _check_files(_prefixes(data_prefix))
         split = usable_split(_prefixes(data_prefix), split, num_samples)
+        blend = get_blend_from_list(data_prefix)
     else:
         split = ",".join(f"{w:g}" for w in parse_split(split))
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=None if mock else get_blend_from_list(data_prefix),
+        random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split,
         split=split, path_to_cache=cache_dir, tokenizer=tokenizer, reset_position_ids=reset_position_ids,
         reset_attention_mask=False, eod_mask_loss=eod_mask_loss, create_attention_mask=False,
         mid_level_dataset_surplus=0.005)
@@ -130,20 +137,12 @@ def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str
     (train, or valid with ``--eval-iters`` > 0) is an error naming ``--split``.
     """
     from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     weights = parse_split(split)
     total = sum(weights)
     matrix = convert_split_vector_to_split_matrix([w / total for w in weights])
     for prefix in prefixes:
-        ds = IndexedDataset(prefix)
-        n = len(ds)
-        if n:   # a .bin shorter than its .idx says (a truncated copy) would fail at some sample, naming nothing
-            need = int(ds.index.sequence_pointers[-1]) + int(ds.index.sequence_lengths[-1]) * ds.index.dtype_size
-            have = os.path.getsize(prefix + ".bin")
-            if have < need:
-                raise ValueError(f"--data-path {prefix}: {prefix}.bin holds {have} bytes but its .idx indexes {need} "
-                                 "(a truncated or mismatched .bin)")
+        n = _documents(prefix, "--data-path")
         for i, bounds in enumerate(matrix):
             if weights[i] == 0 or bounds is None:
                 continue
@@ -154,6 +153,39 @@ def usable_split(prefixes: List[str], split: str, num_samples: List[int]) -> str
                                      f"empty; choose another --split" + (" or --eval-iters 0" if i == 1 else ""))
                 weights[i] = 0.0
     return ",".join(f"{w:g}" for w in weights)
+
+
+def _documents(prefix: str, flag: str) -> int:
+    """The documents of ``prefix``'s dataset, after checking that its .bin holds what its .idx indexes (a truncated
+    copy would fail at some sample, naming nothing)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    n = len(ds)
+    if n:
+        need = int(ds.index.sequence_pointers[-1]) + int(ds.index.sequence_lengths[-1]) * ds.index.dtype_size
+        have = os.path.getsize(prefix + ".bin")
+        if have < need:
+            raise ValueError(f"{flag} {prefix}: {prefix}.bin holds {have} bytes but its .idx indexes {need} "
+                             "(a truncated or mismatched .bin)")
+    return n
+
+
+def check_per_split_paths(paths: List[Optional[List[str]]], eval_iters: int) -> Optional[str]:
+    """:func:`check_data_path` for ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``: missing
+    files, truncated ones and empty datasets (megatron-core would loop forever over zero tokens) are errors naming the
+    flag; returns a notice when the run evaluates (``eval_iters`` > 0) but has no validation data, or None."""
+    for name, blend in zip(("--train-data-path", "--valid-data-path", "--test-data-path"), paths):
+        for prefix in _prefixes(blend or []):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise FileNotFoundError(f"{name} {prefix}: missing {prefix + ext} (pass the prefix without "
+                                            ".bin/.idx; make one with tools/preprocess_data.py)")
+            if _documents(prefix, name) == 0:
+                raise ValueError(f"{name} {prefix}: the dataset holds no documents")
+    if eval_iters > 0 and not paths[1]:
+        return "> no --valid-data-path: nothing is evaluated during training (--eval-iters applies to none)"
+    return None
 
 
 def _prefixes(data_prefix: List[str]) -> List[str]:

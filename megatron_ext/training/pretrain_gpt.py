@@ -30,7 +30,9 @@ def _build_data(args: argparse.Namespace):
     tok_kwargs = dict(tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
                       vocab_size=args.vocab_size)
     tok_type = args.tokenizer_type
-    if not data_path and not args.mock_data:
+    per_split = ([args.train_data_path, args.valid_data_path, args.test_data_path] if args.train_data_path
+                 else None)
+    if not data_path and not per_split and not args.mock_data:
         if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:  # once per node (the cache is node-local)
             build_default_corpus()
         dist.barrier()
@@ -46,7 +48,7 @@ def _build_data(args: argparse.Namespace):
                                          args.eval_iters, args.train_samples)
     datasets = build_datasets(data_path or [], args.split, args.seq_length, args.seed, tokenizer, sizes,
                               mock=args.mock_data, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
-                              reset_position_ids=args.reset_position_ids)
+                              reset_position_ids=args.reset_position_ids, per_split=per_split)
     return tokenizer, datasets
 
 

@@ -455,7 +455,7 @@ def test_model_flags_of_megatron_lm_reach_the_transformer_config(capsys):
 
 
 def test_unsupported_megatron_lm_flags_say_why(capsys):
-    for flag in ("--calculate-per-token-loss", "--reset-attention-mask", "--train-data-path", "--fp8-format",
+    for flag in ("--calculate-per-token-loss", "--reset-attention-mask", "--data-args-path", "--fp8-format",
                  "--use-checkpoint-args", "--apply-residual-connection-post-layernorm", "--recompute-modules mlp"):
         err = _error(capsys, flag.split(), world_size=1)
         assert f"{flag.split()[0]} is a Megatron-LM flag that pretrain_gpt does not support: " in err, err
@@ -610,6 +610,23 @@ def test_sample_based_training_as_megatron_lm(capsys):
         error(["--train-samples", "64", "--lr-warmup-samples", "64"])
     assert "--lr-decay-style WSD needs --lr-wsd-decay-samples" in error(["--train-samples", "64", "--lr-decay-style",
                                                                          "WSD"])
+
+
+def test_per_split_data_paths_are_checked_with_the_flags(capsys, tmp_path):
+    prefix = _tiny_data(str(tmp_path / "tiny_text_document"))
+    tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+    args = parse_args(BASE + tok + ["--train-data-path", prefix, "--valid-data-path", "1.0", prefix], world_size=4)
+    assert args.data_notice is None and args.valid_data_path == ["1.0", prefix]
+    assert "no --valid-data-path: nothing is evaluated" in parse_args(BASE + tok + ["--train-data-path", prefix],
+                                                                      world_size=4).data_notice
+    parse_args(BASE + tok + ["--train-data-path", prefix, "--split", "8,1,1"], world_size=4)
+    assert "--split 8,1,1 is ignored" in capsys.readouterr().err
+    assert "--data-path conflicts with --train-data-path" in _error(capsys, tok + ["--data-path", prefix,
+                                                                                   "--train-data-path", prefix])
+    assert "need --train-data-path" in _error(capsys, tok + ["--valid-data-path", prefix])
+    assert f"--valid-data-path {prefix}x: missing {prefix}x.bin" in _error(
+        capsys, tok + ["--train-data-path", prefix, "--valid-data-path", prefix + "x"])
+    assert "--train-data-path needs --tokenizer-type" in _error(capsys, ["--train-data-path", prefix])
 
 
 def test_tokenizer_files_without_a_tokenizer_type_are_an_error(capsys):

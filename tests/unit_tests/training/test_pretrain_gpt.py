@@ -32,6 +32,26 @@ def test_loss_decreases_tp2xdp2(spawn, text_dataset, tiny_model_flags):
     assert 8 in last["eval"]
 
 
+def _runs(argvs):
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    return [pretrain(argv) for argv in argvs]
+
+
+def test_per_split_data_paths_read_each_split_whole(spawn, text_dataset, tiny_model_flags):
+    """--train-data-path P trains on the samples --data-path P --split 100,0,0 gives (megatron-core's
+    blend_per_split: the whole file for its split), bit for bit; --valid-data-path is evaluated."""
+    prefix, tok = text_dataset
+    common = tiny_model_flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
+                                 "--global-batch-size", "8", "--train-iters", "3"]
+    blend, per_split = spawn(_runs, 2, [
+        common + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0"],
+        common + ["--train-data-path", prefix, "--valid-data-path", prefix, "--eval-iters", "1", "--eval-interval",
+                  "3"]], timeout=200)[-1]
+    assert per_split["losses"] == blend["losses"] and len(blend["losses"]) == 3
+    assert 3 in per_split["eval"] and not blend["eval"]
+
+
 def _layout_free_init(module):
     """Re-initialise a built stage chunk from each parameter's *global* name (layer numbers as in the full model),
     so that any pipeline layout of the same GPT starts from the same weights (megatron-core's initialisation draws
