@@ -27,6 +27,8 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--ckpt-format": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--use-dist-ckpt": "checkpoints use megatron_ext's reshardable layout (see megatron_ext/training/checkpointing.py)",
     "--dataloader-type": "pretrain_gpt has one (single, resumable) data order",
+    "--decrease-batch-size-if-needed": "each batch size of --rampup-batch-size must be a multiple of "
+                                       "--micro-batch-size x DP already (checked with the flags)",
     "--reset-attention-mask": "per-document attention masks are not implemented: attention is causal over the "
                               "whole sequence",
     "--calculate-per-token-loss": "the loss is the token mean of each micro-batch, averaged over micro-batches",
@@ -621,18 +623,18 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"--global-batch-size ({args.global_batch_size}) must be a multiple of --micro-batch-size "
               f"({args.micro_batch_size}) x data-parallel size ({dp} = world {world_size} / (TP {tp} x PP {pp}))")
     args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
-    if unit == "samples":   # Megatron-LM's update_train_iters (no batch-size ramp-up)
-        if args.train_samples < args.global_batch_size:
-            _fail(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
-                  f"({args.global_batch_size}): no iteration to train")
-        args.train_iters = args.train_samples // args.global_batch_size
-    if args.rampup_batch_size is not None:
+    if args.rampup_batch_size is not None:   # Megatron-LM's update_train_iters, with the ramp or without
         from .batch_size import rampup_problems, rampup_train_iters
 
         problem = rampup_problems(args)
         if problem:
             _fail(f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: {problem}")
         args.train_iters = rampup_train_iters(args)
+    elif unit == "samples":
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.train_iters == 0 and not args.skip_train:
+        _fail(f"--train-samples ({args.train_samples}) is less than one --global-batch-size "
+              f"({args.global_batch_size}): no iteration to train")
     if args.virtual_pipeline_model_parallel_size is not None:
         _check_interleaved_micro_batches(args, pp)
     elif pp > 1 and args.num_micro_batches < pp:
@@ -776,9 +778,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
                                 else check_per_split_paths(per_split, max(args.eval_iters, 0)))
         except (ValueError, OSError) as e:
             _fail(str(e))
-        except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx
-            _fail(f"{'--data-path' if args.data_path else 'a per-split data path'} "
-                  f"{' '.join(map(str, data))}: an index file is not a megatron-core .idx ({e})")
+        except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx (per-split: named there)
+            _fail(f"--data-path {' '.join(map(str, data))}: an index file is not a megatron-core .idx ({e})")
 
     # Evaluation and exit.
     if args.eval_iters < 0:
@@ -791,6 +792,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     # Checkpoints.
     if args.skip_train and args.eval_iters <= 0:
         _fail("--skip-train evaluates only, and --eval-iters 0 turns evaluation off: nothing would run")
+    if args.skip_train and args.train_data_path and not (args.valid_data_path or args.test_data_path):
+        _fail("--skip-train evaluates only, and without --valid-data-path or --test-data-path there is nothing to "
+              "evaluate")
     if args.finetune and not args.load:
         _fail("--finetune needs --load (the checkpoint whose weights to start from)")
     if args.save_interval is not None and not args.save:

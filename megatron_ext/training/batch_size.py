@@ -58,8 +58,8 @@ def rampup_problems(args: argparse.Namespace) -> Optional[str]:
     gbs, per_step = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
     if args.train_samples is None:
         return "it needs --train-samples (Megatron-LM ramps sample-based training only)"
-    if start <= 0 or increment <= 0 or samples < 0:
-        return f"START ({start}) and INCREMENT ({increment}) must be positive, SAMPLES ({samples}) >= 0"
+    if start <= 0 or increment <= 0 or samples <= 0:
+        return f"START ({start}), INCREMENT ({increment}) and SAMPLES ({samples}) must be positive"
     if start >= gbs or (gbs - start) % increment:
         return (f"START ({start}) must be below --global-batch-size ({gbs}) by a multiple of INCREMENT "
                 f"({increment})")
@@ -68,5 +68,6 @@ def rampup_problems(args: argparse.Namespace) -> Optional[str]:
         return (f"the batch sizes {bad} of the ramp are not multiples of --micro-batch-size "
                 f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     if args.virtual_pipeline_model_parallel_size is not None:
-        return "it is not combined with the interleaved pipeline (whose micro-batch count is checked once)"
+        return ("it is not combined with the interleaved pipeline (--num-layers-per-virtual-pipeline-stage / "
+                "--num-virtual-stages-per-pipeline-rank), whose micro-batch count is checked once")
     return None

@@ -136,10 +136,16 @@ def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> Li
     return problems
 
 
+def _in_samples(flag: str) -> str:
+    """A schedule field's flag as a ``--train-samples`` run gives it (``--lr-decay-samples`` ...)."""
+    return flag.replace("-iters", "-samples")
+
+
 def check_scheduler_state(saved: Dict[str, Any], scheduler, saved_gbs: Optional[int] = None,
-                          gbs: Optional[int] = None) -> List[str]:
+                          gbs: Optional[int] = None, samples: bool = False) -> List[str]:
     """Schedule values that differ, unless the scheduler was told which side wins (then megatron-core's
-    ``load_state_dict`` takes this run's values or the checkpoint's, as in Megatron-LM)."""
+    ``load_state_dict`` takes this run's values or the checkpoint's, as in Megatron-LM). ``samples``: this run gives
+    its lengths in samples (``--train-samples``), so the sample flags are named and the batch size is no cause."""
     if getattr(scheduler, "override_opt_param_scheduler", False) or getattr(
             scheduler, "use_checkpoint_opt_param_scheduler", False):
         return []
@@ -150,10 +156,14 @@ def check_scheduler_state(saved: Dict[str, Any], scheduler, saved_gbs: Optional[
         ours, theirs = getattr(scheduler, key), saved[key]
         if ours != theirs:
             fmt = show or (lambda v, _g: repr(v))
+            if samples:
+                flag = _in_samples(flag)
+                fmt = (lambda v, _g: f"{v} samples") if show is _steps else fmt
             msg = f"{flag}: checkpoint {fmt(theirs, saved_gbs)}, this run {fmt(ours, gbs)}"
             if msg not in problems and not any(p.startswith(flag + ":") for p in problems):
                 problems.append(msg)
-            if show is _steps and saved_gbs and gbs and saved_gbs != gbs and not problems[0].startswith("--global"):
+            if (show is _steps and not samples and saved_gbs and gbs and saved_gbs != gbs
+                    and not problems[0].startswith("--global")):
                 problems.insert(0, f"--global-batch-size: checkpoint {saved_gbs}, this run {gbs} (schedule lengths "
                                    "are counted in samples)")
     return problems

@@ -561,7 +561,8 @@ def _check_fits(loaded, model, optimizer, scheduler, args: Optional[argparse.Nam
         problems += [f"optimizer: {p}" for p in check_optimizer_state(optim_state, optimizer)]
         if scheduler is not None and common.get("scheduler") is not None:
             sched = check_scheduler_state(common["scheduler"], scheduler, saved_args.get("global_batch_size"),
-                                          getattr(args, "global_batch_size", None))
+                                          getattr(args, "global_batch_size", None),
+                                          samples=getattr(args, "train_samples", None) is not None)
             if sched:
                 problems.append("the learning-rate schedule differs from the checkpoint's (" + "; ".join(sched) +
                                 "): pass --override-opt_param-scheduler to use this run's flags, or "

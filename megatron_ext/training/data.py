@@ -181,10 +181,14 @@ def check_per_split_paths(paths: List[Optional[List[str]]], eval_iters: int) -> 
                 if not os.path.isfile(prefix + ext):
                     raise FileNotFoundError(f"{name} {prefix}: missing {prefix + ext} (pass the prefix without "
                                             ".bin/.idx; make one with tools/preprocess_data.py)")
-            if _documents(prefix, name) == 0:
+            try:
+                documents = _documents(prefix, name)
+            except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx
+                raise ValueError(f"{name} {prefix}: its index file is not a megatron-core .idx ({e})") from None
+            if documents == 0:
                 raise ValueError(f"{name} {prefix}: the dataset holds no documents")
     if eval_iters > 0 and not paths[1]:
-        return "> no --valid-data-path: nothing is evaluated during training (--eval-iters applies to none)"
+        return "> no --valid-data-path: no validation during training"
     return None
 
 

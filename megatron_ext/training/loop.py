@@ -256,8 +256,18 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
         chunk.train()
     spec = getattr(model[0], "speculation", None)   # --odo-speculative-step (one chunk): rounds per log interval
     spec_seen = (spec.committed, spec.rolled_back) if spec is not None else None
+    batch = global_batch_size_at(ramp, args, consumed_train_samples)
+    saved_at = None   # the iteration last saved, so that a ramp step and --save-interval do not save it twice
     while iteration < args.train_iters:
-        batch = global_batch_size_at(ramp, args, consumed_train_samples)
+        previous, batch = batch, global_batch_size_at(ramp, args, consumed_train_samples)
+        if batch != previous:
+            # As Megatron-LM: a checkpoint before each ramp step (with --save), and a line saying so
+            print_rank_0(f"ramping up batch size from {previous} to {batch}")
+            if save_fn is not None and saved_at != iteration:
+                with ledger_paused(model):
+                    save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+                saved_at = iteration
+                stats.t0 = time.perf_counter()
         loss, ok, grad_norm, num_zeros = train_step(args, fb, model, optimizer, scheduler, train_iter, batch)
         iteration += 1
         consumed_train_samples += batch
@@ -288,7 +298,8 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
                 skipped=stats.skipped, nan_iters=stats.nan, intra_bytes=intra, inter_bytes=inter,
                 plan=model[0].plan.short(), speculative=rounds, num_zeros=num_zeros, params_norm=params_norm))
             tb.scalars(iteration, {"lm loss": lm, "learning-rate": lr, "grad-norm": stats.grad_norm,
-                                   "loss-scale": scale, "iteration-time": elapsed, "num-zeros": num_zeros,
+                                   "loss-scale": scale, "iteration-time": elapsed, "batch-size": batch,
+                                   "num-zeros": num_zeros,
                                    "params-norm": params_norm,
                                    "bytes-per-step/intra-node": intra, "bytes-per-step/inter-node": inter})
             logged[iteration] = {"lr": lr, "lm_loss": lm, "skipped": stats.skipped, "global_batch_size": batch,
@@ -318,6 +329,7 @@ def train(args: argparse.Namespace, model: Sequence, optimizer, scheduler, train
         if save_fn is not None and (reason or (args.save_interval and iteration % args.save_interval == 0)):
             with ledger_paused(model):
                 save_fn(iteration, consumed_train_samples, consumed_valid_samples)
+            saved_at = iteration
             stats.t0 = time.perf_counter()
         if reason:
             print_rank_0(f"exiting at iteration {iteration} ({reason})")

@@ -617,7 +617,7 @@ def test_per_split_data_paths_are_checked_with_the_flags(capsys, tmp_path):
     tok = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
     args = parse_args(BASE + tok + ["--train-data-path", prefix, "--valid-data-path", "1.0", prefix], world_size=4)
     assert args.data_notice is None and args.valid_data_path == ["1.0", prefix]
-    assert "no --valid-data-path: nothing is evaluated" in parse_args(BASE + tok + ["--train-data-path", prefix],
+    assert "no --valid-data-path: no validation during training" in parse_args(BASE + tok + ["--train-data-path", prefix],
                                                                       world_size=4).data_notice
     parse_args(BASE + tok + ["--train-data-path", prefix, "--split", "8,1,1"], world_size=4)
     assert "--split 8,1,1 is ignored" in capsys.readouterr().err
@@ -627,6 +627,12 @@ def test_per_split_data_paths_are_checked_with_the_flags(capsys, tmp_path):
     assert f"--valid-data-path {prefix}x: missing {prefix}x.bin" in _error(
         capsys, tok + ["--train-data-path", prefix, "--valid-data-path", prefix + "x"])
     assert "--train-data-path needs --tokenizer-type" in _error(capsys, ["--train-data-path", prefix])
+    assert "nothing to evaluate" in _error(capsys, tok + ["--train-data-path", prefix, "--skip-train"])
+    train = _tiny_data(str(tmp_path / "train_text_document"))
+    with open(prefix + ".idx", "r+b") as f:   # a damaged index: named with its own flag
+        f.write(b"garbage!")
+    assert f"--valid-data-path {prefix}: its index file is not a megatron-core .idx" in _error(
+        capsys, tok + ["--train-data-path", train, "--valid-data-path", prefix])
 
 
 def test_tokenizer_files_without_a_tokenizer_type_are_an_error(capsys):

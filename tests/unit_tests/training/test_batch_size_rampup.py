@@ -45,6 +45,11 @@ def test_iterations_and_batch_sizes_follow_megatron_lm(capsys):
     assert "the batch sizes [6] of the ramp are not multiples of --micro-batch-size (2) x data-parallel size (2)" \
         in error(["6", "2", "16"])
     assert "must be below --global-batch-size (8) by a multiple of INCREMENT" in error(["8", "4", "16"])
+    assert "SAMPLES (0) must be positive" in error(["4", "4", "0"])   # megatron-core would divide by zero
+    # fewer samples than one full batch still train during the ramp; Megatron-LM's count runs the batch that
+    # reaches --train-samples exactly too (consumed 12 <= 12): 4 batches of 4
+    assert parse_args(base + ["--global-batch-size", "16", "--train-samples", "12", "--rampup-batch-size", "4", "4",
+                              "100"], world_size=2).train_iters == 4
 
 
 def test_ramped_run_trains_as_the_small_batch_then_resumes_mid_ramp(spawn, text_dataset, tiny_model_flags, tmp_path):
@@ -58,6 +63,8 @@ def test_ramped_run_trains_as_the_small_batch_then_resumes_mid_ramp(spawn, text_
                                              "4"]], timeout=200)[-1]
     assert {i: v["global_batch_size"] for i, v in ramped["log"].items()} == {1: 4, 2: 4, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8}
     assert ramped["consumed_train_samples"] == 40
+    # as Megatron-LM, with --save a checkpoint before each ramp step (iteration 4) besides --save-interval's
+    assert {"iter_0000003", "iter_0000004", "iter_0000006"} <= set(os.listdir(ckpt)), os.listdir(ckpt)
     assert [ramped["losses"][i] for i in range(1, 5)] == [small["losses"][i] for i in range(1, 5)]
     with open(os.path.join(ckpt, TRACKER), "w") as f:
         f.write("3")

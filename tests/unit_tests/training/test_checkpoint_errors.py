@@ -209,6 +209,12 @@ def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():
     assert ("--lr-warmup-iters / --lr-warmup-fraction: checkpoint 16 samples (2 iterations of --global-batch-size "
             "8), this run 8 samples (2 iterations of --global-batch-size 4)") in problems, problems
     assert len(problems) == 4, problems   # and the decay and weight-decay lengths
+    # A --train-samples run names its own flags, in samples; its batch size is no cause
+    problems = check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), **same_iters}), saved_gbs=8,
+                                     gbs=4, samples=True)
+    assert problems[0] == "--lr-warmup-samples / --lr-warmup-fraction: checkpoint 16 samples, this run 8 samples"
+    assert "--lr-decay-samples (default --train-samples): checkpoint 40 samples, this run 20 samples" in problems
+    assert "--train-samples (the weight-decay schedule length): checkpoint 48 samples, this run 24 samples" in problems
     for side in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         assert check_scheduler_state(saved, types.SimpleNamespace(**{**vars(sched), side: True})) == []
 
