@@ -24,7 +24,8 @@ LONGEST_FIRST = ("kernels/test_compiled.py", "comm/test_progress_engine.py", "co
                  "optimizer/test_gpt_megatron.py", "optimizer/test_speculative_step.py", "planner/test_cli.py",
                  "planner/test_volumes_memory.py", "optimizer/test_equivalence.py", "comm/test_trace_gpu_step.py",
                  "optimizer/test_ledger_and_buffers.py", "megatron_lm/test_train_sequence_resume.py",
-                 "training/test_notices.py")
+                 "training/test_notices.py", "training/test_checkpoint_reshard.py",
+                 "training/test_batch_size_rampup.py")
 
 
 def pytest_collection_modifyitems(config, items):

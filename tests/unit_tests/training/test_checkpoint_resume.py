@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
+import pytest
 import torch.distributed as dist
 
 from .test_pretrain_gpt import _data_flags
@@ -120,11 +122,29 @@ def test_load_without_a_checkpoint_is_a_clear_error(spawn, text_dataset, tiny_mo
                   "a save that did not finish leaves none)\n", err
 
 
-def test_load_corrupt_file_fails_on_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):
-    """A damaged model file (right size, garbage bytes) is a clear error on all ranks, not a hang."""
+@pytest.fixture(scope="module")
+def two_step_checkpoint(text_dataset, tmp_path_factory):
+    """(flags, pristine checkpoint directory): a 2-iteration DP 2 run's checkpoint, trained once for the tests that
+    damage a copy of it."""
+    from unit_tests.dist_harness import run_distributed   # (the module the spawn fixture uses: one forkserver)
+    from .conftest import _tiny_model_flags
+
+    base = _tiny_model_flags() + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
+    ckpt = str(tmp_path_factory.mktemp("two_step") / "ckpt")
+    run_distributed(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+    return base, ckpt
+
+
+def _copy_of(two_step_checkpoint, tmp_path):
+    base, pristine = two_step_checkpoint
     ckpt = str(tmp_path / "ckpt")
-    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
-    spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+    shutil.copytree(pristine, ckpt)
+    return base, ckpt
+
+
+def test_load_corrupt_file_fails_on_every_rank(spawn, two_step_checkpoint, tmp_path):
+    """A damaged model file (right size, garbage bytes) is a clear error on all ranks, not a hang."""
+    base, ckpt = _copy_of(two_step_checkpoint, tmp_path)
     p = os.path.join(ckpt, "iter_0000002", "mp_rank_00_000", "model.pt")
     size = os.path.getsize(p)
     with open(p, "wb") as f:
@@ -274,10 +294,8 @@ def _flip_each_file(argv, ckpt):
     return out
 
 
-def test_flipped_byte_in_any_file_fails_every_rank_naming_it(spawn, text_dataset, tiny_model_flags, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
-    spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+def test_flipped_byte_in_any_file_fails_every_rank_naming_it(spawn, two_step_checkpoint, tmp_path):
+    base, ckpt = _copy_of(two_step_checkpoint, tmp_path)
     it = os.path.join(ckpt, "iter_0000002")
     with open(os.path.join(it, "manifest.json")) as f:
         manifest = json.load(f)["files"]
@@ -335,10 +353,8 @@ def _load_with_io_error(argv):
     return errors
 
 
-def test_io_error_in_checksum_check_fails_every_rank(spawn, text_dataset, tiny_model_flags, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    base = tiny_model_flags + _data_flags(text_dataset) + ["--global-batch-size", "4", "--train-iters", "2"]
-    spawn(_runs, 2, [base + ["--save", ckpt]], timeout=120)
+def test_io_error_in_checksum_check_fails_every_rank(spawn, two_step_checkpoint, tmp_path):
+    base, ckpt = _copy_of(two_step_checkpoint, tmp_path)
     early, loading = zip(*spawn(_load_with_io_error, 2, base + ["--load", ckpt], timeout=120))
     assert all("OSError while looking for the checkpoint" in e and "common.pt" in e for e in early), early
     assert all("OSError while checking the checksums" in e for e in loading), loading

@@ -101,7 +101,7 @@ def test_lr_warmup_fraction_and_weight_decay_ramp_follow_megatron_lm():
     layer its own peak, and --weight-decay-incr-style
     linear ramps --start-weight-decay to --end-weight-decay over --train-iters, each as Megatron-LM computes
     them (written out here from its formulas); parameters without decay (biases, norms) stay at 0."""
-    from tests.unit_tests.dist_harness import run_distributed
+    from unit_tests.dist_harness import run_distributed   # (the spawn fixture's module: one forkserver)
 
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "10",
