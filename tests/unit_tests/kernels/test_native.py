@@ -80,11 +80,12 @@ def test_subnormal_scales_clamp(variant):
 def test_non_finite_sums(variant):
     """Outside the bit contract, as for the compiled path: a group whose sum is inf or NaN gets codes clamped to
     [-7, 7] (the compiled path's codes; the reference wraps them) and an inf/NaN scale where the reference has one."""
-    group = 64
-    chunks = torch.randint(0, 256, (3, 4 * group // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    group = 64   # k = 2 chunks of group 64: the Inductor graph test_compiled.py compiles too (a cold cache compiles
+    # it once for both files)
+    chunks = torch.randint(0, 256, (2, 4 * group // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     for bad in (float("inf"), float("nan"), 3e38):
-        scales = torch.rand(3, 4, generator=torch.Generator().manual_seed(2))
-        scales[1, 1] = scales[2, 2] = bad
+        scales = torch.rand(2, 4, generator=torch.Generator().manual_seed(2))
+        scales[0, 1] = scales[1, 2] = bad
         codes, out = native.int4_reduce_quantize(chunks, scales, group, variant=variant)
         want_codes, want = ref.dequantize_reduce_quantize(chunks, scales, 4, group)
         assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
