@@ -43,9 +43,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, chunk_states, find_checkpoint,
-                            iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale, verify_checksums,
-                            write_manifest)
+from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, _published, chunk_states,
+                            find_checkpoint, iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale,
+                            verify_checksums, write_manifest)
 from .model import padded_vocab_size
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
@@ -345,7 +345,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     if os.path.commonpath([src_dir, dst_dir]) == src_dir:
         raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the resharded "
                               "checkpoint elsewhere (the source stays untouched)")
-    if os.path.isdir(save_dir) and any(n == TRACKER or n.startswith("iter_") for n in os.listdir(save_dir)):
+    if os.path.isdir(save_dir) and (os.path.exists(os.path.join(save_dir, TRACKER)) or _published(save_dir)):
         raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory (publishing "
                               "there would move its tracker and could replace a checkpoint of the same iteration)")
     verify_checksums(ckpt)

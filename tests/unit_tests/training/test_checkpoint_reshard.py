@@ -65,7 +65,8 @@ def test_tp2_pp2_checkpoint_resumes_at_other_layouts(spawn, text_dataset, tiny_m
     with open(os.path.join(ckpt, TRACKER), "w") as f:
         f.write("2")
     flat, chunked, back = (str(tmp_path / n) for n in ("tp1pp1", "tp1pp2v2", "back"))
-    assert _reshard(ckpt, flat, 1, 1) == 0
+    os.makedirs(os.path.join(flat, "iter_0000002.tmp"))   # a killed reshard's leftover: cleaned, not a checkpoint
+    assert _reshard(ckpt, flat, 1, 1) == 0 and not os.path.exists(os.path.join(flat, "iter_0000002.tmp"))
     assert _reshard(ckpt, chunked, 1, 2, "--target-num-virtual-stages-per-pipeline-rank", "2") == 0
     assert _reshard(flat, back, 2, 2) == 0
     for out in (flat, chunked, back):   # published with a manifest whose checksums hold
