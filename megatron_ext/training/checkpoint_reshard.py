@@ -174,19 +174,21 @@ class _Source:
         self._optim: Dict[Tuple[int, int], dict] = {}
         self.model_keys: Dict[str, Tuple[int, int]] = {}    # global key -> (stage, chunk) holding it
         self.optim_keys: Dict[str, Tuple[int, int]] = {}
-        lay = self.layout
-        for stage in range(lay.pp):
+        for stage in range(self.layout.pp):
             for chunk, state in enumerate(self.model(0, stage)):
                 for key in state:
-                    g = global_key(key, lay, stage, chunk)
-                    if not (self.tied and lay.pp > 1 and _OUTPUT_WEIGHT.search(g)):
-                        self.model_keys.setdefault(g, (stage, chunk))
+                    self._record(self.model_keys, key, stage, chunk)
             if self.has_optim:
                 for name in self.optim(0, stage)["params"]:
                     chunk, key = self._split_chunk(name)
-                    g = global_key(key, lay, stage, chunk)
-                    if not (self.tied and lay.pp > 1 and _OUTPUT_WEIGHT.search(g)):
-                        self.optim_keys.setdefault(g, (stage, chunk))
+                    self._record(self.optim_keys, key, stage, chunk)
+
+    def _record(self, keys: Dict[str, Tuple[int, int]], key: str, stage: int, chunk: int) -> None:
+        """Note where the stage-local ``key`` lives under its global name; a tied model's last-stage copy of the
+        embedding is left out (reshard rules)."""
+        g = global_key(key, self.layout, stage, chunk)
+        if not (self.tied and self.layout.pp > 1 and _OUTPUT_WEIGHT.search(g)):
+            keys.setdefault(g, (stage, chunk))
 
     def _split_chunk(self, name: str) -> Tuple[int, str]:
         if self.layout.vp == 1:

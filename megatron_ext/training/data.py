@@ -107,11 +107,11 @@ def parse_split(split: str) -> List[float]:
     return weights
 
 
-def _check_files(prefixes: List[str]) -> None:
+def _check_files(prefixes: List[str], flag: str = "--data-path") -> None:
     for p in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(p + ext):
-                raise FileNotFoundError(f"--data-path {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
+                raise FileNotFoundError(f"{flag} {p}: missing {p + ext} (pass the prefix without .bin/.idx; "
                                         "make one with tools/preprocess_data.py)")
 
 
@@ -176,11 +176,8 @@ def check_per_split_paths(paths: List[Optional[List[str]]], eval_iters: int) -> 
     files, truncated ones and empty datasets (megatron-core would loop forever over zero tokens) are errors naming the
     flag; returns a notice when the run evaluates (``eval_iters`` > 0) but has no validation data, or None."""
     for name, blend in zip(("--train-data-path", "--valid-data-path", "--test-data-path"), paths):
+        _check_files(_prefixes(blend or []), name)
         for prefix in _prefixes(blend or []):
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(prefix + ext):
-                    raise FileNotFoundError(f"{name} {prefix}: missing {prefix + ext} (pass the prefix without "
-                                            ".bin/.idx; make one with tools/preprocess_data.py)")
             try:
                 documents = _documents(prefix, name)
             except AssertionError as e:   # megatron-core's IndexedDataset on a corrupt .idx
