@@ -12,8 +12,11 @@ source is only read. Resume it with the new sizes and any DP size::
     torchrun --nproc-per-node 4 -m megatron_ext.training.pretrain_gpt ... \\
         --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --load ckpt_tp1pp2 --save ckpt_tp1pp2
 
-RNG states are not carried over (they are per rank): the resumed run re-seeds from ``--seed``. How each tensor is
-split: ``megatron_ext/training/checkpoint_reshard.py`` ([Note: reshard rules]).
+The target keeps the checkpoint's pipeline split (even, or Megatron-LM's uneven ``--decoder-first/last-pipeline-num-
+layers`` / ``--account-for-embedding/loss-in-pipeline-split``) unless the ``--target-...`` split flags give another
+(``--target-even-pipeline-split``: the even one). RNG states are not carried over (they are per rank): the resumed run
+re-seeds from ``--seed``. How each tensor is split: ``megatron_ext/training/checkpoint_reshard.py`` ([Note: reshard
+rules]).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import List, Optional
 
 from megatron_ext.training.checkpoint_reshard import reshard_checkpoint
 from megatron_ext.training.checkpointing import CheckpointError
+from megatron_ext.training.pipeline_layout import LAYOUT_ARGS
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -35,6 +39,14 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-pipeline-parallel-size", type=int, required=True)
     p.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="model chunks per pipeline stage (interleaved schedule); default: the checkpoint's")
+    split = p.add_argument_group("target pipeline split (default: the checkpoint's; megatron-core's rule, see "
+                                 "megatron_ext/training/pipeline_layout.py)")
+    split.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None)
+    split.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None)
+    split.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true")
+    split.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true")
+    split.add_argument("--target-even-pipeline-split", action="store_true",
+                       help="split the layers evenly over the target stages (none of the four above)")
     p.add_argument("--target-make-vocab-size-divisible-by", type=int, default=None,
                    help="pad the vocabulary to a multiple of this x the target TP (Megatron-LM's rule; padding rows "
                         "are cut or added, which moves the loss); default: keep the checkpoint's padded size when "
@@ -45,6 +57,12 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    given = {k: getattr(args, f"target_{k}") for k in LAYOUT_ARGS}
+    if args.target_even_pipeline_split and any(v not in (None, False) for v in given.values()):
+        p.error("--target-even-pipeline-split conflicts with the other --target-... pipeline split flags")
+    # the target's split: as given (the even split with --target-even-pipeline-split), else the checkpoint's
+    args.split = given if args.target_even_pipeline_split or any(v not in (None, False) for v in given.values()) \
+        else None
     return args
 
 
@@ -53,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         reshard_checkpoint(args.load, args.save, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.target_num_virtual_stages_per_pipeline_rank,
-                           args.target_make_vocab_size_divisible_by)
+                           args.target_make_vocab_size_divisible_by, split=args.split)
     except CheckpointError as e:
         print(f"reshard_checkpoint.py: error: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import sys
 from typing import Iterable, List, Optional, Sequence
 
 from .auto_plan import add_auto_plan_args, auto_plan, check_auto_plan_flags, given_dests
+from .pipeline_layout import PipelineLayout
 
 # Megatron-LM flags we know but do not implement: error instead of "unrecognized", with the reason.
 UNSUPPORTED_MEGATRON_FLAGS = {
@@ -42,9 +43,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--save-retain-interval": "every saved iteration is kept",
     "--non-persistent-save-interval": "non-persistent checkpoints are not implemented: use --save-interval",
     "--no-shared-storage": "checkpoints need a directory every rank sees (a shared filesystem)",
-    "--decoder-first-pipeline-num-layers": "uneven pipeline stages are not implemented",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline stages are not implemented",
-    "--account-for-embedding-in-pipeline-split": "uneven pipeline stages are not implemented",
     "--fp8-format": "FP8 training is not implemented",
     "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
     "--use-legacy-models": "the models are megatron-core's (the legacy model code is not used)",
@@ -357,6 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "layers / PP / this chunks)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="interleaved pipeline: model chunks per pipeline stage")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="uneven pipeline: transformer layers of the first stage (the other stages split the rest "
+                   "evenly; megatron-core's rule)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="uneven pipeline: transformer layers of the last stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer of the first stage when splitting the layers")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer of the last stage when splitting the layers")
     g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
                    dest="microbatch_group_size_per_vp_stage",
                    help="interleaved pipeline: consecutive micro-batches a chunk runs before the next chunk (default "
@@ -567,8 +574,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
               f"--pipeline-model-parallel-size ({pp})")
     args.data_parallel_size = dp = world_size // (tp * pp)
-    if args.num_layers % pp != 0:
-        _fail(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
+    if not pipeline_layout(args, pp, 1).even and getattr(args, "auto_plan", False):
+        _fail("--auto-plan plans even pipeline stages: drop --decoder-first/last-pipeline-num-layers and "
+              "--account-for-embedding/loss-in-pipeline-split, or --auto-plan")
     if args.num_attention_heads % tp != 0:
         _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
               f"--tensor-model-parallel-size ({tp})")
@@ -1082,9 +1090,10 @@ def _stage_wiring_notice(args: argparse.Namespace, ladder, n_ladder: int) -> Opt
     its pending outputs (ladder) or re-synchronising the residual (desync, after a module that keeps no all-reduce),
     so the trained function depends on the stage layout, unlike a standard model's."""
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
-    if pp <= 1 or layers % pp:
+    if pp <= 1:
         return None
-    bounds = [layers * k // pp for k in range(1, pp)]
+    layout = pipeline_layout(args, pp, 1)
+    bounds = [layout.offset(stage) for stage in range(1, pp)]
     if ladder.desync:
         inside = [b for b in bounds if not ladder.reduces(2 * b - 1)]
         what = "re-synchronises the residual there (an all-reduce Desync drops at --pipeline-model-parallel-size 1)"
@@ -1116,6 +1125,15 @@ def _training_length_unit(args: argparse.Namespace) -> str:
     return unit
 
 
+def pipeline_layout(args: argparse.Namespace, pp: int, vp: Optional[int] = None) -> PipelineLayout:
+    """Where this run's layers live (``vp`` model chunks per stage; default: the validated chunk count); bad
+    pipeline-split flags fail here, by name."""
+    try:
+        return PipelineLayout.from_args(args, pp, vp)
+    except ValueError as e:
+        _fail(str(e))
+
+
 def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
     """Megatron-LM's interleaved-pipeline flags, as its ``validate_args`` reads them: the model chunks per stage
     (``args.virtual_pipeline_model_parallel_size``, None without interleaving) and the stage counts they need."""
@@ -1137,17 +1155,23 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
         need = ("> 2 with --no-overlap-p2p-communication (a batch would hold two sends and two receives between the "
                 "same two ranks)" if not args.overlap_p2p_comm else "> 1")
         _fail(f"{flag}: the interleaved pipeline needs --pipeline-model-parallel-size {need}, got {pp}")
-    per_stage = args.num_layers // pp
-    if per_stage % value:
-        _fail(f"{flag} ({value}) must divide the layers per pipeline stage ({per_stage} = --num-layers "
-              f"{args.num_layers} / --pipeline-model-parallel-size {pp})")
+    layout = pipeline_layout(args, pp, 1)
+    if per_chunk is not None and not (layout.first is None and layout.last is None):
+        _fail(f"{flag} does not fit uneven pipeline stages (--decoder-first/last-pipeline-num-layers): give the "
+              "model chunks per stage with --num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+    slots = (args.num_layers + layout.account_for_embedding + layout.account_for_loss) // pp   # even splits only
+    if layout.first is None and layout.last is None and slots % value:
+        counted = (f" = --num-layers {args.num_layers} / --pipeline-model-parallel-size {pp}" if layout.even
+                   else ", counting the embedding / loss as layers")
+        _fail(f"{flag} ({value}) must divide the layers per pipeline stage ({slots}{counted})")
     if per_chunk is not None:
-        chunks = per_stage // per_chunk
+        chunks = slots // per_chunk
     if chunks == 1:   # one chunk per stage: the plain 1F1B schedule
         if args.microbatch_group_size_per_vp_stage is not None:
             _fail("--microbatch-group-size-per-virtual-pipeline-stage applies to the interleaved pipeline only "
                   f"({flag} {value} gives one chunk per stage)")
         return
+    pipeline_layout(args, pp, chunks)
     args.virtual_pipeline_model_parallel_size = chunks
     for other, on in (("--ladder-residual/--desync-residual",
                        args.ladder_residual or args.ladder_residual_layers is not None or args.desync_residual),
@@ -1193,7 +1217,7 @@ def _validate_recompute(args: argparse.Namespace, pp: int) -> None:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
         # megatron-core recomputes within each model chunk's layers
-        per_stage = args.num_layers // pp // (args.virtual_pipeline_model_parallel_size or 1)
+        per_stage = pipeline_layout(args, pp).max_chunk_layers()
         if args.recompute_method is None:
             _fail("--recompute-granularity full needs --recompute-method uniform or block")
         if args.recompute_num_layers is None or not 1 <= args.recompute_num_layers <= per_stage:

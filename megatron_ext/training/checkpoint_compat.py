@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .pipeline_layout import PipelineLayout
+
 # (name in the saved args, flag to name in the error). Compared on their effective values (see _effective).
 MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("num_layers", "--num-layers"),
@@ -45,6 +47,8 @@ MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("virtual_pipeline_model_parallel_size",
      "the model chunks per pipeline stage (--num-virtual-stages-per-pipeline-rank or "
      "--num-layers-per-virtual-pipeline-stage)"),
+    ("pipeline_layout", "the layers per pipeline stage (--decoder-first/last-pipeline-num-layers, "
+                        "--account-for-embedding/loss-in-pipeline-split; tools/reshard_checkpoint.py moves them)"),
     ("ladder_residual", "--ladder-residual"),
     ("ladder_residual_layers", "--ladder-residual-layers"),
     ("desync_residual", "--desync-residual"),
@@ -110,6 +114,11 @@ def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
                                    else d["num_attention_heads"])
     if "virtual_pipeline_model_parallel_size" in d:   # None: one chunk per stage
         out["virtual_pipeline_model_parallel_size"] = d["virtual_pipeline_model_parallel_size"] or 1
+    if d.get("num_layers") and d.get("pipeline_model_parallel_size"):   # (older checkpoints: the even split)
+        try:
+            out["pipeline_layout"] = PipelineLayout.from_args(d, d["pipeline_model_parallel_size"]).counts()
+        except ValueError as e:
+            out["pipeline_layout"] = str(e)
     if "ladder_residual" in d:
         layers = d.get("ladder_residual_layers")
         n = (d.get("num_layers") if layers is None else layers) if d.get("ladder_residual") else 0
@@ -128,7 +137,7 @@ def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> Li
     for name, flag in MODEL_FLAGS:
         if getattr(args, "finetune", False) and name in WIRING_FLAGS:
             continue
-        if name in saved and old.get(name) != new.get(name):
+        if (name in saved or name == "pipeline_layout" and name in old) and old.get(name) != new.get(name):
             problems.append(f"{flag}: checkpoint {old.get(name)!r}, this run {new.get(name)!r}")
             div = saved.get("make_vocab_size_divisible_by")
             if name == "padded_vocab_size" and div and div != getattr(args, "make_vocab_size_divisible_by", div):

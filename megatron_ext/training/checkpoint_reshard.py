@@ -6,8 +6,9 @@ optimizer states. This is Megatron-LM's ``tools/checkpoint/convert.py`` for our 
 process group, and the source is never written to.
 
 [Note: reshard rules]
-* Pipeline: a stage-local ``decoder.layers.<j>`` is global layer ``(chunk * PP + stage) * L / (PP * V) + j``
-  (megatron-core's even layout, V model chunks per stage); the embedding lives on stage 0's first chunk, the final
+* Pipeline: a stage-local ``decoder.layers.<j>`` of model chunk ``c`` is global layer ``offset(stage, c) + j``, by
+  megatron-core's placement (``pipeline_layout.py``: even, or the uneven splits Megatron-LM's flags choose, V model
+  chunks per stage; the target keeps the source's split unless told another); the embedding lives on stage 0's first chunk, the final
   norm and output layer on the last stage's last chunk. With tied embeddings and PP > 1 the last stage also holds
   ``output_layer.weight``, a copy of the embedding kept identical by megatron-core's embedding-group all-reduce; it
   is dropped on reading and written again from the embedding (weights and optimizer states) where the target needs
@@ -47,6 +48,7 @@ from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, _publi
                             find_checkpoint, iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale,
                             verify_checksums, write_manifest)
 from .model import padded_vocab_size
+from .pipeline_layout import PipelineLayout
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _COLUMN = re.compile(r"(^|\.)(linear_qkv|linear_fc1|output_layer)\.(weight|bias)$")
@@ -58,27 +60,15 @@ _OUTPUT_WEIGHT = re.compile(r"(^|\.)output_layer\.weight$")
 _CHUNK = re.compile(r"^(\d+)\.(.*)$")
 
 
-class Layout:
-    """Where the layers of a ``num_layers`` model live for TP ``tp`` x PP ``pp`` with ``vp`` chunks per stage."""
+class Layout(PipelineLayout):
+    """A pipeline layout (``pipeline_layout.py``: even or uneven, with model chunks) at TP ``tp``, and where the
+    tensors outside the layers live."""
 
-    def __init__(self, num_layers: int, tp: int, pp: int, vp: int) -> None:
-        if tp < 1 or pp < 1 or vp < 1:
-            raise ValueError(f"parallel sizes must be at least 1 (TP {tp}, PP {pp}, chunks {vp})")
-        if num_layers % (pp * vp):
-            raise ValueError(f"--num-layers {num_layers} is not divisible by PP {pp} x {vp} model chunks per stage")
-        if vp > 1 and pp < 2:
-            raise ValueError("several model chunks per stage need a pipeline of at least 2 stages")
-        self.num_layers, self.tp, self.pp, self.vp = num_layers, tp, pp, vp
-        self.per_chunk = num_layers // (pp * vp)
-
-    def offset(self, stage: int, chunk: int) -> int:
-        return (chunk * self.pp + stage) * self.per_chunk
-
-    def where(self, layer: int) -> Tuple[int, int, int]:
-        """(stage, chunk, local index) of global layer ``layer``."""
-        block, local = divmod(layer, self.per_chunk)
-        chunk, stage = divmod(block, self.pp)
-        return stage, chunk, local
+    def __init__(self, num_layers: int, tp: int, pp: int, vp: int, **split: Any) -> None:
+        if tp < 1:
+            raise ValueError(f"parallel sizes must be at least 1 (TP {tp})")
+        super().__init__(num_layers, pp, vp, **split)
+        self.tp = tp
 
     def holds(self, stage: int, chunk: int, name: str) -> bool:
         """Whether the (stage, chunk) position holds the non-layer tensor ``name``."""
@@ -87,6 +77,13 @@ class Layout:
         if _LAST_STAGE.search(name):
             return stage == self.pp - 1 and chunk == self.vp - 1
         return True
+
+
+def layout_of(args: Dict[str, Any], tp: int, pp: int, vp: int) -> Layout:
+    """The layout a checkpoint's ``args`` (or a target's) give at these sizes."""
+    split = PipelineLayout.from_args(args, pp, vp)
+    return Layout(args["num_layers"], tp, pp, vp, first=split.first, last=split.last,
+                  account_for_embedding=split.account_for_embedding, account_for_loss=split.account_for_loss)
 
 
 def global_key(key: str, layout: Layout, stage: int, chunk: int) -> str:
@@ -165,8 +162,7 @@ class _Source:
         args = common.get("args") or {}
         self.ckpt, self.common, self.args = ckpt, common, args
         vp = args.get("virtual_pipeline_model_parallel_size") or 1
-        self.layout = Layout(args["num_layers"], common["tensor_model_parallel_size"],
-                             common["pipeline_model_parallel_size"], vp)
+        self.layout = layout_of(args, common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"], vp)
         self.swiglu = bool(args.get("swiglu"))
         self.tied = not args.get("untie_embeddings_and_output_weights", False)
         self.has_optim = bool(common.get("has_optim", True))
@@ -334,7 +330,8 @@ def _target_keys(keys: Dict[str, Tuple[int, int]], target: Layout, tied: bool) -
 
 
 def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optional[int] = None,
-                       divisible_by: Optional[int] = None, log: Callable[[str], None] = print) -> str:
+                       divisible_by: Optional[int] = None, log: Callable[[str], None] = print,
+                       split: Optional[Dict[str, Any]] = None) -> str:
     """Write ``load_dir``'s tracked checkpoint into ``save_dir`` for TP ``tp`` x PP ``pp`` (``vp`` model chunks per
     stage; default: the source's), published atomically with its own manifest. Returns the new checkpoint directory.
     ``divisible_by``: pad the vocabulary as ``--make-vocab-size-divisible-by`` would at TP ``tp`` (default: keep the
@@ -356,13 +353,19 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint")
     src = _Source(ckpt, common)
     args = src.args
+    target_args = dict(args, **(split if split is not None else {}))
     try:
-        target = Layout(args["num_layers"], tp, pp, vp or src.layout.vp)
+        target = layout_of(target_args, tp, pp, vp or src.layout.vp)
     except ValueError as e:
-        hint = (f" (the checkpoint has {src.layout.vp} model chunks per stage: pass "
-                "--target-num-virtual-stages-per-pipeline-rank for the target)" if vp is None and src.layout.vp > 1
-                else "")
-        raise CheckpointError(f"target layout: {e}{hint}") from None
+        hints = []
+        if vp is None and src.layout.vp > 1:
+            hints.append(f"the checkpoint has {src.layout.vp} model chunks per stage: pass "
+                         "--target-num-virtual-stages-per-pipeline-rank for the target")
+        if split is None and not src.layout.even:
+            hints.append(f"the checkpoint's pipeline split ({src.layout.flags()}) was kept: give the target's with "
+                         "--target-decoder-first/last-pipeline-num-layers, --target-account-for-embedding/loss-in-"
+                         "pipeline-split or --target-even-pipeline-split")
+        raise CheckpointError(f"target layout: {e}{''.join(f' ({h})' for h in hints)}") from None
     problems = tp_problems(args, tp)
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} does not fit this model: " + "; ".join(problems))
@@ -431,7 +434,8 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         new_args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                         virtual_pipeline_model_parallel_size=target.vp if target.vp > 1 else None,
                         num_virtual_stages_per_pipeline_rank=target.vp if target.vp > 1 else None,
-                        num_layers_per_virtual_pipeline_stage=None, world_size=None, data_parallel_size=None)
+                        num_layers_per_virtual_pipeline_stage=None, world_size=None, data_parallel_size=None,
+                        **target.split_args())
         if new_rows is not None:
             new_args.update(padded_vocab_size=new_rows, make_vocab_size_divisible_by=divisible_by)
         new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
@@ -444,6 +448,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish_checkpoint(save_dir, iteration)
-    log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage) into "
-        f"{final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage); RNG states are re-seeded on resume")
+    log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage, "
+        f"{src.layout.describe()}) into {final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage, "
+        f"{target.describe()}); RNG states are re-seeded on resume")
     return final

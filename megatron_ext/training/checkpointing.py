@@ -603,9 +603,10 @@ def agree_on_checkpoint(ckpt: Optional[str]) -> None:
                                     "anything")
 
 
-def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None) -> Dict[str, Any]:
+def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None, layout=None) -> Dict[str, Any]:
     """``common.pt`` of ``ckpt`` (its checksum checked before it is unpickled), if it was saved at this run's TP
-    and PP sizes and, when given, ``chunks`` model chunks per stage (else CheckpointError)."""
+    and PP sizes and, when given, ``chunks`` model chunks per stage and the same layers per stage as ``layout`` (a
+    PipelineLayout), else CheckpointError."""
     from megatron.core import parallel_state as ps
 
     with open(os.path.join(ckpt, "manifest.json")) as f:
@@ -628,6 +629,18 @@ def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None) -> Dict[str, A
             f"(--num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage): checkpoint "
             f"{saved_chunks}, this run {chunks} "
             "(tools/reshard_checkpoint.py --target-num-virtual-stages-per-pipeline-rank rewrites it)")
+    if layout is not None and saved_args.get("num_layers") == layout.num_layers:
+        from .pipeline_layout import PipelineLayout
+
+        try:
+            saved = PipelineLayout.from_args(saved_args, pp, layout.vp).counts()
+        except ValueError as e:
+            saved = str(e)
+        if saved != layout.counts():
+            raise CheckpointError(
+                f"{ckpt} does not fit this run: the layers per pipeline stage: checkpoint {saved}, this run "
+                f"{layout.counts()} ({layout.flags()}; tools/reshard_checkpoint.py "
+                "--target-decoder-first/last-pipeline-num-layers or --target-even-pipeline-split rewrites it)")
     return common
 
 

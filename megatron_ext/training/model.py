@@ -52,6 +52,11 @@ def config_overrides(args: argparse.Namespace) -> dict:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=_frees_sent_outputs(args),
+        # the pipeline split (megatron_ext/training/pipeline_layout.py computes the same map)
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding_in_pipeline_split=getattr(args, "account_for_embedding_in_pipeline_split", False),
+        account_for_loss_in_pipeline_split=getattr(args, "account_for_loss_in_pipeline_split", False),
     )
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     if vpp is not None:

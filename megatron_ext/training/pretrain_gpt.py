@@ -309,14 +309,16 @@ def _notice_foreign_checkpoints(args: argparse.Namespace) -> None:
 
 def _agreed_checkpoint(args: argparse.Namespace) -> Optional[str]:
     """Collective: ``--load``'s checkpoint as every rank sees it (or None), after each rank found it complete and
-    saved at this run's TP/PP sizes; any rank's failure is raised on every rank."""
+    saved at this run's TP/PP sizes and pipeline layout; any rank's failure is raised on every rank."""
     from . import checkpointing
+    from .arguments import pipeline_layout
 
     ckpt, error = None, None
     try:
         ckpt = _find_checkpoint_or_fail(args)
         if ckpt is not None:
-            checkpointing.check_parallel_sizes(ckpt, args.virtual_pipeline_model_parallel_size or 1)
+            checkpointing.check_parallel_sizes(ckpt, args.virtual_pipeline_model_parallel_size or 1,
+                                               pipeline_layout(args, args.pipeline_model_parallel_size))
     except checkpointing.CheckpointError as e:
         error = str(e)
     except OSError as e:   # an unreadable directory or file is an error too

@@ -114,7 +114,7 @@ def test_layouts_map_layers_both_ways():
     emb = "embedding.word_embeddings.weight"
     assert lay.holds(0, 0, emb) and not lay.holds(0, 1, emb)
     assert lay.holds(1, 1, "output_layer.weight") and not lay.holds(1, 0, "decoder.final_layernorm.weight")
-    with pytest.raises(ValueError, match="not divisible by PP 3"):
+    with pytest.raises(ValueError, match=r"must be divisible by --pipeline-model-parallel-size \(3\)"):
         Layout(8, tp=1, pp=3, vp=1)
 
 
