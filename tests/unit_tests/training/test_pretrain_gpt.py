@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 
@@ -38,18 +39,44 @@ def _runs(argvs):
     return [pretrain(argv) for argv in argvs]
 
 
-def test_per_split_data_paths_read_each_split_whole(spawn, text_dataset, tiny_model_flags):
+def _other_text_dataset(tmp_path, tok):
+    """A second corpus (stdlib files the training corpus leaves out), tokenized with the same tokenizer."""
+    import json
+    import sysconfig
+
+    from .conftest import REPO
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import preprocess_data
+
+    jsonl = tmp_path / "other.jsonl"
+    with open(jsonl, "w") as f:
+        for name in ("random.py", "pprint.py"):
+            with open(os.path.join(sysconfig.get_paths()["stdlib"], name), encoding="utf-8") as src:
+                text = src.read()
+            for i in range(0, len(text), 8000):
+                f.write(json.dumps({"text": text[i:i + 8000]}) + "\n")
+    prefix = str(tmp_path / "other")
+    assert preprocess_data.main(["--input", str(jsonl), "--output-prefix", prefix, "--tokenizer-type",
+                                 "HuggingFaceTokenizer", "--tokenizer-model", tok, "--append-eod"]) == 0
+    return prefix + "_text_document"
+
+
+def test_per_split_data_paths_read_each_split_whole(spawn, text_dataset, tiny_model_flags, tmp_path):
     """--train-data-path P trains on the samples --data-path P --split 100,0,0 gives (megatron-core's
-    blend_per_split: the whole file for its split), bit for bit; --valid-data-path is evaluated."""
+    blend_per_split: the whole file for its split), bit for bit; --valid-data-path V is what is evaluated: the
+    same training with V or with P as the validation file logs other validation losses."""
     prefix, tok = text_dataset
+    other = _other_text_dataset(tmp_path, tok)
     common = tiny_model_flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
                                  "--global-batch-size", "8", "--train-iters", "3"]
-    blend, per_split = spawn(_runs, 2, [
+    per_split = common + ["--train-data-path", prefix, "--eval-iters", "1", "--eval-interval", "3"]
+    blend, on_other, on_train = spawn(_runs, 2, [
         common + ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0"],
-        common + ["--train-data-path", prefix, "--valid-data-path", prefix, "--eval-iters", "1", "--eval-interval",
-                  "3"]], timeout=200)[-1]
-    assert per_split["losses"] == blend["losses"] and len(blend["losses"]) == 3
-    assert 3 in per_split["eval"] and not blend["eval"]
+        per_split + ["--valid-data-path", other], per_split + ["--valid-data-path", prefix]], timeout=200)[-1]
+    assert on_other["losses"] == on_train["losses"] == blend["losses"] and len(blend["losses"]) == 3
+    assert 3 in on_other["eval"] and not blend["eval"]
+    assert on_other["eval"][3] != on_train["eval"][3], (on_other["eval"], on_train["eval"])
 
 
 def _layout_free_init(module):
