@@ -3,6 +3,10 @@
 Not collected (no ``test_`` prefix): ``test_reference.py`` runs them on the torch reference and ``triton_cases.py`` on
 the Triton kernels (interpreted), so both backends are held to the same hand-written numbers and the same errors.
 Each ``run_*`` takes a backend module (``reference`` or ``triton_ops``: same functions, same signatures).
+Inputs that only feed the op under test (codes and scales to decode, reduce or reject) come from the eager
+reference, never from ``impl``: on the Inductor path each new combination ``impl`` runs is one more cold compile,
+so a case compiles only what it checks. Expected values taken from ``impl`` itself (an op without ``out`` against
+the same op with it, a reduction against its own sum) stay on ``impl``.
 
 Ties: every input below is chosen so that ``x / scale`` is *exactly* ``k + 1/2`` (scales 1, 2, 3 and 0.5 make the
 divisions exact in fp32), positive and negative, at small codes and next to +-qmax. Round half to even sends
@@ -15,6 +19,8 @@ import warnings
 
 import pytest
 import torch
+
+from megatron_ext.kernels import reference as ref
 
 # INT8, groups of 16. Group 0: absmax 127 -> scale 1. Group 1: absmax 381 -> scale 3 (every x is 3 * (k + 1/2)).
 INT8_TIE_X = [127.0, -127.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 125.5, -125.5, 126.5, -126.5, 3.5, -3.5, 0.25, -100.0,
@@ -89,7 +95,7 @@ def run_non_contiguous_rejected(impl) -> None:
     """Strided codes / scales / chunks / q: the same clear ValueError on every backend (never a raw view error or
     silently reordered data), and a dtype error that names the expected dtype."""
     x = torch.randn(64)
-    codes, scales = impl.quantize_symmetric(x, bits=8, group_size=8)  # 8 scales
+    codes, scales = ref.quantize_symmetric(x, bits=8, group_size=8)  # 8 scales
     scales_2d = scales.view(4, 2).t()  # 2-D, non-contiguous, all 8 scales present
     with pytest.raises(ValueError, match=r"scales must be contiguous .*strides"):
         impl.dequantize_symmetric(codes, scales_2d, bits=8, group_size=8, numel=64)
@@ -112,7 +118,7 @@ def run_non_contiguous_rejected(impl) -> None:
         impl.dequantize_rows(bad_chunks, sc2, bits=8, group_size=8, out=out)
     with pytest.raises(ValueError, match=r"out must be 2-D with contiguous rows .*strides"):
         impl.dequantize_rows(chunks, sc2, bits=8, group_size=8, out=torch.empty(64, 2).t())
-    q, mins, maxs = impl.quantize_minmax_uint8(x, 16)
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 16)
     with pytest.raises(ValueError, match=r"q must be contiguous .*strides"):
         impl.dequantize_minmax_uint8(torch.stack([q, q], 1).view(-1)[::2], mins, maxs, 16, 64)
     with pytest.raises(TypeError, match=r"must be torch.uint8, got torch.int8"):
@@ -146,7 +152,7 @@ def run_row_strided_inputs(impl) -> None:
     g = torch.Generator().manual_seed(3)
     # rows of 5, 5, 6 and 1 groups; the second and third decode to more than n (the padding is dropped)
     for bits, group, n in ((8, 8, 40), (8, 8, 37), (4, 8, 42), (4, 8, 8)):
-        pieces = [impl.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
+        pieces = [ref.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
                   for _ in range(3)]
         codes = torch.stack([c for c, _ in pieces])
         scales = torch.stack([s for _, s in pieces])
@@ -166,7 +172,7 @@ def run_row_strided_inputs(impl) -> None:
                     _same(out[r], impl.dequantize_symmetric(cr, sr, bits=bits, group_size=group, numel=n,
                                                             dtype=dtype))
                 assert whole[:, :2].eq(7).all() and whole[:, 2 + n:].eq(7).all()
-    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    codes, scales = ref.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     with pytest.raises(ValueError, match=r"same rows"):
         impl.dequantize_rows(codes.view(2, 32), scales.view(1, 8), bits=8, group_size=8, out=torch.empty(2, 32))
     with pytest.raises(ValueError, match=r"scales and out must be on codes' device cpu, got cpu and meta"):
@@ -218,7 +224,7 @@ def run_out_rows(impl) -> None:
         for r in (4, 8):   # qgZ's rows: N slots for each local peer (S*D rows), or one slot a row
             buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
             _check_out_rows(buf, out, impl.swizzle_quantize(x, bits, 8, 2, 2, 2, out=out), want)
-        pieces = [impl.quantize_symmetric(torch.randn(48, generator=g), bits=bits, group_size=8) for _ in range(3)]
+        pieces = [ref.quantize_symmetric(torch.randn(48, generator=g), bits=bits, group_size=8) for _ in range(3)]
         chunks, scales = torch.stack([c for c, _ in pieces]), torch.stack([s for _, s in pieces])
         want = impl.dequantize_reduce_quantize(chunks, scales, bits, 8)
         for r in (1, 2, 6):
@@ -251,12 +257,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 def run_bad_arguments_rejected(impl) -> None:
     """No chunks, a non-positive min-max chunk size, maxima shorter than the chunks: a clear ValueError on every
     backend, before any kernel reads memory (the native C would otherwise read past the arrays)."""
-    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    codes, scales = ref.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     for fn in (lambda c, s: impl.dequantize_reduce_quantize(c, s, 8, 8),
                lambda c, s: impl.dequantize_reduce(c, s, bits=8, group_size=8)):
         with pytest.raises(ValueError, match=r"at least one chunk"):
             fn(codes.view(1, -1)[:0], scales.view(1, -1)[:0])
-    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)  # 4 chunks
+    q, mins, maxs = ref.quantize_minmax_uint8(torch.randn(64), 16)  # 4 chunks
     for chunk in (0, -5):
         with pytest.raises(ValueError, match=r"chunk_size must be positive"):
             impl.dequantize_minmax_uint8(q, mins, maxs, chunk, 64)
@@ -289,7 +295,7 @@ def run_minmax_reduce(impl) -> None:
             x = torch.randn(length, generator=g) * (a + 1) + a
             if a in (1, 2):   # constant chunks whose max * scale overflows: they decode to +inf and -inf, the sum NaN
                 x[:chunk] = 2e29 if a == 1 else -2e29
-            rows.append(impl.quantize_minmax_uint8(x, chunk))
+            rows.append(ref.quantize_minmax_uint8(x, chunk))
         q, mm = _minmax_wire_rows(rows)
         assert not q.is_contiguous() or k == 1
         for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (0.125, torch.bfloat16)):
@@ -311,7 +317,7 @@ def run_minmax_reduce(impl) -> None:
             else:   # fp32: a NaN stays NaN; its bits are the device arithmetic's
                 assert torch.equal(got.isnan(), nan)
                 _same(got.masked_fill(nan, 0), want.masked_fill(nan, 0))
-    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
+    q, mins, maxs = ref.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
     q2, mins2, maxs2 = torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs])
     with pytest.raises(ValueError, match=r"same k >= 1 rows"):
         impl.dequantize_minmax_reduce(q2, mins2[:1], maxs2, 16, 64)
@@ -348,7 +354,7 @@ def run_minmax_rows(impl, cases=MINMAX_ROWS_CASES) -> None:
             x = torch.randn(n, generator=g) * (a + 1) - a
             if a == 1:
                 x[:chunk] = -2e29   # a constant chunk whose max * scale overflows: it decodes to -inf
-            rows.append(impl.quantize_minmax_uint8(x, chunk))
+            rows.append(ref.quantize_minmax_uint8(x, chunk))
         q, mm = _minmax_wire_rows(rows)
         # the mins also from a buffer of their own, at another row stride than the maxs (NaN beyond them)
         own = torch.full((k, nc + 5), float("nan"))
@@ -362,7 +368,7 @@ def run_minmax_rows(impl, cases=MINMAX_ROWS_CASES) -> None:
             assert into[:, 0].eq(7).all() and into[:, n + 1:].eq(7).all()
             if k > 1:
                 assert out[1, :chunk].eq(float("-inf")).all()
-    q, mins, maxs = impl.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
+    q, mins, maxs = ref.quantize_minmax_uint8(torch.randn(64), 16)   # 4 chunks
     q2, mins2, maxs2 = torch.stack([q, q]), torch.stack([mins, mins]), torch.stack([maxs, maxs])
     with pytest.raises(ValueError, match=r"q, mins, maxs and out must have the same rows; got \(2, 64\), \(2, 4\), "
                                          r"\(2, 4\) and \(3, 64\)"):
@@ -395,7 +401,7 @@ def run_reduce_factor_out(impl) -> None:
     untouched; a cut last group; bad ``out`` and ``dtype`` are clear errors."""
     g = torch.Generator().manual_seed(5)
     for bits, group, n, numel in ((8, 8, 40, 37), (4, 8, 42, 41), (4, 8, 64, 64), (8, 16, 32, 0)):
-        pieces = [impl.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
+        pieces = [ref.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
                   for _ in range(3)]
         c, s = _wire_rows(torch.stack([q for q, _ in pieces]), torch.stack([sc for _, sc in pieces]), lead=4)
         total = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel)
@@ -417,7 +423,7 @@ def run_reduce_factor_out(impl) -> None:
                                        out=square)
             assert square.shape == (1, numel)
             _same(square.view(-1), want)
-    codes, scales = impl.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
+    codes, scales = ref.quantize_symmetric(torch.randn(64), bits=8, group_size=8)
     chunks, sc = codes.view(2, 32), scales.view(2, 4)
     for bad, what in ((torch.empty(31), r"\(31,\)"), (torch.empty(32, dtype=torch.bfloat16), "torch.bfloat16"),
                       (torch.empty(2, 16).t(), "not contiguous")):
@@ -438,7 +444,7 @@ def run_out_aliasing_rejected(impl) -> None:
         impl.quantize_symmetric(x, bits=8, group_size=8, out=over_x)
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
         impl.swizzle_quantize(x, 8, 8, 2, 2, 1, out=over_x)
-    codes, scales = impl.quantize_symmetric(x, bits=8, group_size=8)
+    codes, scales = ref.quantize_symmetric(x, bits=8, group_size=8)
     chunks, sc = codes.view(2, 32), scales.view(2, 4)
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):   # the result over the second chunk
         impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(chunks[1:], torch.empty(1, 4)))
@@ -446,7 +452,7 @@ def run_out_aliasing_rejected(impl) -> None:
         impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), sc[:1]))
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
         impl.dequantize_rows(chunks, sc, bits=8, group_size=8, out=sc.view(-1)[:4].view(2, 2))
-    q, mins, maxs = impl.quantize_minmax_uint8(x, 16)   # ByteGrad's decode into its own (min, max) row
+    q, mins, maxs = ref.quantize_minmax_uint8(x, 16)   # ByteGrad's decode into its own (min, max) row
     mm = torch.cat([mins, maxs]).view(1, -1)
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
         impl.dequantize_minmax_reduce(q.view(1, -1), mm[:, :4], mm[:, 4:], 16, 8, out=mm.view(-1)[:8])
