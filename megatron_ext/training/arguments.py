@@ -645,6 +645,13 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
               f"({args.global_batch_size}): no iteration to train")
     if args.virtual_pipeline_model_parallel_size is not None:
         _check_interleaved_micro_batches(args, pp)
+        if args.rampup_batch_size is not None:   # every batch of the ramp is scheduled the same way
+            from .batch_size import ramp_sizes
+
+            for batch in ramp_sizes(args)[:-1]:
+                _check_interleaved_micro_batches(args, pp, batch)
+        if args.microbatch_group_size_per_vp_stage is None:
+            args.microbatch_group_size_per_vp_stage = pp
     elif pp > 1 and args.num_micro_batches < pp:
         # megatron-core's 1F1B schedule runs with fewer micro-batches than stages, but it is all bubble.
         _warn(f"{args.num_micro_batches} micro-batches per step with {pp} pipeline stages: the pipeline "
@@ -1182,29 +1189,33 @@ def _validate_virtual_pipeline(args: argparse.Namespace, pp: int) -> None:
             _fail(f"{flag} does not work with {other} (it supports one model chunk per pipeline stage)")
 
 
-def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int) -> None:
+def _check_interleaved_micro_batches(args: argparse.Namespace, pp: int, batch: Optional[int] = None) -> None:
     """megatron-core's interleaved schedule runs micro-batches in groups of
     ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP) per chunk; it raises inside the first step
-    on counts it cannot schedule, so they are named here."""
-    m, group = args.num_micro_batches, args.microbatch_group_size_per_vp_stage
-    given = group is not None
+    on counts it cannot schedule, so they are named here. ``batch``: a global batch size of the ramp-up (default
+    --global-batch-size)."""
+    per_step = args.micro_batch_size * args.data_parallel_size
+    m = args.num_micro_batches if batch is None else batch // per_step
+    source, fix = (("--global-batch-size", "--global-batch-size") if batch is None else
+                   (f"the --rampup-batch-size global batch {batch}", "--rampup-batch-size"))
+    split = f"{source} / (--micro-batch-size x data-parallel size)"
+    at = "" if batch is None else f" (at {source})"
+    given = args.microbatch_group_size_per_vp_stage is not None
+    group = args.microbatch_group_size_per_vp_stage if given else pp
     if not given:
-        group = args.microbatch_group_size_per_vp_stage = pp
         if m < pp:
             _fail(f"the interleaved pipeline needs at least --pipeline-model-parallel-size ({pp}) micro-batches per "
-                  f"step, got {m} (= --global-batch-size / (--micro-batch-size x data-parallel size)); raise "
-                  "--global-batch-size")
+                  f"step, got {m} (= {split}); raise {fix}")
     if not pp <= group <= m:
         _fail(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be between "
-              f"--pipeline-model-parallel-size ({pp}) and the micro-batches per step ({m} = --global-batch-size / "
-              "(--micro-batch-size x data-parallel size)); raise --global-batch-size")
+              f"--pipeline-model-parallel-size ({pp}) and the micro-batches per step ({m} = {split}); raise {fix}")
     if 0 < m % group < pp:
         if not given:   # (the group is PP: no remainder can be at least PP)
             _fail(f"the interleaved pipeline needs the micro-batches per step ({m}) to be a multiple of "
-                  f"--pipeline-model-parallel-size ({pp}); change --global-batch-size")
+                  f"--pipeline-model-parallel-size ({pp}){at}; change {fix}")
         _fail(f"the interleaved pipeline needs the micro-batches per step ({m}) to be a multiple of "
               f"--microbatch-group-size-per-virtual-pipeline-stage ({group}), or to leave a remainder of at least "
-              f"--pipeline-model-parallel-size ({pp}); change --global-batch-size")
+              f"--pipeline-model-parallel-size ({pp}){at}; change {fix}")
 
 
 def _validate_recompute(args: argparse.Namespace, pp: int) -> None:

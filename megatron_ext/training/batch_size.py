@@ -67,7 +67,4 @@ def rampup_problems(args: argparse.Namespace) -> Optional[str]:
     if bad:
         return (f"the batch sizes {bad} of the ramp are not multiples of --micro-batch-size "
                 f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
-    if args.virtual_pipeline_model_parallel_size is not None:
-        return ("it is not combined with the interleaved pipeline (--num-layers-per-virtual-pipeline-stage / "
-                "--num-virtual-stages-per-pipeline-rank), whose micro-batch count is checked once")
     return None

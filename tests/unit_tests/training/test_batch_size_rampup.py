@@ -71,3 +71,26 @@ def test_ramped_run_trains_as_the_small_batch_then_resumes_mid_ramp(spawn, text_
     resumed = spawn(_runs, 2, [base + RAMP + ["--load", ckpt]], timeout=200)[-1][0]
     assert {i: v["global_batch_size"] for i, v in resumed["log"].items()} == {4: 4, 5: 8, 6: 8, 7: 8}
     assert resumed["losses"] == {i: ramped["losses"][i] for i in range(4, 8)}
+
+
+def test_ramp_with_the_interleaved_pipeline(spawn, text_dataset, tiny_model_flags, capsys):
+    """PP 2 with two model chunks per stage, micro-batch 1: the ramp's batches of 2 (two micro-batches, the fewest
+    the interleaved schedule takes at PP 2) equal a --global-batch-size 2 run bit for bit, then the batch is 4; a
+    ramp batch the schedule cannot run is named before any process group starts."""
+    vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+           "--micro-batch-size", "1"]
+    base = _sample_based(tiny_model_flags) + _data_flags(text_dataset) + vpp
+    ramped, small = spawn(_runs, 2, [base + ["--global-batch-size", "4", "--train-samples", "14",
+                                             "--rampup-batch-size", "2", "2", "4"],
+                                     base + ["--global-batch-size", "2", "--train-samples", "14", "--exit-interval",
+                                             "2"]], timeout=200)[-1]
+    sizes = {i: v["global_batch_size"] for i, v in ramped["log"].items()}
+    assert sizes == {1: 2, 2: 2, 3: 4, 4: 4}, sizes   # 4 of the 14 samples at batch 2, then 2 batches of 4
+    assert [ramped["losses"][i] for i in (1, 2)] == [small["losses"][i] for i in (1, 2)]
+    with pytest.raises(SystemExit):
+        parse_args(["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--lr", "1e-3"] + vpp
+                   + ["--global-batch-size", "4", "--train-samples", "40", "--rampup-batch-size", "1", "1", "8"],
+                   world_size=2)
+    err = capsys.readouterr().err
+    assert ("needs at least --pipeline-model-parallel-size (2) micro-batches per step, got 1 (= the "
+            "--rampup-batch-size global batch 1" in err), err
