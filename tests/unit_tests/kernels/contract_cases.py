@@ -12,6 +12,16 @@ Ties: every input below is chosen so that ``x / scale`` is *exactly* ``k + 1/2``
 divisions exact in fp32), positive and negative, at small codes and next to +-qmax. Round half to even sends
 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, 125.5 -> 126, 126.5 -> 126, 6.5 -> 6; rounding half away from zero (C's ``round``)
 would give 1, 2, 3, 126, 127, 7 and fails these cases.
+
+Group sizes: on the Inductor path (test_compiled.py) every new (op, bits, group size, ``k``, dtype) combination is one
+more cold compile, so where a case compiles there (two groups, or two min-max pieces of 16, or more) it uses what the
+hypothesis tests of that file compile anyway: quantization in groups of 64, the INT8 reductions over k = 3 chunks in
+groups of 6, the INT4 ones over k = 2 chunks in groups of 64, min-max pieces of 16 from bf16 input. A hand-written tie
+group of 16 (INT8) or 8 (INT4) values lies inside a group of 64 padded with zeros, which change neither the group's
+absmax nor any code (zeros quantize to 0). Cases of a single group (or under two pieces) run eagerly there, so they
+keep their small sizes. Their own graphs, on purpose: run_reduce_factor_out's fp32 sum of INT8 groups of 6 (every
+factor but 1 starts from it) and bf16 sums of INT4 groups of 64 (a 16-bit result at factor 1; cut and whole), and
+run_row_strided_inputs' bf16 row decode of INT4 groups of 64 (16-bit out rows of several groups).
 """
 from __future__ import annotations
 
@@ -38,12 +48,25 @@ INT4_TIE_BYTES = [0x70, 0x02, 0xE2, 0x6A, 0x90, 0x2E, 0x2E, 0x6A]
 INT4_TIE_SCALES = [1.0, 3.0]
 
 
+def _in_groups_of(values: list, per: int, width: int) -> list:
+    """Each run of ``per`` values inside a group of ``width`` padded with zeros: the first run at the group's start,
+    the next at its end, alternating (the tie values at both ends of the vector loops)."""
+    out = []
+    for i in range(0, len(values), per):
+        lead = 0 if (i // per) % 2 == 0 else width - per
+        out += [0] * lead + list(values[i:i + per]) + [0] * (width - per - lead)
+    return out
+
+
 def run_symmetric_ties(impl) -> None:
-    """quantize_symmetric: INT8 and INT4 ties against the hand-written codes."""
-    codes, scales = impl.quantize_symmetric(torch.tensor(INT8_TIE_X), bits=8, group_size=16)
-    assert codes.tolist() == INT8_TIE_CODES and scales.tolist() == INT8_TIE_SCALES
-    codes, scales = impl.quantize_symmetric(torch.tensor(INT4_TIE_X), bits=4, group_size=8)
-    assert codes.tolist() == INT4_TIE_BYTES and scales.tolist() == INT4_TIE_SCALES
+    """quantize_symmetric: INT8 and INT4 ties against the hand-written codes, each tie group inside a group of 64
+    padded with zeros (same absmax, so the same scale; zeros give code 0)."""
+    x = torch.tensor(_in_groups_of(INT8_TIE_X, 16, 64), dtype=torch.float32)
+    codes, scales = impl.quantize_symmetric(x, bits=8, group_size=64)
+    assert codes.tolist() == _in_groups_of(INT8_TIE_CODES, 16, 64) and scales.tolist() == INT8_TIE_SCALES
+    x = torch.tensor(_in_groups_of(INT4_TIE_X, 8, 64), dtype=torch.float32)
+    codes, scales = impl.quantize_symmetric(x, bits=4, group_size=64)
+    assert codes.tolist() == _in_groups_of(INT4_TIE_BYTES, 4, 32) and scales.tolist() == INT4_TIE_SCALES
 
 
 def run_swizzle_ties(impl) -> None:
@@ -150,10 +173,12 @@ def run_row_strided_inputs(impl) -> None:
     and give the bits of contiguous inputs: the two qgZ reductions over k chunks, and ``dequantize_rows`` (qwZ's
     decode of all gathered rows, straight into the destination) against a per-row ``dequantize_symmetric``."""
     g = torch.Generator().manual_seed(3)
-    # rows of 5, 5, 6 and 1 groups; the second and third decode to more than n (the padding is dropped)
-    for bits, group, n in ((8, 8, 40), (8, 8, 37), (4, 8, 42), (4, 8, 8)):
+    # k rows of 5, 5, 6 and 1 groups; the second and third decode to more than n (the padding is dropped)
+    for bits, group, k, n, dtypes in ((8, 6, 3, 30, (torch.float32,)), (8, 6, 3, 27, (torch.float32,)),
+                                      (4, 64, 2, 362, (torch.float32, torch.bfloat16)),
+                                      (4, 64, 2, 64, (torch.float32, torch.bfloat16))):
         pieces = [ref.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
-                  for _ in range(3)]
+                  for _ in range(k)]
         codes = torch.stack([c for c, _ in pieces])
         scales = torch.stack([s for _, s in pieces])
         for lead in (0, 4):
@@ -164,8 +189,8 @@ def run_row_strided_inputs(impl) -> None:
                 _same(a, b)
             _same(impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=n - 1),
                   impl.dequantize_reduce(codes, scales, bits=bits, group_size=group, numel=n - 1))
-            for dtype in (torch.float32, torch.bfloat16):
-                whole = torch.full((3, n + 5), 7.0, dtype=dtype)
+            for dtype in dtypes:
+                whole = torch.full((k, n + 5), 7.0, dtype=dtype)
                 out = whole[:, 2:2 + n]   # strided rows; the columns around them must stay untouched
                 assert impl.dequantize_rows(c, s, bits=bits, group_size=group, out=out) is out
                 for r, (cr, sr) in enumerate(pieces):
@@ -212,24 +237,26 @@ def run_out_rows(impl) -> None:
     without ``out``: plain quantization, qgZ's swizzle in its first hop's rows, and its requantization in the second
     hop's rows; bad ``out`` arguments are clear errors."""
     g = torch.Generator().manual_seed(5)
-    for bits, n, rows in ((8, 40, (1, 5)), (4, 42, (1, 2, 3)), (4, 16, (1, 2))):
+    for bits, n, rows in ((8, 320, (1, 5)), (4, 362, (1, 2, 3)), (4, 128, (1, 2))):   # groups of 64: 5, 6, 2
         x = torch.randn(n, generator=g) * 2
-        want = impl.quantize_symmetric(x, bits=bits, group_size=8)
+        want = impl.quantize_symmetric(x, bits=bits, group_size=64)
         for r in rows:
             buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
-            _check_out_rows(buf, out, impl.quantize_symmetric(x, bits=bits, group_size=8, out=out), want)
+            _check_out_rows(buf, out, impl.quantize_symmetric(x, bits=bits, group_size=64, out=out), want)
     for bits in (8, 4):
         x = torch.randn(50, generator=g)
         want = impl.swizzle_quantize(x, bits, 8, 2, 2, 2)   # [S=2, W=4, chunk]
         for r in (4, 8):   # qgZ's rows: N slots for each local peer (S*D rows), or one slot a row
             buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
             _check_out_rows(buf, out, impl.swizzle_quantize(x, bits, 8, 2, 2, 2, out=out), want)
-        pieces = [ref.quantize_symmetric(torch.randn(48, generator=g), bits=bits, group_size=8) for _ in range(3)]
+        group, k = (6, 3) if bits == 8 else (64, 2)   # 6 groups a chunk
+        pieces = [ref.quantize_symmetric(torch.randn(6 * group, generator=g), bits=bits, group_size=group)
+                  for _ in range(k)]
         chunks, scales = torch.stack([c for c, _ in pieces]), torch.stack([s for _, s in pieces])
-        want = impl.dequantize_reduce_quantize(chunks, scales, bits, 8)
+        want = impl.dequantize_reduce_quantize(chunks, scales, bits, group)
         for r in (1, 2, 6):
             buf, out = _out_rows(r, want[0].numel(), want[1].numel(), want[0].dtype)
-            _check_out_rows(buf, out, impl.dequantize_reduce_quantize(chunks, scales, bits, 8, out=out), want)
+            _check_out_rows(buf, out, impl.dequantize_reduce_quantize(chunks, scales, bits, group, out=out), want)
     x = torch.randn(40)
     codes, scales = torch.empty(2, 20, dtype=torch.int8), torch.empty(2, 3)
     with pytest.raises(ValueError, match=r"split 40 code bytes and 5 scales into equal rows"):
@@ -287,7 +314,7 @@ def run_minmax_reduce(impl) -> None:
     longer than ``numel``, a partial last chunk, an overflowing (inf) chunk, one row; bad arguments are clear errors."""
     g = torch.Generator().manual_seed(11)
     # chunks of several Triton blocks (3000 > 2048), chunks longer than the rows (100 > 40)
-    for k, length, numel, chunk in ((3, 83, 80, 7), (2, 40, 40, 16), (1, 9, 5, 4), (2, 12, 0, 4), (2, 4500, 4400, 3000),
+    for k, length, numel, chunk in ((3, 83, 80, 7), (2, 24, 24, 16), (1, 9, 5, 4), (2, 12, 0, 4), (2, 4500, 4400, 3000),
                                     (2, 40, 30, 100)):
         nc = -(-length // chunk)
         rows = []
@@ -338,7 +365,9 @@ def run_minmax_reduce(impl) -> None:
             impl.dequantize_minmax_reduce(q2, mins2, maxs2, 16, 64, out=bad)
 
 
-MINMAX_ROWS_CASES = ((3, 83, 7), (2, 40, 16), (1, 5, 4), (2, 4500, 3000), (2, 30, 100))   # rows, length, chunk
+# rows, length, chunk (chunk 16: a whole and a partial chunk, 24 elements, under the two pieces of 16 that the
+# compiled path would compile a graph for: run_minmax_reduce's chunk-16 case alike)
+MINMAX_ROWS_CASES = ((3, 83, 7), (2, 24, 16), (1, 5, 4), (2, 4500, 3000), (2, 30, 100))
 
 
 def run_minmax_rows(impl, cases=MINMAX_ROWS_CASES) -> None:
@@ -400,9 +429,9 @@ def run_reduce_factor_out(impl) -> None:
     tensor (starting at an odd element: INT4's pair writes must not need an even one) whose neighbours stay
     untouched; a cut last group; bad ``out`` and ``dtype`` are clear errors."""
     g = torch.Generator().manual_seed(5)
-    for bits, group, n, numel in ((8, 8, 40, 37), (4, 8, 42, 41), (4, 8, 64, 64), (8, 16, 32, 0)):
+    for bits, group, k, n, numel in ((8, 6, 3, 30, 29), (4, 64, 2, 362, 361), (4, 64, 2, 128, 128), (8, 6, 3, 12, 0)):
         pieces = [ref.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
-                  for _ in range(3)]
+                  for _ in range(k)]
         c, s = _wire_rows(torch.stack([q for q, _ in pieces]), torch.stack([sc for _, sc in pieces]), lead=4)
         total = impl.dequantize_reduce(c, s, bits=bits, group_size=group, numel=numel)
         for factor, dtype in ((1.0, torch.float32), (1 / 3, torch.float32), (1 / 6, torch.bfloat16),
@@ -456,8 +485,14 @@ def run_out_aliasing_rejected(impl) -> None:
     mm = torch.cat([mins, maxs]).view(1, -1)
     with pytest.raises(ValueError, match=r"out overlaps the op's input"):
         impl.dequantize_minmax_reduce(q.view(1, -1), mm[:, :4], mm[:, 4:], 16, 8, out=mm.view(-1)[:8])
-    # the same shapes in separate memory run
-    impl.dequantize_reduce_quantize(chunks, sc, 8, 8, out=(torch.empty(1, 32, dtype=torch.int8), torch.empty(1, 4)))
+    # the same op into separate memory runs (3 chunks of 6 groups of 6: the compiled path's INT8 reduce combination)
+    codes, scales = ref.quantize_symmetric(torch.randn(108), bits=8, group_size=6)
+    chunks, sc = codes.view(3, 36), scales.view(3, 6)
+    want = ref.dequantize_reduce_quantize(chunks, sc, 8, 6)
+    got = impl.dequantize_reduce_quantize(chunks, sc, 8, 6, out=(torch.empty(1, 36, dtype=torch.int8),
+                                                                 torch.empty(1, 6)))
+    _same(got[0].view(-1), want[0])
+    _same(got[1].view(-1), want[1])
 
 
 def run_minmax_out_rows(impl) -> None:
@@ -465,8 +500,10 @@ def run_minmax_out_rows(impl) -> None:
     the values it returns without ``out``: rows of whole chunks, or one row ending in a partial chunk; bad ``out``
     arguments are clear errors."""
     g = torch.Generator().manual_seed(13)
-    for numel, chunk, rows in ((96, 16, (1, 2, 3, 6)), (90, 40, (1,)), (64, 64, (1,)), (8200, 4100, (1, 2))):
-        x = torch.randn(numel, generator=g) * 3 + 1
+    # chunk 16 from bf16 (the compiled path's pieces of 16 come from bf16 inputs in test_compiled.py's hypothesis)
+    for numel, chunk, rows, dtype in ((96, 16, (1, 2, 3, 6), torch.bfloat16), (90, 40, (1,), torch.float32),
+                                      (64, 64, (1,), torch.float32), (8200, 4100, (1, 2), torch.float32)):
+        x = (torch.randn(numel, generator=g) * 3 + 1).to(dtype)
         want = impl.quantize_minmax_uint8(x, chunk)
         for r in rows:
             n = numel // r
