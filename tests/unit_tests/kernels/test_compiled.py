@@ -145,8 +145,15 @@ def test_contract_cases(comp):
 
 
 def test_production_group_size_2048(comp):
-    """qwZ/qgZ default group (fp32, as the benchmark): padded lengths, odd swizzle offsets, INT4 k = 2 reductions."""
+    """qwZ/qgZ default group (fp32, as the benchmark): padded lengths, odd swizzle offsets, INT4 k = 2 reductions;
+    and min-max chunks of 2048 over a partial last chunk (test_minmax's 2048 case draws no example long enough to
+    compile: its hypothesis examples all stay under two chunks)."""
     g = 2048
+    x = _data(3 * g + 777, torch.float32, 7)
+    want = ref.quantize_minmax_uint8(x, g)
+    _same(comp.quantize_minmax_uint8(x, g), want)
+    _same(comp.dequantize_minmax_uint8(*want, g, x.numel(), torch.float32),
+          ref.dequantize_minmax_uint8(*want, g, x.numel(), torch.float32))
     for bits in (8, 4):
         for numel in (3 * g + 777, 2 * g):
             dtype = torch.float32
