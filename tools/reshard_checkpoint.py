@@ -53,16 +53,17 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "the target TP divides it (the notice names the flag to resume with)")
     args = p.parse_args(argv)
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                 "target_num_virtual_stages_per_pipeline_rank", "target_make_vocab_size_divisible_by"):
+                 "target_num_virtual_stages_per_pipeline_rank", "target_make_vocab_size_divisible_by",
+                 "target_decoder_first_pipeline_num_layers", "target_decoder_last_pipeline_num_layers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     given = {k: getattr(args, f"target_{k}") for k in LAYOUT_ARGS}
-    if args.target_even_pipeline_split and any(v not in (None, False) for v in given.values()):
+    some = any(v is not None and v is not False for v in given.values())   # (a layer count of 0 is refused above)
+    if args.target_even_pipeline_split and some:
         p.error("--target-even-pipeline-split conflicts with the other --target-... pipeline split flags")
     # the target's split: as given (the even split with --target-even-pipeline-split), else the checkpoint's
-    args.split = given if args.target_even_pipeline_split or any(v not in (None, False) for v in given.values()) \
-        else None
+    args.split = given if args.target_even_pipeline_split or some else None
     return args
 
 

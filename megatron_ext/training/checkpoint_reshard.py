@@ -48,7 +48,7 @@ from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, _publi
                             find_checkpoint, iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale,
                             verify_checksums, write_manifest)
 from .model import padded_vocab_size
-from .pipeline_layout import PipelineLayout
+from .pipeline_layout import LAYOUT_ARGS, PipelineLayout
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _COLUMN = re.compile(r"(^|\.)(linear_qkv|linear_fc1|output_layer)\.(weight|bias)$")
@@ -335,8 +335,11 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     """Write ``load_dir``'s tracked checkpoint into ``save_dir`` for TP ``tp`` x PP ``pp`` (``vp`` model chunks per
     stage; default: the source's), published atomically with its own manifest. Returns the new checkpoint directory.
     ``divisible_by``: pad the vocabulary as ``--make-vocab-size-divisible-by`` would at TP ``tp`` (default: keep the
-    padded size where TP ``tp`` divides it; see the reshard rules).
+    padded size where TP ``tp`` divides it; see the reshard rules). ``split``: the target's pipeline split, all four
+    of ``pipeline_layout.LAYOUT_ARGS`` (None: the source's).
     """
+    if split is not None and set(split) != set(LAYOUT_ARGS):
+        raise ValueError(f"split must give all of {LAYOUT_ARGS}, got {sorted(split)}")
     ckpt = find_checkpoint(load_dir)
     if ckpt is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")

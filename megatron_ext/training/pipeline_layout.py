@@ -49,10 +49,8 @@ class PipelineLayout:
         self._offsets: Dict[Tuple[int, int], int] = {}
         for c in range(vp):
             for s in range(pp):
+                # (0 where a chunk's one slot is the embedding or the loss: Megatron-LM's standalone stages)
                 count = per_chunk[s] - (emb if (s, c) == (0, 0) else 0) - (loss if (s, c) == (pp - 1, vp - 1) else 0)
-                if count < 1:
-                    raise ValueError(f"pipeline stage {s}{f' chunk {c}' if vp > 1 else ''} would hold no transformer "
-                                     f"layer ({self.flags()} with --num-layers {num_layers}): not supported")
                 self._counts[s, c] = count
                 self._offsets[s, c] = c * sum(per_chunk) + sum(per_chunk[:s]) - (emb if (s, c) != (0, 0) else 0)
         self._where = {self._offsets[sc] + j: (*sc, j) for sc, n in self._counts.items() for j in range(n)}
@@ -119,7 +117,8 @@ class PipelineLayout:
 
     @property
     def even(self) -> bool:
-        """Whether every chunk holds the same number of layers at the same place as the plain split would."""
+        """Whether no split flag was given (the plain even split; flags that happen to place the layers evenly still
+        count as given, since they mean something else at another PP size)."""
         return self.first is None and self.last is None and not (self.account_for_embedding or
                                                                   self.account_for_loss)
 

@@ -52,6 +52,8 @@ def test_examples_and_refusals():
     assert [(lay.offset(s, c), lay.count(s, c)) for c in range(2) for s in range(2)] == [(0, 1), (1, 2), (3, 2),
                                                                                          (5, 2)]
     assert PipelineLayout(8, 2).even and not PipelineLayout(8, 2, first=4).even
+    lay = PipelineLayout(6, 2, 4, account_for_embedding=True, account_for_loss=True)   # Megatron-LM's standalone
+    assert lay.counts() == "0+1+1+1 1+1+1+0"   # embedding and loss chunks: megatron-core builds them layer-less
     for kwargs, match in (
             (dict(num_layers=8, pp=3), r"--num-layers \(8\) must be divisible by --pipeline-model-parallel-size \(3\)"),
             (dict(num_layers=8, pp=2, account_for_loss=True),
@@ -62,9 +64,7 @@ def test_examples_and_refusals():
             (dict(num_layers=8, pp=2, first=0), r"--decoder-first-pipeline-num-layers must be positive, got 0"),
             (dict(num_layers=8, pp=2, first=3, account_for_embedding=True), r"conflict with"),
             (dict(num_layers=9, pp=2, vp=2, first=3), r"stage 0 holds 3 layers, not divisible by its 2 model chunks"),
-            (dict(num_layers=4, pp=2, vp=2, first=2, last=2), r"together with --num-virtual-stages-per-pipeline-rank"),
-            (dict(num_layers=1, pp=3, account_for_embedding=True, account_for_loss=True),
-             r"stage 0 would hold no transformer layer")):
+            (dict(num_layers=4, pp=2, vp=2, first=2, last=2), r"together with --num-virtual-stages-per-pipeline-rank")):
         with pytest.raises(ValueError, match=match):
             PipelineLayout(**kwargs)
 
@@ -85,6 +85,8 @@ def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_
     """PP 2 with --decoder-first-pipeline-num-layers 1 (stage 0 builds layer 1, stage 1 layers 2-4) trains like the
     even split from the same weights; its checkpoint resumes to the same losses, an even-split resume is refused by
     name, and tools/reshard_checkpoint.py --target-even-pipeline-split rewrites it into one the even split resumes.
+    With both --account-for-... flags and a layer per chunk, the first and last chunks hold only the embedding and
+    the loss (Megatron-LM's standalone stages), and train like the even split too.
     Bits may differ from the even run only through the grad norm's sums over other partitions (fp32 rounding):
     1e-6 relative (equal bits were seen); a wrong placement builds another model and misses by far more."""
     from .test_checkpoint_reshard import _reshard
@@ -94,9 +96,11 @@ def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_
     base = tiny_model_flags[2:] + _data_flags(text_dataset) + [
         "--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--train-iters", "4"]
     uneven = base + ["--decoder-first-pipeline-num-layers", "1"]
-    even, first, resumed, refused = spawn(_runs_from_one_init, 2, [
+    standalone = base + ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                         "--num-layers-per-virtual-pipeline-stage", "1"]   # 3 chunks a stage: 0+1+1 and 1+1+0 layers
+    even, first, resumed, refused, alone = spawn(_runs_from_one_init, 2, [
         base, uneven + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"], uneven + ["--load", ckpt],
-        base + ["--load", ckpt]], timeout=300)[-1]
+        base + ["--load", ckpt], standalone], timeout=300)[-1]
     assert _layers_saved(ckpt, 0) == [0] and _layers_saved(ckpt, 1) == [0, 1, 2]
     assert "the layers per pipeline stage: checkpoint 1 3, this run 2 2" in refused, refused
     assert _reshard(ckpt, even_ckpt, 1, 2, "--target-even-pipeline-split") == 0
@@ -108,6 +112,7 @@ def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_
         assert abs(got - want) <= 1e-6 * abs(want), (i, got, want)
         if i > 2:
             assert abs(from_even["losses"][i] - want) <= 1e-6 * abs(want), (i, from_even["losses"][i], want)
+        assert abs(alone["losses"][i] - want) <= 1e-6 * abs(want), (i, alone["losses"][i], want)
 
 
 @pytest.mark.parametrize("extra,message", [
