@@ -43,6 +43,9 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "--save-retain-interval": "every saved iteration is kept",
     "--non-persistent-save-interval": "non-persistent checkpoints are not implemented: use --save-interval",
     "--no-shared-storage": "checkpoints need a directory every rank sees (a shared filesystem)",
+    "--pipeline-model-parallel-layout": "megatron-core's explicit layout string is not taken: split the layers with "
+                                        "--decoder-first/last-pipeline-num-layers or "
+                                        "--account-for-embedding/loss-in-pipeline-split",
     "--fp8-format": "FP8 training is not implemented",
     "--ddp-average-in-collective": "the ODO averages once, in its own reduction (the backends' one place)",
     "--use-legacy-models": "the models are megatron-core's (the legacy model code is not used)",

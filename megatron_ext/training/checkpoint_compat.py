@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .pipeline_layout import PipelineLayout
+from .pipeline_layout import layout_counts
 
 # (name in the saved args, flag to name in the error). Compared on their effective values (see _effective).
 MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
@@ -115,10 +115,7 @@ def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
     if "virtual_pipeline_model_parallel_size" in d:   # None: one chunk per stage
         out["virtual_pipeline_model_parallel_size"] = d["virtual_pipeline_model_parallel_size"] or 1
     if d.get("num_layers") and d.get("pipeline_model_parallel_size"):   # (older checkpoints: the even split)
-        try:
-            out["pipeline_layout"] = PipelineLayout.from_args(d, d["pipeline_model_parallel_size"]).counts()
-        except ValueError as e:
-            out["pipeline_layout"] = str(e)
+        out["pipeline_layout"] = layout_counts(d, d["pipeline_model_parallel_size"])
     if "ladder_residual" in d:
         layers = d.get("ladder_residual_layers")
         n = (d.get("num_layers") if layers is None else layers) if d.get("ladder_residual") else 0

@@ -368,7 +368,11 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
             hints.append(f"the checkpoint's pipeline split ({src.layout.flags()}) was kept: give the target's with "
                          "--target-decoder-first/last-pipeline-num-layers, --target-account-for-embedding/loss-in-"
                          "pipeline-split or --target-even-pipeline-split")
-        raise CheckpointError(f"target layout: {e}{''.join(f' ({h})' for h in hints)}") from None
+        message = str(e)
+        if split is not None:   # the target's split was given on the tool's command line: name its flags
+            message = re.sub(r"--(decoder-(first|last)-pipeline-num-layers|account-for-(embedding|loss)-in-pipeline-"
+                             r"split)", r"--target-\1", message)
+        raise CheckpointError(f"target layout: {message}{''.join(f' ({h})' for h in hints)}") from None
     problems = tp_problems(args, tp)
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} does not fit this model: " + "; ".join(problems))

@@ -630,12 +630,9 @@ def check_parallel_sizes(ckpt: str, chunks: Optional[int] = None, layout=None) -
             f"{saved_chunks}, this run {chunks} "
             "(tools/reshard_checkpoint.py --target-num-virtual-stages-per-pipeline-rank rewrites it)")
     if layout is not None and saved_args.get("num_layers") == layout.num_layers:
-        from .pipeline_layout import PipelineLayout
+        from .pipeline_layout import layout_counts
 
-        try:
-            saved = PipelineLayout.from_args(saved_args, pp, layout.vp).counts()
-        except ValueError as e:
-            saved = str(e)
+        saved = layout_counts(saved_args, pp, layout.vp)
         if saved != layout.counts():
             raise CheckpointError(
                 f"{ckpt} does not fit this run: the layers per pipeline stage: checkpoint {saved}, this run "

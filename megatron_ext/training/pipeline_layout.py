@@ -91,7 +91,7 @@ class PipelineLayout:
             if middle_layers < 0:
                 raise ValueError(f"{self.flags()} place more layers than --num-layers {L}")
             middle_stages = pp - (self.first is not None) - (self.last is not None)
-            if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            if bool(middle_layers) != bool(middle_stages) or (
                     middle_stages and middle_layers % middle_stages):
                 raise ValueError(
                     f"--num-layers {L} with {self.flags()} leaves {middle_layers} layers for the "
@@ -133,16 +133,8 @@ class PipelineLayout:
         """(stage, chunk, local index) of global layer ``layer``."""
         return self._where[layer]
 
-    def stage_layers(self) -> List[int]:
-        """Transformer layers per stage (all its chunks)."""
-        return [sum(self._counts[s, c] for c in range(self.vp)) for s in range(self.pp)]
-
     def max_chunk_layers(self) -> int:
         return max(self._counts.values())
-
-    def placement(self) -> List[Tuple[int, int]]:
-        """(offset, count) of every (stage, chunk): two layouts with the same placement build the same stages."""
-        return [(self._offsets[s, c], self._counts[s, c]) for s in range(self.pp) for c in range(self.vp)]
 
     def counts(self) -> str:
         """The layers of each stage, ``+``-joined per chunk ("1 3", "1+1 2+2"): equal strings, equal placements
@@ -155,3 +147,11 @@ class PipelineLayout:
     def split_args(self) -> Dict[str, Any]:
         """The four split flags as pretrain_gpt's arguments (what a checkpoint's args record)."""
         return dict(zip(LAYOUT_ARGS, (self.first, self.last, self.account_for_embedding, self.account_for_loss)))
+
+
+def layout_counts(args: Dict[str, Any], pp: int, vp: Optional[int] = None) -> str:
+    """:meth:`PipelineLayout.counts` of a checkpoint's ``args`` (or the reason they give none): what a resume compares."""
+    try:
+        return PipelineLayout.from_args(args, pp, vp).counts()
+    except ValueError as e:
+        return str(e)

@@ -47,7 +47,7 @@ def test_every_valid_layout_matches_megatron_core():
 
 def test_examples_and_refusals():
     lay = PipelineLayout(8, 3, 1, first=2, last=2)   # the middle stage takes the other 4
-    assert lay.stage_layers() == [2, 4, 2] and [lay.offset(s) for s in range(3)] == [0, 2, 6]
+    assert lay.counts() == "2 4 2" and [lay.offset(s) for s in range(3)] == [0, 2, 6]
     lay = PipelineLayout(7, 2, 2, account_for_embedding=True)   # 8 slots: stage 0 chunk 0 gives one to the embedding
     assert [(lay.offset(s, c), lay.count(s, c)) for c in range(2) for s in range(2)] == [(0, 1), (1, 2), (3, 2),
                                                                                          (5, 2)]
@@ -81,7 +81,7 @@ def _layers_saved(ckpt, stage):
     return sorted({int(m[1]) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))})
 
 
-def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_flags, tmp_path):
+def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_flags, tmp_path, capsys):
     """PP 2 with --decoder-first-pipeline-num-layers 1 (stage 0 builds layer 1, stage 1 layers 2-4) trains like the
     even split from the same weights; its checkpoint resumes to the same losses, an even-split resume is refused by
     name, and tools/reshard_checkpoint.py --target-even-pipeline-split rewrites it into one the even split resumes.
@@ -103,6 +103,10 @@ def test_uneven_stages_train_resume_and_reshard(spawn, text_dataset, tiny_model_
         base + ["--load", ckpt], standalone], timeout=300)[-1]
     assert _layers_saved(ckpt, 0) == [0] and _layers_saved(ckpt, 1) == [0, 1, 2]
     assert "the layers per pipeline stage: checkpoint 1 3, this run 2 2" in refused, refused
+    capsys.readouterr()
+    assert _reshard(ckpt, str(tmp_path / "bad"), 1, 2, "--target-decoder-first-pipeline-num-layers", "5") == 1
+    assert "--target-decoder-first-pipeline-num-layers 5 place more layers than --num-layers 4" in \
+        capsys.readouterr().err
     assert _reshard(ckpt, even_ckpt, 1, 2, "--target-even-pipeline-split") == 0
     assert _layers_saved(even_ckpt, 0) == [0, 1] and _layers_saved(even_ckpt, 1) == [0, 1]
     (from_even,) = spawn(_runs_from_one_init, 2, [base + ["--load", even_ckpt]], timeout=200)[-1]
