@@ -8,11 +8,11 @@ process group, and the source is never written to.
 [Note: reshard rules]
 * Pipeline: a stage-local ``decoder.layers.<j>`` of model chunk ``c`` is global layer ``offset(stage, c) + j``, by
   megatron-core's placement (``pipeline_layout.py``: even, or the uneven splits Megatron-LM's flags choose, V model
-  chunks per stage; the target keeps the source's split unless told another); the embedding lives on stage 0's first chunk, the final
-  norm and output layer on the last stage's last chunk. With tied embeddings and PP > 1 the last stage also holds
-  ``output_layer.weight``, a copy of the embedding kept identical by megatron-core's embedding-group all-reduce; it
-  is dropped on reading and written again from the embedding (weights and optimizer states) where the target needs
-  it.
+  chunks per stage; the target keeps the source's split unless told another); the embedding lives on stage 0's first
+  chunk, the final norm and output layer on the last stage's last chunk. With tied embeddings and PP > 1 the last
+  stage also holds ``output_layer.weight``, a copy of the embedding kept identical by megatron-core's embedding-group
+  all-reduce; it is dropped on reading and written again from the embedding (weights and optimizer states) where the
+  target needs it.
 * Tensor: the layer classes fix the split. Column-parallel weights and biases (``linear_qkv``, ``linear_fc1``,
   ``output_layer``) and the vocab-parallel embedding are split along dim 0, row-parallel weights (``linear_proj``,
   ``linear_fc2``) along dim 1; everything else (norms, row-parallel biases, position embeddings) is replicated:

@@ -150,7 +150,8 @@ class PipelineLayout:
 
 
 def layout_counts(args: Dict[str, Any], pp: int, vp: Optional[int] = None) -> str:
-    """:meth:`PipelineLayout.counts` of a checkpoint's ``args`` (or the reason they give none): what a resume compares."""
+    """:meth:`PipelineLayout.counts` of a checkpoint's ``args`` (or the reason they give none): what a resume
+    compares."""
     try:
         return PipelineLayout.from_args(args, pp, vp).counts()
     except ValueError as e:
