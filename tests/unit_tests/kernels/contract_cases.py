@@ -173,10 +173,12 @@ def run_row_strided_inputs(impl) -> None:
     and give the bits of contiguous inputs: the two qgZ reductions over k chunks, and ``dequantize_rows`` (qwZ's
     decode of all gathered rows, straight into the destination) against a per-row ``dequantize_symmetric``."""
     g = torch.Generator().manual_seed(3)
-    # k rows of 5, 5, 6 and 1 groups; the second and third decode to more than n (the padding is dropped)
+    # k rows of 5, 5, 6, 1 and 2 groups; the second, third and last decode to more than n (the padding is dropped);
+    # INT8 into 16-bit rows at the group of 64 the compiled path's hypothesis cases already decode to bf16
     for bits, group, k, n, dtypes in ((8, 6, 3, 30, (torch.float32,)), (8, 6, 3, 27, (torch.float32,)),
                                       (4, 64, 2, 362, (torch.float32, torch.bfloat16)),
-                                      (4, 64, 2, 64, (torch.float32, torch.bfloat16))):
+                                      (4, 64, 2, 64, (torch.float32, torch.bfloat16)),
+                                      (8, 64, 3, 101, (torch.bfloat16,))):
         pieces = [ref.quantize_symmetric(torch.randn(n, generator=g) * 3, bits=bits, group_size=group)
                   for _ in range(k)]
         codes = torch.stack([c for c, _ in pieces])

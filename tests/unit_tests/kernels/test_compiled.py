@@ -120,6 +120,21 @@ def test_minmax_tie_clamp(comp):
     _same(comp.quantize_minmax_uint8(x, 48), ref.quantize_minmax_uint8(x, 48))
 
 
+def test_minmax_overflowing_chunks(comp):
+    """Constant chunks beyond ~1.33e29 overflow max * scale (run_minmax_overflow's case, here at the chunk of 48 and
+    the dtypes the hypothesis cases compile, so a compiled graph meets it rather than the eager fallback): codes 0,
+    decoded +-inf; the chunks after them decode as the reference's."""
+    x = torch.linspace(-1, 1, 149).to(torch.bfloat16)
+    x[:48], x[48:96] = 2e29, -2e29
+    want = ref.quantize_minmax_uint8(x, 48)
+    got = comp.quantize_minmax_uint8(x, 48)
+    _same(got, want)
+    assert got[0][:96].eq(0).all()
+    y = comp.dequantize_minmax_uint8(*got, 48, 149, torch.float16)
+    _same(y, ref.dequantize_minmax_uint8(*want, 48, 149, torch.float16))
+    assert y[:48].eq(float("inf")).all() and y[48:96].eq(float("-inf")).all() and y[96:].isfinite().all()
+
+
 def test_subnormal_and_zero_groups(comp):
     x = torch.tensor([1e-40, -3e-41, 2e-42, 0.0, 5e-39, -5e-39, 1e-45, 0.0] * 8 + [0.0] * 64 + [1.0, -2.0] * 32)
     for bits in (8, 4):
