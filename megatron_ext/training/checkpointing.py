@@ -454,9 +454,9 @@ def _refuse_megatron_lm_layout(load_dir: str, candidates: List[str]) -> None:
         fmt = megatron_lm_format(d)
         if fmt:
             raise CheckpointError(f"--load {load_dir}: {d} is a Megatron-LM checkpoint (--ckpt-format {fmt}); "
-                                  "pretrain_gpt loads only its own checkpoints (manifest.json, common.pt): continue "
-                                  "it with Megatron-LM and the megatron_ext plug-in, or load its weights into the "
-                                  "model yourself")
+                                  "pretrain_gpt loads only its own checkpoints (manifest.json, common.pt): import it "
+                                  "with tools/import_megatron_lm_checkpoint.py, or continue it with Megatron-LM and "
+                                  "the megatron_ext plug-in")
     if any(os.path.basename(d) == "release" for d in candidates):
         raise CheckpointError(f"--load {load_dir}: the tracker says 'release', a Megatron-LM release checkpoint; "
                               "pretrain_gpt loads only its own checkpoints")
@@ -650,7 +650,9 @@ def _read_checkpoint(ckpt: str, load_optim: bool, load_rng: bool):
     optim_state = None
     if load_optim:
         if not common.get("has_optim", True):
-            raise CheckpointError(f"{ckpt} was saved with --no-save-optim; resume with --no-load-optim")
+            how = ("was imported from Megatron-LM without its optimizer state" if common.get("imported_from")
+                   else "was saved with --no-save-optim")
+            raise CheckpointError(f"{ckpt} {how}; resume with --no-load-optim (or --finetune)")
         optim_state = _load(os.path.join(mp_dir, "optim.pt"), mmap=True)
     rng_state = None
     rng_path = os.path.join(ckpt, "rng", f"rank_{dist.get_rank():05d}.pt")

@@ -213,6 +213,7 @@ def pretrain(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 consumed_train = common["consumed_train_samples"]
                 consumed_valid = common["consumed_valid_samples"]
                 saved_at = (f"saved at DP={common['data_parallel_size']}" if common.get("data_parallel_size")
+                            else "imported from Megatron-LM" if common.get("imported_from")
                             else "resharded by tools/reshard_checkpoint.py")
                 print_rank_0(f"> loaded checkpoint {ckpt} at iteration {iteration} ({saved_at}, now "
                              f"DP={args.data_parallel_size})")

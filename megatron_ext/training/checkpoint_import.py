@@ -1,0 +1,269 @@
+"""Import a Megatron-LM checkpoint as a pretrain_gpt one (``tools/import_megatron_lm_checkpoint.py``).
+
+[Note: what is carried]
+Megatron-LM's legacy format (``--ckpt-format torch``) holds, per TP/PP position, ``mp_rank_TT[_PPP]/
+model_optim_rng.pt``: the megatron-core module's state dict (``model``, or ``model0``, ``model1``, ... per model
+chunk), the run's ``args``, ``iteration``, the LR scheduler and RNG states, and the optimizer's state in the layout of
+whichever Megatron optimizer saved it. pretrain_gpt builds the same megatron-core ``GPTModel``, so the weights carry
+over unchanged, position by position, into ``mp_rank_TT_PPP/model.pt``. ``common.pt`` gets the iteration, the
+consumed train/valid samples (the data position: the same ``--data-path``, split and ``--seed`` continue where
+Megatron-LM stopped), the scheduler's state and the model-shaping flags from ``args`` (for the resume's checks).
+
+Not carried: the optimizer state (its layout is private to Megatron's ``DistributedOptimizer`` / ``Float16Optimizer``
+of that version), so the checkpoint is marked as saved without one and a resume passes ``--no-load-optim`` (fresh
+Adam moments from the loaded weights, as Megatron-LM's own flag) or ``--finetune``; the RNG states, re-seeded from
+``--seed`` as after a reshard. Expert-parallel (MoE) checkpoints and the legacy (non-megatron-core) GPT model are
+refused.
+
+Layer names: Transformer Engine's layers (``--transformer-impl transformer_engine``, Megatron-LM's default) fuse the
+layer norms into the following linear layer (``self_attention.linear_qkv.layer_norm_weight``) and keep an
+``_extra_state`` (FP8 metadata) per module; megatron-core's local layers name the norms ``input_layernorm`` and
+``pre_mlp_layernorm``, and only their linear layers have an extra state, always None and ignored on load.
+``transformer_impl="local"`` renames by megatron-core's own map (the local layer spec's
+``sharded_state_dict_keys_map``), sets the linear layers' extra states to None and drops the others (the fused
+attention's); the other way round (local names for a Transformer Engine run) is refused, since Transformer Engine's
+extra state cannot be made up here.
+
+The written checkpoint has Megatron-LM's TP/PP sizes and pipeline split; ``tools/reshard_checkpoint.py`` rewrites it
+for others. The source is only read; the result is published atomically with its manifest (checkpointing.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import shutil
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .checkpointing import (FORMAT, TRACKER, CheckpointError, _fsync_save, _published, iter_dir_name, mp_dir_name,
+                            publish_checkpoint, remove_stale, write_manifest)
+from .pipeline_layout import LAYOUT_ARGS
+
+_MP_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_MODEL_CHUNK = re.compile(r"model(\d+)")
+_EXTRA_STATE = re.compile(r"(^|\.)_extra_state$")
+# megatron-core's local linear layers keep an (ignored, None) ``_extra_state`` for Transformer Engine's state dicts
+_LOCAL_EXTRA_STATE = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|output_layer)\._extra_state$")
+_IMPLS = ("local", "transformer_engine")
+
+
+class _Unknown:
+    """Stands in for a class the saving Megatron-LM pickled and this environment cannot import (an ``args`` value of
+    another version's enum, say); such values are left out of the imported flags."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return _Unknown
+
+
+class _lenient_pickle:   # a ``pickle_module`` for torch.load
+    Unpickler = _LenientUnpickler
+    load = pickle.load
+
+
+def _read(path: str) -> Dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a Megatron-LM checkpoint file (a {type(state).__name__})")
+    return state
+
+
+def megatron_lm_checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -> str:
+    """The iteration directory Megatron-LM would load: ``iteration`` (its ``--ckpt-step``), else the tracker's
+    (``release`` included). Refuses torch_dist checkpoints and pretrain_gpt's own."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    if iteration is None:
+        tracker = os.path.join(load_dir, TRACKER)
+        if not os.path.isfile(tracker):
+            raise CheckpointError(f"--load {load_dir}: no {TRACKER} (Megatron-LM's tracker); pass --ckpt-step to "
+                                  "name the iteration")
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":
+            ckpt = os.path.join(load_dir, "release")
+        else:
+            try:
+                ckpt = os.path.join(load_dir, iter_dir_name(int(text)))
+            except ValueError:
+                raise CheckpointError(f"--load {load_dir}: corrupt tracker {tracker} ({text[:40]!r})") from None
+    else:
+        ckpt = os.path.join(load_dir, iter_dir_name(iteration))
+    if not os.path.isdir(ckpt):
+        raise CheckpointError(f"--load {load_dir}: {ckpt} does not exist")
+    names = os.listdir(ckpt)
+    if "manifest.json" in names and "common.pt" in names:
+        raise CheckpointError(f"{ckpt} is a pretrain_gpt checkpoint already: load it directly "
+                              "(tools/reshard_checkpoint.py changes its TP/PP sizes)")
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        raise CheckpointError(f"{ckpt} is a Megatron-LM torch_dist checkpoint: convert it to the torch format first "
+                              "(Megatron-LM with the run's flags and --load plus --ckpt-convert-format torch "
+                              "--ckpt-convert-save DIR), then import DIR/torch")
+    return ckpt
+
+
+def _positions(ckpt: str) -> Dict[Tuple[int, int], str]:
+    """``(tp_rank, pp_rank) -> model_optim_rng.pt`` of every position saved in ``ckpt``."""
+    out: Dict[Tuple[int, int], str] = {}
+    for name in sorted(os.listdir(ckpt)):
+        m = _MP_DIR.fullmatch(name)
+        path = os.path.join(ckpt, name, "model_optim_rng.pt")
+        if m is None or not os.path.isfile(path):
+            continue
+        if m.group(3) is not None:
+            raise CheckpointError(f"{ckpt}: {name} is an expert-parallel (MoE) position; pretrain_gpt trains dense "
+                                  "GPT models only")
+        out[int(m.group(1)), int(m.group(2) or 0)] = path
+    if not out:
+        raise CheckpointError(f"{ckpt}: no mp_rank_*/model_optim_rng.pt (not a Megatron-LM --ckpt-format torch "
+                              "checkpoint)")
+    return out
+
+
+def imported_args(ns: Any) -> Dict[str, Any]:
+    """Megatron-LM's saved ``args`` as pretrain_gpt saves its own: plain values only (what the resume compares), and
+    the few flags whose destination differs (``--disable-bias-linear`` is Megatron-LM's ``add_bias_linear=False``)."""
+    src = vars(ns) if isinstance(ns, argparse.Namespace) else dict(getattr(ns, "__dict__", {}) or {})
+    plain = (int, float, str, bool, type(None))
+    out = {k: v for k, v in src.items()
+           if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
+    if "add_bias_linear" in out:
+        out["disable_bias_linear"] = not out.pop("add_bias_linear")
+    return out
+
+
+def te_to_local_names() -> List[Tuple[str, str]]:
+    """(Transformer Engine prefix, local prefix) inside a layer, from megatron-core's local layer spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
+    return [(te, local) for local, te in keys_map.items()]
+
+
+def rename_for_local(state: Dict[str, Any], renames: List[Tuple[str, str]]) -> Dict[str, Any]:
+    """A Transformer Engine model's state dict with the local layers' names (see the module note)."""
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        if _EXTRA_STATE.search(key):
+            if _LOCAL_EXTRA_STATE.search(key):
+                out[key] = None
+            continue
+        for te, local in renames:
+            i = key.find("." + te)
+            if i >= 0:
+                key = key[:i + 1] + local + key[i + 1 + len(te):]
+                break
+        out[key] = value
+    return out
+
+
+def _model_chunks(saved: Dict[str, Any], path: str, vp: int) -> List[Dict[str, Any]]:
+    if vp == 1:
+        if "model" not in saved:
+            raise CheckpointError(f"{path}: no 'model' entry")
+        return [saved["model"]]
+    chunks = sorted((int(m.group(1)), v) for k, v in saved.items() if (m := _MODEL_CHUNK.fullmatch(k)))
+    if [i for i, _ in chunks] != list(range(vp)):
+        raise CheckpointError(f"{path}: expected model0..model{vp - 1} for {vp} model chunks per stage "
+                              f"(--num-layers-per-virtual-pipeline-stage), found {[f'model{i}' for i, _ in chunks]}")
+    return [v for _, v in chunks]
+
+
+def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl: Optional[str] = None,
+                                  iteration: Optional[int] = None, log: Callable[[str], None] = print) -> str:
+    """Write Megatron-LM's checkpoint in ``load_dir`` (the tracker's, or ``iteration``) into ``save_dir`` as a
+    pretrain_gpt checkpoint at the same TP/PP sizes; returns the new checkpoint directory. ``transformer_impl``: the
+    layer names the resuming run's ``--transformer-impl`` needs (default: the saving run's)."""
+    if transformer_impl is not None and transformer_impl not in _IMPLS:
+        raise CheckpointError(f"--transformer-impl {transformer_impl}: choose one of {', '.join(_IMPLS)}")
+    ckpt = megatron_lm_checkpoint_dir(load_dir, iteration)
+    src_dir, dst_dir = os.path.realpath(load_dir), os.path.realpath(save_dir)
+    if os.path.commonpath([src_dir, dst_dir]) == src_dir:
+        raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the imported "
+                              "checkpoint elsewhere (the source stays untouched)")
+    if os.path.isdir(save_dir) and (os.path.exists(os.path.join(save_dir, TRACKER)) or _published(save_dir)):
+        raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory")
+    files = _positions(ckpt)
+    first = _read(files[min(files)])
+    if "args" not in first:
+        raise CheckpointError(f"{files[min(files)]}: no 'args' entry (not written by Megatron-LM's save_checkpoint)")
+    args = imported_args(first["args"])
+    tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
+    vp = args.get("virtual_pipeline_model_parallel_size") or 1
+    missing = [mp_dir_name(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+    if missing or len(files) != tp * pp:
+        raise CheckpointError(f"{ckpt}: saved at TP {tp} x PP {pp} (its args), but the positions found are "
+                              f"{sorted(files)}; missing: {missing or 'none'}")
+    source_impl = args.get("transformer_impl") or "transformer_engine"
+    target_impl = transformer_impl or source_impl
+    if (source_impl, target_impl) == ("local", "transformer_engine"):
+        raise CheckpointError("--transformer-impl transformer_engine: the checkpoint was saved with local layers, "
+                              "whose weights lack Transformer Engine's extra state; resume with --transformer-impl "
+                              "local")
+    renames = te_to_local_names() if (source_impl, target_impl) == ("transformer_engine", "local") else None
+    step = 0 if os.path.basename(ckpt) == "release" else int(first.get("iteration", 0))
+
+    final = os.path.join(save_dir, iter_dir_name(step))
+    tmp = final + ".tmp"
+    os.makedirs(save_dir, exist_ok=True)
+    remove_stale(save_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    written: Dict[str, int] = {}
+    try:
+        for (t, p), path in sorted(files.items()):
+            saved = first if (t, p) == min(files) else _read(path)
+            if int(saved.get("iteration", step)) != int(first.get("iteration", step)):
+                raise CheckpointError(f"{path}: iteration {saved.get('iteration')}, not {first.get('iteration')} "
+                                      "as the other positions (a mix of two saves)")
+            chunks = _model_chunks(saved, path, vp)
+            if any(k.startswith("language_model.") for c in chunks for k in c):
+                raise CheckpointError(f"{path}: a legacy (non-megatron-core) GPT model (language_model.*); "
+                                      "pretrain_gpt builds megatron-core's GPTModel (--use-mcore-models)")
+            if renames is not None:
+                chunks = [rename_for_local(c, renames) for c in chunks]
+            model = chunks[0] if vp == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
+            out = os.path.join(tmp, mp_dir_name(t, p), "model.pt")
+            written[out] = _fsync_save(model, out)
+            del saved, chunks, model
+        args.update(transformer_impl=target_impl, world_size=None, data_parallel_size=None)
+        if vp == 1:
+            args["virtual_pipeline_model_parallel_size"] = None
+        for k in LAYOUT_ARGS:
+            args.setdefault(k, None if "num_layers" in k else False)
+        scheduler = first.get("opt_param_scheduler") or first.get("lr_scheduler")
+        common = {"format": FORMAT, "iteration": step,
+                  "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+                  "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
+                  "scheduler": dict(scheduler) if isinstance(scheduler, dict) else None,
+                  "world_size": None, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                  "data_parallel_size": None, "has_optim": False, "args": args,
+                  "imported_from": os.path.realpath(ckpt)}
+        out = os.path.join(tmp, "common.pt")
+        written[out] = _fsync_save(common, out)
+        write_manifest(tmp, step, {os.path.relpath(f, tmp): {"size": os.path.getsize(f), "crc32": crc}
+                                   for f, crc in written.items()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_checkpoint(save_dir, step)
+    names = f"; layer names {source_impl} -> {target_impl}" if renames is not None else ""
+    log(f"> imported Megatron-LM's {ckpt} (iteration {step}, TP {tp}, PP {pp}, {vp} chunk(s) per stage{names}) into "
+        f"{final}: weights, iteration, data position; no optimizer or RNG state (resume with --no-load-optim, or "
+        "--finetune)")
+    return final

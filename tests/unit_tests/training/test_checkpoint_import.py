@@ -1,0 +1,225 @@
+"""tools/import_megatron_lm_checkpoint.py: a Megatron-LM (--ckpt-format torch) checkpoint continues in pretrain_gpt.
+
+The Megatron-LM checkpoints here are written as Megatron-LM's ``save_checkpoint`` lays them out (``generate_state_dict``
+of its ``training/checkpointing.py``): ``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt`` with ``args`` (an
+``argparse.Namespace``), ``iteration``, ``model`` / ``model<i>``, ``optimizer``, ``opt_param_scheduler`` and
+``rng_state``, and Transformer Engine's layer names (its default ``--transformer-impl``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.training.checkpoint_import import import_megatron_lm_checkpoint, rename_for_local, te_to_local_names
+from megatron_ext.training.checkpointing import TRACKER, CheckpointError, verify_checksums
+
+from .conftest import REPO
+from .test_checkpoint_resume import _load_error
+from .test_pretrain_gpt import _data_flags
+
+# local name -> Transformer Engine's (megatron-core's local layer spec maps them the other way for dist-checkpoints)
+TE_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+TE_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
+                  "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _tool(argv):
+    spec = importlib.util.spec_from_file_location("import_megatron_lm_checkpoint",
+                                                  os.path.join(REPO, "tools", "import_megatron_lm_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.main(argv)
+
+
+def _as_transformer_engine(state):
+    """A local-spec state dict as Transformer Engine's layers name it, each TE module with its extra state."""
+    out = {}
+    for key, value in state.items():
+        for local, te in TE_NAMES.items():
+            key = key.replace("." + local, "." + te)
+        out[key] = value
+    layers = sorted({k.split(".self_attention.")[0] for k in out if ".self_attention." in k})
+    for layer in layers:
+        for module in TE_EXTRA_STATE:
+            out[f"{layer}.{module}._extra_state"] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    return out
+
+
+def _write_megatron_lm(ours: str, mlm: str, unknown_value) -> None:
+    """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note)."""
+    iteration = int(open(os.path.join(ours, TRACKER)).read())
+    src = os.path.join(ours, f"iter_{iteration:07d}")
+    common = torch.load(os.path.join(src, "common.pt"), weights_only=False)
+    saved = dict(common["args"])
+    saved["add_bias_linear"] = not saved.pop("disable_bias_linear")
+    saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value,
+                 consumed_train_samples=common["consumed_train_samples"],
+                 consumed_valid_samples=common["consumed_valid_samples"])
+    args = argparse.Namespace(**saved)
+    for name in sorted(os.listdir(src)):
+        if not name.startswith("mp_rank_"):
+            continue
+        model = torch.load(os.path.join(src, name, "model.pt"), weights_only=False)
+        os.makedirs(os.path.join(mlm, f"iter_{iteration:07d}", name))
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                    "model": _as_transformer_engine(model), "optimizer": {"optimizer": {"state": {}}},
+                    "opt_param_scheduler": common["scheduler"], "rng_state": [{"random_rng_state": None}],
+                    "num_floating_point_operations_so_far": 0},
+                   os.path.join(mlm, f"iter_{iteration:07d}", name, "model_optim_rng.pt"))
+    with open(os.path.join(mlm, TRACKER), "w") as f:
+        f.write(str(iteration))
+
+
+def _unimportable(tmp_path):
+    """An object whose class lives in a module that is gone once it is pickled (another version's enum, say)."""
+    (tmp_path / "gone_module.py").write_text("class Gone:\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import gone_module
+        return gone_module.Gone()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def _forget(tmp_path):
+    sys.modules.pop("gone_module", None)
+    os.remove(tmp_path / "gone_module.py")
+
+
+def _save_import_resume(base, ours, mlm, imported, unknown_dir):
+    """Save at TP 2 x PP 2; rank 0 writes it as Megatron-LM would and imports that; then both resume with
+    --no-load-optim (the import carries no optimizer state); without it the load is refused."""
+    import torch.distributed as dist
+
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    pretrain(base + ["--train-iters", "2", "--save", ours])
+    if dist.get_rank() == 0:
+        from pathlib import Path
+
+        _write_megatron_lm(ours, mlm, _unimportable(Path(unknown_dir)))
+        _forget(Path(unknown_dir))
+        assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
+    dist.barrier()
+    resume = base + ["--train-iters", "4", "--no-load-optim", "--no-load-rng"]
+    return [pretrain(resume + ["--load", ours]), pretrain(resume + ["--load", imported]),
+            _load_error(base + ["--train-iters", "4", "--load", imported])]
+
+
+def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """Megatron-LM's TP 2 x PP 2 checkpoint (Transformer Engine's names, a tied output layer on the last stage, an
+    ``args`` value whose class cannot be imported here) imported for local layers: every weight equals the saving
+    run's bit for bit under its local name, and the resume continues at the saved iteration and data position with
+    the same losses, bit for bit, as the original checkpoint resumed with --no-load-optim."""
+    base = tiny_model_flags + ["--num-layers", "4", "--swiglu"] + _data_flags(text_dataset) + [
+        "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    ours, mlm, imported = (str(tmp_path / n) for n in ("ours", "mlm", "imported"))
+    (tmp_path / "unknown").mkdir()
+    original, converted, refusal = spawn(_save_import_resume, 4, base, ours, mlm, imported, str(tmp_path / "unknown"),
+                                timeout=200)[-1]
+    assert sorted(converted["losses"]) == [3, 4] and converted["consumed_train_samples"] == 32
+    assert converted["losses"] == original["losses"]
+    assert "imported from Megatron-LM without its optimizer state; resume with --no-load-optim" in refusal, refusal
+    assert open(os.path.join(imported, TRACKER)).read() == "2"
+    ckpt = os.path.join(imported, "iter_0000002")
+    assert verify_checksums(ckpt) > 0 and not os.path.exists(os.path.join(ckpt, "rng"))
+    common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+    assert (common["iteration"], common["consumed_train_samples"], common["has_optim"]) == (2, 16, False)
+    assert "attention_backend" not in common["args"] and common["args"]["disable_bias_linear"] is False
+    for name in ("mp_rank_00_000", "mp_rank_01_001"):
+        want = torch.load(os.path.join(ours, "iter_0000002", name, "model.pt"), weights_only=False)
+        got = torch.load(os.path.join(ckpt, name, "model.pt"), weights_only=False)
+        assert got.keys() == want.keys() and any("input_layernorm" in k for k in got)
+        for k, t in want.items():   # tensors, and the local linear layers' extra states (None)
+            same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is t is None
+            assert same, k
+    assert "output_layer.weight" in got   # the last stage's copy of the tied embedding
+    # and tools/reshard_checkpoint.py takes it to other TP/PP sizes as it takes the original
+    from .test_checkpoint_reshard import _reshard
+
+    assert _reshard(imported, str(tmp_path / "imported_tp1"), 1, 1) == 0
+    assert _reshard(ours, str(tmp_path / "ours_tp1"), 1, 1) == 0
+    want, got = (torch.load(os.path.join(tmp_path, d, "iter_0000002", "mp_rank_00_000", "model.pt"), weights_only=False)
+                 for d in ("ours_tp1", "imported_tp1"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(t, got[k]) for k, t in want.items() if torch.is_tensor(t))
+
+
+def _fake_megatron_lm(root, positions=("mp_rank_00",), iteration=5, chunks=None, **args):
+    args = argparse.Namespace(**{"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                 "transformer_impl": "transformer_engine", **args})
+    for i, name in enumerate(positions):
+        os.makedirs(os.path.join(root, f"iter_{iteration:07d}", name))
+        models = {"model": {"embedding.word_embeddings.weight": torch.ones(2)}} if chunks is None else {
+            f"model{c}": {"decoder.layers.0.mlp.linear_fc2.weight": torch.full((2,), 10.0 * i + c)} for c in chunks}
+        torch.save({"args": args, "iteration": iteration, **models},
+                   os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt"))
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    return str(root)
+
+
+def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
+    def refused(load, *more, save=None):
+        assert _tool(["--load", str(load), "--save", str(save or tmp_path / "out"), *more]) == 1
+        assert not os.path.exists(tmp_path / "out" / TRACKER)
+        return capsys.readouterr().err
+
+    dist_ckpt = tmp_path / "dist"
+    (dist_ckpt / "iter_0000003").mkdir(parents=True)
+    (dist_ckpt / "iter_0000003" / ".metadata").write_bytes(b"")
+    (dist_ckpt / TRACKER).write_text("3")
+    assert "--ckpt-convert-format torch" in refused(dist_ckpt)
+    assert "expert-parallel" in refused(_fake_megatron_lm(tmp_path / "moe", ("mp_rank_00_000_001",)))
+    half = _fake_megatron_lm(tmp_path / "half", ("mp_rank_00",), tensor_model_parallel_size=2)
+    assert "missing: ['mp_rank_01_000']" in refused(half)
+    local = _fake_megatron_lm(tmp_path / "local", transformer_impl="local")
+    assert "resume with --transformer-impl local" in refused(local, "--transformer-impl", "transformer_engine")
+    assert "inside it" in refused(local, save=tmp_path / "local" / "out")
+    assert "iter_0000007 does not exist" in refused(local, "--ckpt-step", "7")
+    (tmp_path / "untracked").mkdir()
+    assert "pass --ckpt-step" in refused(tmp_path / "untracked")
+    legacy = _fake_megatron_lm(tmp_path / "legacy")
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+                "iteration": 5, "model": {"language_model.embedding.word_embeddings.weight": torch.ones(2)}},
+               os.path.join(legacy, "iter_0000005", "mp_rank_00", "model_optim_rng.pt"))
+    assert "legacy (non-megatron-core)" in refused(legacy)
+    # model chunks per stage (interleaved pipeline): model0, model1, ... kept as they are, all of them needed
+    vpp = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4)
+    assert "expected model0..model1" in refused(_fake_megatron_lm(tmp_path / "vp_part", ("mp_rank_00_000",
+                                                                                          "mp_rank_00_001"),
+                                                                  chunks=(0,), **vpp))
+    vp = _fake_megatron_lm(tmp_path / "vp", ("mp_rank_00_000", "mp_rank_00_001"), chunks=(0, 1), **vpp)
+    assert _tool(["--load", vp, "--save", str(tmp_path / "vp_out")]) == 0
+    stage1 = torch.load(tmp_path / "vp_out" / "iter_0000005" / "mp_rank_00_001" / "model.pt", weights_only=False)
+    assert sorted(stage1) == ["model0", "model1"]
+    assert stage1["model1"]["decoder.layers.0.mlp.linear_fc2.weight"].tolist() == [11.0, 11.0]
+    # a pretrain_gpt checkpoint (the import's own output) is not imported again
+    assert _tool(["--load", local, "--save", str(tmp_path / "ours")]) == 0
+    assert "pretrain_gpt checkpoint already" in refused(tmp_path / "ours")
+    assert "already holds checkpoints" in refused(local, save=tmp_path / "ours")
+
+
+def test_te_names_map_to_megatron_core_local_names():
+    """The renames come from megatron-core's local layer spec; they touch layer norms only, inside any prefix."""
+    renames = te_to_local_names()
+    assert sorted(renames) == sorted((te, local) for local, te in TE_NAMES.items())
+    state = {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": 1,
+             "decoder.layers.3.self_attention.linear_qkv.weight": 2,
+             "decoder.layers.3.mlp.linear_fc1.layer_norm_bias": 3,
+             "decoder.layers.3.mlp.linear_fc1._extra_state": 4,
+             "decoder.layers.3.self_attention.core_attention._extra_state": 6,
+             "decoder.final_layernorm.weight": 5}
+    assert rename_for_local(state, renames) == {"decoder.layers.3.input_layernorm.weight": 1,
+                                                "decoder.layers.3.self_attention.linear_qkv.weight": 2,
+                                                "decoder.layers.3.pre_mlp_layernorm.bias": 3,
+                                                "decoder.layers.3.mlp.linear_fc1._extra_state": None,
+                                                "decoder.final_layernorm.weight": 5}
+    with pytest.raises(CheckpointError, match="choose one of"):
+        import_megatron_lm_checkpoint("x", "y", transformer_impl="te")
