@@ -511,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --load: resume from this iteration's checkpoint instead of the one the tracker names "
+                   "(as Megatron-LM; the tracker is left as it is)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -815,6 +818,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
               "evaluate")
     if args.finetune and not args.load:
         _fail("--finetune needs --load (the checkpoint whose weights to start from)")
+    if args.ckpt_step is not None and not args.load:
+        _fail("--ckpt-step needs --load (the directory holding that iteration's checkpoint)")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        _fail(f"--ckpt-step must be at least 0, got {args.ckpt_step}")
     if args.save_interval is not None and not args.save:
         _fail("--save-interval needs --save")
     if args.save_interval is not None and args.save_interval <= 0:

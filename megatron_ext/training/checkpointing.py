@@ -350,13 +350,16 @@ def chunk_states(saved: Dict[str, Any], chunks: int) -> List[Dict[str, Any]]:
 # ---- load -------------------------------------------------------------------------------------------------------
 
 
-def find_checkpoint(load_dir: str) -> Optional[str]:
-    """The complete checkpoint directory the tracker names, validated against its manifest; None if none saved.
+def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Optional[str]:
+    """The complete checkpoint directory the tracker names (or of ``iteration``: ``--ckpt-step``), validated against
+    its manifest; None if none saved.
 
     Raises CheckpointError for a missing ``load_dir`` or a damaged checkpoint.
     """
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: no such directory")
+    if iteration is not None:
+        return _find_tracked(load_dir, iteration, "--ckpt-step asks for")
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(tracker):
         return _untracked_checkpoint(load_dir)
@@ -378,7 +381,7 @@ def find_checkpoint(load_dir: str) -> Optional[str]:
     return ckpt
 
 
-def _find_tracked(load_dir: str, iteration: int) -> str:
+def _find_tracked(load_dir: str, iteration: int, named_by: str = "the tracker names") -> str:
     """Checkpoint ``iteration`` of ``load_dir``, validated against its manifest."""
     ckpt = os.path.join(load_dir, iter_dir_name(iteration))
     if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
@@ -386,9 +389,9 @@ def _find_tracked(load_dir: str, iteration: int) -> str:
     manifest_path = os.path.join(ckpt, "manifest.json")
     if not os.path.isdir(ckpt):
         there = ", ".join(name for _, name in _published(load_dir))
-        raise CheckpointError(f"--load {load_dir}: the tracker names iteration {iteration} but {ckpt} is missing"
-                              + (f" (complete checkpoints there: {there}; write the iteration to resume from into "
-                                 f"{TRACKER})" if there else ""))
+        raise CheckpointError(f"--load {load_dir}: {named_by} iteration {iteration} but {ckpt} is missing"
+                              + (f" (complete checkpoints there: {there}; pass the iteration to resume from as "
+                                 f"--ckpt-step, or write it into {TRACKER})" if there else ""))
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)

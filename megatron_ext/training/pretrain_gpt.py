@@ -336,6 +336,8 @@ def _find_checkpoint_or_fail(args: argparse.Namespace):
     from .arguments import load_is_save
     from .loop import print_rank_0
 
+    if args.ckpt_step is not None:   # an iteration asked for by name: missing is an error, also when --load = --save
+        return checkpointing.find_checkpoint(args.load, args.ckpt_step)
     same_as_save = load_is_save(args) and not args.exit_on_missing_checkpoint   # else a missing one is an error
     if same_as_save and not os.path.isdir(args.load):
         print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")

@@ -149,6 +149,8 @@ def test_unknown_and_unsupported_flags_named(capsys, argv, names):
     (PP2_8 + ["--num-virtual-stages-per-pipeline-rank", "2", "--recompute-granularity", "full", "--recompute-method",
               "uniform", "--recompute-num-layers", "3"], ["layers per pipeline stage chunk (2), got 3"]),
     (["--virtual-pipeline-model-parallel-size", "2"], ["--num-virtual-stages-per-pipeline-rank"]),
+    (["--ckpt-step", "2"], ["--ckpt-step needs --load"]),
+    (["--ckpt-step", "-1", "--load", "."], ["--ckpt-step must be at least 0, got -1"]),
 ])
 def test_conflicting_or_invalid_flags_named(capsys, argv, names):
     err = _error(capsys, argv)

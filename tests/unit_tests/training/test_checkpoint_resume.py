@@ -27,13 +27,18 @@ def test_exact_resume_same_dp(spawn, text_dataset, tiny_model_flags, tmp_path):
                                                            "--hidden-dropout", "0.1"]
     ckpt = str(tmp_path / "ckpt")
     straight = base
-    first = base + ["--save", ckpt, "--save-interval", "4", "--exit-interval", "4"]
+    first = base + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "4"]
     second = base + ["--load", ckpt]
-    results = spawn(_runs, 2, [straight, first, second], timeout=200)
-    a, b, c = results[-1]
+    # --ckpt-step: an earlier iteration than the tracker's, as Megatron-LM; one that was not saved is named
+    earlier = base + ["--load", ckpt, "--ckpt-step", "2", "--exit-interval", "4"]
+    a, b, c, d = spawn(_runs, 2, [straight, first, second, earlier], timeout=200)[-1]
     assert sorted(b["losses"]) == list(range(1, 5)) and sorted(c["losses"]) == list(range(5, 9))
     resumed = {**b["losses"], **c["losses"]}
     assert _ordered(resumed) == _ordered(a["losses"])  # bit-identical, iteration by iteration
+    assert d["losses"] == {i: a["losses"][i] for i in (3, 4)}
+    missing = spawn(_load_error, 2, base + ["--load", ckpt, "--ckpt-step", "3"])[0]
+    assert ("--ckpt-step asks for iteration 3 but" in missing and "iter_0000002, iter_0000004; pass the iteration to "
+            "resume from as --ckpt-step" in missing), missing
 
 
 def test_skip_train_evaluates_the_loaded_weights_as_the_run_that_saved_them(spawn, text_dataset, tiny_model_flags,
