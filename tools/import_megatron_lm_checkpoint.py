@@ -3,7 +3,8 @@
 
 Reads the iteration that Megatron-LM's tracker in ``--load`` names (or ``--ckpt-step``). Publishes it in ``--save``
 at the same TP/PP sizes. It carries the weights, the iteration, the consumed samples (the data position) and the
-model flags. It does not carry the optimizer state or the RNG states. Continue with ``--no-load-optim`` (fresh Adam
+model flags, and the optimizer state where the megatron_ext plug-in saved it (then resume as usual). Megatron's own
+optimizers' state and the RNG states are not carried: after those, continue with ``--no-load-optim`` (fresh Adam
 moments), or start a fine-tune with ``--finetune``::
 
     python tools/import_megatron_lm_checkpoint.py --load mlm_ckpt --save ckpt --transformer-impl local

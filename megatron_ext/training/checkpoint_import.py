@@ -9,11 +9,15 @@ over unchanged, position by position, into ``mp_rank_TT_PPP/model.pt``. ``common
 consumed train/valid samples (the data position: the same ``--data-path``, split and ``--seed`` continue where
 Megatron-LM stopped), the scheduler's state and the model-shaping flags from ``args`` (for the resume's checks).
 
-Not carried: the optimizer state (its layout is private to Megatron's ``DistributedOptimizer`` / ``Float16Optimizer``
-of that version), so the checkpoint is marked as saved without one and a resume passes ``--no-load-optim`` (fresh
-Adam moments from the loaded weights, as Megatron-LM's own flag) or ``--finetune``; the RNG states, re-seeded from
-``--seed`` as after a reshard. Expert-parallel (MoE) checkpoints and the legacy (non-megatron-core) GPT model are
-refused.
+The optimizer state is carried when the megatron_ext plug-in saved it (``--use-overlapped-distributed-optimizer``):
+its ``distrib_optim.pt`` is the ODO's canonical per-parameter state, the layout of pretrain_gpt's ``optim.pt`` (the
+same writer, ``write_canonical_optimizer_state``), and the parameter names agree because both wrap the same modules
+(``Float16Module`` for bf16/fp16, one wrapper per model chunk); the resume then continues exactly, LR schedule
+included. Megatron's own optimizers keep a layout private to their version (``DistributedOptimizer``'s buckets,
+``Float16Optimizer``'s param-group order), so theirs is not carried: the checkpoint is marked as saved without one and
+a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights, as Megatron-LM's own flag) or
+``--finetune``. RNG states are never carried (re-seeded from ``--seed``, as after a reshard). Expert-parallel (MoE)
+checkpoints and the legacy (non-megatron-core) GPT model are refused.
 
 Layer names: Transformer Engine's layers (``--transformer-impl transformer_engine``, Megatron-LM's default) fuse the
 layer norms into the following linear layer (``self_attention.linear_qkv.layer_norm_weight``) and keep an
@@ -40,6 +44,8 @@ import torch
 
 from .checkpointing import (FORMAT, TRACKER, CheckpointError, _fsync_save, _published, iter_dir_name, mp_dir_name,
                             publish_checkpoint, remove_stale, write_manifest)
+from ..megatron_lm.optimizer_state import COMMON_FORMAT
+from ..optimizer.checkpoint import CANONICAL_FORMAT
 from .pipeline_layout import LAYOUT_ARGS
 
 _MP_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
@@ -173,6 +179,26 @@ def rename_for_local(state: Dict[str, Any], renames: List[Tuple[str, str]]) -> D
     return out
 
 
+def _plugin_optimizer_state(saved: Dict[str, Any], path: str, renames: Optional[List[Tuple[str, str]]]
+                            ) -> Optional[Dict[str, Any]]:
+    """The canonical optimizer state the megatron_ext plug-in saved beside ``path`` (None for Megatron's own
+    optimizers), its parameter names as the model's after ``renames``."""
+    common = saved.get("optimizer")
+    if not (isinstance(common, dict) and common.get("format") == COMMON_FORMAT):
+        return None
+    odo = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    if not os.path.isfile(odo):
+        raise CheckpointError(f"{path} was saved by the megatron_ext plug-in, but its parameter state {odo} is "
+                              "missing (an incomplete save?)")
+    state = _read(odo)
+    if state.get("format") != CANONICAL_FORMAT or state.get("optimizer") != common.get("optimizer"):
+        raise CheckpointError(f"{odo}: not the plug-in's canonical {common.get('optimizer')} state "
+                              f"(format {state.get('format')!r}, optimizer {state.get('optimizer')!r})")
+    if renames is not None:
+        state["params"] = rename_for_local(state["params"], renames)
+    return state
+
+
 def _model_chunks(saved: Dict[str, Any], path: str, vp: int) -> List[Dict[str, Any]]:
     if vp == 1:
         if "model" not in saved:
@@ -225,6 +251,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     remove_stale(save_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     written: Dict[str, int] = {}
+    has_optim: List[bool] = []
     try:
         for (t, p), path in sorted(files.items()):
             saved = first if (t, p) == min(files) else _read(path)
@@ -240,7 +267,15 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             model = chunks[0] if vp == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
             out = os.path.join(tmp, mp_dir_name(t, p), "model.pt")
             written[out] = _fsync_save(model, out)
-            del saved, chunks, model
+            optim = _plugin_optimizer_state(saved, path, renames)
+            has_optim.append(optim is not None)
+            if optim is not None:
+                out = os.path.join(tmp, mp_dir_name(t, p), "optim.pt")
+                written[out] = _fsync_save(optim, out)
+            del saved, chunks, model, optim
+        if len(set(has_optim)) > 1:
+            raise CheckpointError(f"{ckpt}: some positions hold the megatron_ext plug-in's optimizer state and "
+                                  "others not (a mix of two saves)")
         args.update(transformer_impl=target_impl, world_size=None, data_parallel_size=None)
         if vp == 1:
             args["virtual_pipeline_model_parallel_size"] = None
@@ -252,7 +287,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
                   "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
                   "scheduler": dict(scheduler) if isinstance(scheduler, dict) else None,
                   "world_size": None, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                  "data_parallel_size": None, "has_optim": False, "args": args,
+                  "data_parallel_size": None, "has_optim": has_optim[0], "args": args,
                   "imported_from": os.path.realpath(ckpt)}
         out = os.path.join(tmp, "common.pt")
         written[out] = _fsync_save(common, out)
@@ -263,7 +298,9 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
         raise
     publish_checkpoint(save_dir, step)
     names = f"; layer names {source_impl} -> {target_impl}" if renames is not None else ""
+    carried = ("the optimizer state (saved by the megatron_ext plug-in) and LR schedule; no RNG state" if has_optim[0]
+               else "no optimizer state (Megatron's own optimizer) or RNG state: resume with --no-load-optim, or "
+               "--finetune")
     log(f"> imported Megatron-LM's {ckpt} (iteration {step}, TP {tp}, PP {pp}, {vp} chunk(s) per stage{names}) into "
-        f"{final}: weights, iteration, data position; no optimizer or RNG state (resume with --no-load-optim, or "
-        "--finetune)")
+        f"{final}: weights, iteration, data position; {carried}")
     return final

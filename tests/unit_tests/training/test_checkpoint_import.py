@@ -37,13 +37,15 @@ def _tool(argv):
     return tool.main(argv)
 
 
+def _te_name(key):
+    for local, te in TE_NAMES.items():
+        key = key.replace("." + local, "." + te)
+    return key
+
+
 def _as_transformer_engine(state):
     """A local-spec state dict as Transformer Engine's layers name it, each TE module with its extra state."""
-    out = {}
-    for key, value in state.items():
-        for local, te in TE_NAMES.items():
-            key = key.replace("." + local, "." + te)
-        out[key] = value
+    out = {_te_name(key): value for key, value in state.items()}
     layers = sorted({k.split(".self_attention.")[0] for k in out if ".self_attention." in k})
     for layer in layers:
         for module in TE_EXTRA_STATE:
@@ -51,8 +53,13 @@ def _as_transformer_engine(state):
     return out
 
 
-def _write_megatron_lm(ours: str, mlm: str, unknown_value) -> None:
-    """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note)."""
+def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None:
+    """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note). ``plugin``: as
+    with the megatron_ext plug-in's optimizer, whose ``state_dict()`` is the common part (``optimizer_state.py``) and
+    whose ``save_parameter_state`` writes ``distrib_optim.pt`` with the writer that wrote ``optim.pt`` here;
+    otherwise Megatron's own optimizer's entry."""
+    from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
+
     iteration = int(open(os.path.join(ours, TRACKER)).read())
     src = os.path.join(ours, f"iter_{iteration:07d}")
     common = torch.load(os.path.join(src, "common.pt"), weights_only=False)
@@ -60,20 +67,27 @@ def _write_megatron_lm(ours: str, mlm: str, unknown_value) -> None:
     saved["add_bias_linear"] = not saved.pop("disable_bias_linear")
     saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value,
                  consumed_train_samples=common["consumed_train_samples"],
-                 consumed_valid_samples=common["consumed_valid_samples"])
+                 consumed_valid_samples=common["consumed_valid_samples"], use_distributed_optimizer=True)
     args = argparse.Namespace(**saved)
     for ours_name in sorted(os.listdir(src)):
         if not ours_name.startswith("mp_rank_"):
             continue
         # Megatron-LM leaves the pipeline rank out of the name when PP = 1
         name = ours_name if saved["pipeline_model_parallel_size"] > 1 else ours_name[:len("mp_rank_00")]
+        out = os.path.join(mlm, f"iter_{iteration:07d}", name)
+        os.makedirs(out)
         model = torch.load(os.path.join(src, ours_name, "model.pt"), weights_only=False)
-        os.makedirs(os.path.join(mlm, f"iter_{iteration:07d}", name))
+        optimizer = {"optimizer": {"state": {}}}
+        if plugin:
+            state = torch.load(os.path.join(src, ours_name, "optim.pt"), weights_only=False)
+            state["params"] = {_te_name(k): v for k, v in state["params"].items()}
+            torch.save(state, os.path.join(out, "distrib_optim.pt"))
+            optimizer = {"format": COMMON_FORMAT, "optimizer": state["optimizer"], "step": state["step"],
+                         "param_groups": state["param_groups"], "grad_scaler": state["grad_scaler"]}
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                    "model": _as_transformer_engine(model), "optimizer": {"optimizer": {"state": {}}},
+                    "model": _as_transformer_engine(model), "optimizer": optimizer,
                     "opt_param_scheduler": common["scheduler"], "rng_state": [{"random_rng_state": None}],
-                    "num_floating_point_operations_so_far": 0},
-                   os.path.join(mlm, f"iter_{iteration:07d}", name, "model_optim_rng.pt"))
+                    "num_floating_point_operations_so_far": 0}, os.path.join(out, "model_optim_rng.pt"))
     with open(os.path.join(mlm, TRACKER), "w") as f:
         f.write(str(iteration))
 
@@ -94,74 +108,82 @@ def _forget(tmp_path):
     os.remove(tmp_path / "gone_module.py")
 
 
-def _save_import_resume(base, ours, mlm, imported, unknown_dir):
-    """Save at TP 2; rank 0 writes it as Megatron-LM would and imports that; then both resume with
-    --no-load-optim (the import carries no optimizer state); without it the load is refused."""
+def _save_import_resume(base, ours, tmp):
+    """Save at TP 2; rank 0 writes it as Megatron-LM would, with the plug-in's optimizer and with Megatron's own, and
+    imports both; then each resumes beside the original: with the optimizer state, and with --no-load-optim (the
+    only way for Megatron's own optimizer: without it that load is refused)."""
     import torch.distributed as dist
 
     from megatron_ext.training.pretrain_gpt import pretrain
 
-    pretrain(base + ["--train-iters", "2", "--save", ours])
+    pretrain(base + ["--train-iters", "4", "--exit-interval", "2", "--save", ours])   # the 4-iteration schedule
     if dist.get_rank() == 0:
         from pathlib import Path
 
-        _write_megatron_lm(ours, mlm, _unimportable(Path(unknown_dir)))
-        _forget(Path(unknown_dir))
-        assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
+        for plugin in (True, False):
+            mlm, imported = (os.path.join(tmp, f"{n}_{'plugin' if plugin else 'own'}") for n in ("mlm", "imported"))
+            _write_megatron_lm(ours, mlm, _unimportable(Path(tmp)), plugin)
+            _forget(Path(tmp))
+            assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
     dist.barrier()
-    resume = base + ["--train-iters", "4", "--no-load-optim", "--no-load-rng"]
-    return [pretrain(resume + ["--load", ours]), pretrain(resume + ["--load", imported]),
-            _load_error(base + ["--train-iters", "4", "--load", imported])]
+    resume = base + ["--train-iters", "4", "--no-load-rng"]
+    no_optim = resume + ["--no-load-optim"]
+    plugin, own = os.path.join(tmp, "imported_plugin"), os.path.join(tmp, "imported_own")
+    return [pretrain(resume + ["--load", ours]), pretrain(resume + ["--load", plugin]),
+            pretrain(no_optim + ["--load", ours]), pretrain(no_optim + ["--load", own]),
+            _load_error(resume + ["--load", own])]
 
 
 def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset, tiny_model_flags, tmp_path):
     """Megatron-LM's TP 2 checkpoint (``mp_rank_00``, ``mp_rank_01``; Transformer Engine's names; an ``args`` value
     whose class cannot be imported here) imported for local layers: every weight equals the saving run's bit for bit
-    under its local name, and the resume continues at the saved iteration and data position with the same losses,
-    bit for bit, as the original checkpoint resumed with --no-load-optim. (PP > 1 names: the model-chunk case of
+    under its local name, and the resume continues at the saved iteration and data position with the original
+    checkpoint's losses, bit for bit: with the optimizer state where the megatron_ext plug-in saved it, with
+    --no-load-optim where Megatron's own optimizer did. (PP > 1 names: the model-chunk case of
     test_what_cannot_be_imported_is_refused_by_name.)"""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
         "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
-    ours, mlm, imported = (str(tmp_path / n) for n in ("ours", "mlm", "imported"))
-    (tmp_path / "unknown").mkdir()
-    original, converted, refusal = spawn(_save_import_resume, 2, base, ours, mlm, imported, str(tmp_path / "unknown"),
-                                timeout=200)[-1]
-    assert sorted(converted["losses"]) == [3, 4] and converted["consumed_train_samples"] == 32
-    assert converted["losses"] == original["losses"]
+    ours = str(tmp_path / "ours")
+    full, plugin_run, fresh, own_run, refusal = spawn(_save_import_resume, 2, base, ours, str(tmp_path),
+                                                      timeout=200)[-1]
+    assert sorted(plugin_run["losses"]) == [3, 4] and plugin_run["consumed_train_samples"] == 32
+    assert plugin_run["losses"] == full["losses"] and own_run["losses"] == fresh["losses"]
+    assert full["losses"][4] != fresh["losses"][4]   # the optimizer state matters at iteration 4
     assert "imported from Megatron-LM without its optimizer state; resume with --no-load-optim" in refusal, refusal
-    assert open(os.path.join(imported, TRACKER)).read() == "2"
-    ckpt = os.path.join(imported, "iter_0000002")
-    assert verify_checksums(ckpt) > 0 and not os.path.exists(os.path.join(ckpt, "rng"))
-    common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
-    assert (common["iteration"], common["consumed_train_samples"], common["has_optim"]) == (2, 16, False)
-    assert "attention_backend" not in common["args"] and common["args"]["disable_bias_linear"] is False
-    assert sorted(os.listdir(os.path.join(mlm, "iter_0000002"))) == ["mp_rank_00", "mp_rank_01"]
-    for name in ("mp_rank_00_000", "mp_rank_01_000"):
-        want = torch.load(os.path.join(ours, "iter_0000002", name, "model.pt"), weights_only=False)
-        got = torch.load(os.path.join(ckpt, name, "model.pt"), weights_only=False)
-        assert got.keys() == want.keys() and any("input_layernorm" in k for k in got)
-        for k, t in want.items():   # tensors, and the local linear layers' extra states (None)
-            same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is t is None
-            assert same, k
+    assert sorted(os.listdir(tmp_path / "mlm_own" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
+    for kind, has_optim in (("plugin", True), ("own", False)):
+        ckpt = os.path.join(tmp_path, f"imported_{kind}", "iter_0000002")
+        assert open(os.path.join(tmp_path, f"imported_{kind}", TRACKER)).read() == "2"
+        assert verify_checksums(ckpt) > 0 and not os.path.exists(os.path.join(ckpt, "rng"))
+        common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
+        assert (common["iteration"], common["consumed_train_samples"], common["has_optim"]) == (2, 16, has_optim)
+        assert "attention_backend" not in common["args"] and common["args"]["disable_bias_linear"] is False
+        for name in ("mp_rank_00_000", "mp_rank_01_000"):
+            want = torch.load(os.path.join(ours, "iter_0000002", name, "model.pt"), weights_only=False)
+            got = torch.load(os.path.join(ckpt, name, "model.pt"), weights_only=False)
+            assert got.keys() == want.keys() and any("input_layernorm" in k for k in got)
+            for k, t in want.items():   # tensors, and the local linear layers' extra states (None)
+                same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
+                assert same, k
+            assert os.path.exists(os.path.join(ckpt, name, "optim.pt")) == has_optim
     # and tools/reshard_checkpoint.py takes it to other TP/PP sizes as it takes the original
-    from .test_checkpoint_reshard import _reshard
+    from .test_checkpoint_reshard import _reshard, _tensors
 
-    assert _reshard(imported, str(tmp_path / "imported_tp1"), 1, 1) == 0
+    assert _reshard(str(tmp_path / "imported_plugin"), str(tmp_path / "imported_tp1"), 1, 1) == 0
     assert _reshard(ours, str(tmp_path / "ours_tp1"), 1, 1) == 0
-    want, got = (torch.load(os.path.join(tmp_path, d, "iter_0000002", "mp_rank_00_000", "model.pt"), weights_only=False)
-                 for d in ("ours_tp1", "imported_tp1"))
-    assert got.keys() == want.keys()
-    assert all(torch.equal(t, got[k]) for k, t in want.items() if torch.is_tensor(t))
+    want, got = (_tensors(os.path.join(tmp_path, d, "iter_0000002")) for d in ("ours_tp1", "imported_tp1"))
+    assert got.keys() == want.keys() and any(k.startswith("mp_rank_00_000/optim.pt") for k in got)
+    assert all(torch.equal(t, got[k]) for k, t in want.items())
 
 
-def _fake_megatron_lm(root, positions=("mp_rank_00",), iteration=5, chunks=None, **args):
+def _fake_megatron_lm(root, positions=("mp_rank_00",), iteration=5, chunks=None, optimizer=None, **args):
     args = argparse.Namespace(**{"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                                  "transformer_impl": "transformer_engine", **args})
     for i, name in enumerate(positions):
         os.makedirs(os.path.join(root, f"iter_{iteration:07d}", name))
         models = {"model": {"embedding.word_embeddings.weight": torch.ones(2)}} if chunks is None else {
             f"model{c}": {"decoder.layers.0.mlp.linear_fc2.weight": torch.full((2,), 10.0 * i + c)} for c in chunks}
-        torch.save({"args": args, "iteration": iteration, **models},
+        torch.save({"args": args, "iteration": iteration, "optimizer": optimizer, **models},
                    os.path.join(root, f"iter_{iteration:07d}", name, "model_optim_rng.pt"))
     with open(os.path.join(root, TRACKER), "w") as f:
         f.write(str(iteration))
@@ -203,6 +225,13 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     stage1 = torch.load(tmp_path / "vp_out" / "iter_0000005" / "mp_rank_00_001" / "model.pt", weights_only=False)
     assert sorted(stage1) == ["model0", "model1"]
     assert stage1["model1"]["decoder.layers.0.mlp.linear_fc2.weight"].tolist() == [11.0, 11.0]
+    # the megatron_ext plug-in's optimizer: its parameter state must be there and be its own
+    from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
+
+    plugin = _fake_megatron_lm(tmp_path / "plugin", optimizer={"format": COMMON_FORMAT, "optimizer": "Adam"})
+    assert "distrib_optim.pt is missing" in refused(plugin)
+    torch.save({"format": "other"}, tmp_path / "plugin" / "iter_0000005" / "mp_rank_00" / "distrib_optim.pt")
+    assert "not the plug-in's canonical Adam state" in refused(plugin)
     # a pretrain_gpt checkpoint (the import's own output) is not imported again
     assert _tool(["--load", local, "--save", str(tmp_path / "ours")]) == 0
     assert "pretrain_gpt checkpoint already" in refused(tmp_path / "ours")
