@@ -45,7 +45,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     try:
         import_megatron_lm_checkpoint(args.load, args.save, args.transformer_impl, args.ckpt_step)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:   # nothing published: the tracker moves only after a complete write
         print(f"import_megatron_lm_checkpoint.py: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -11,7 +11,10 @@
 #       tools/megatron_lm_verdict.py for why);
 #   (b) the ODO saves at iteration HALF through Megatron-LM's checkpointing (save_parameter_state), resumes, and
 #       logs the same losses as the uninterrupted run (exact);
-#   (c) a resume of that checkpoint at another --ddp-bucket-size: within the bf16 tolerance of the uninterrupted run.
+#   (c) a resume of that checkpoint at another --ddp-bucket-size: within the bf16 tolerance of the uninterrupted run;
+#   (d) that checkpoint imported (tools/import_megatron_lm_checkpoint.py: weights, data position, the ODO's optimizer
+#       state) and continued by this package's pretrain_gpt with the same flags: within the bf16 tolerance of the
+#       uninterrupted Megatron-LM run.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -69,7 +72,7 @@ sed -e '0,/^from megatron.training import/s//import megatron_ext.megatron_lm as 
 grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-line edit did not apply: check $out/pretrain_gpt_two_lines.py)" >&2
 
 odo=(--use-overlapped-distributed-optimizer)
-rm -rf "$out/ckpt" "$out/ckpt_bucket"
+rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported"
 run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
 run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
@@ -80,6 +83,17 @@ run odo_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pret
     --load "$out/ckpt" --save "$out/ckpt" --save-interval "$iters"
 run odo_resume_bucket "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
     "${odo[@]}" --load "$out/ckpt_bucket" --ddp-bucket-size 100000
+# (d): pretrain_gpt takes Megatron-LM's flags but not --ckpt-format (its checkpoints have one layout)
+ours=()
+skip=0
+for a in "${common[@]}"; do
+  if [ "$skip" = 1 ]; then skip=0; continue; fi
+  if [ "$a" = --ckpt-format ]; then skip=1; continue; fi
+  ours+=("$a")
+done
+run import_ckpt python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_bucket" --save "$out/ckpt_imported" \
+    --transformer-impl local
+run pretrain_gpt_imported "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" --load "$out/ckpt_imported"
 
 [ "$dry" = 1 ] && exit 0
 status=0
@@ -92,5 +106,7 @@ verdict "(b) ODO save at $half and resume vs uninterrupted" "$out/odo_launch.log
     --first $((half + 1)) --skip $((half + 2))
 verdict "(c) ODO resume at another bucket size vs uninterrupted" "$out/odo_launch.log" "$out/odo_resume_bucket.log" \
     --first $((half + 1)) --skip $((half + 2))
+verdict "(d) pretrain_gpt continues the imported ODO checkpoint vs uninterrupted" "$out/odo_launch.log" \
+    "$out/pretrain_gpt_imported.log" --first $((half + 1))
 echo "logs: $out" >&2
 exit $status

@@ -37,6 +37,9 @@ MODEL_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("squared_relu", "--squared-relu"),
     ("qk_layernorm", "--qk-layernorm"),
     ("apply_layernorm_1p", "--apply-layernorm-1p"),
+    ("norm_epsilon", "--norm-epsilon"),
+    ("rotary_base", "--rotary-base"),
+    ("rotary_percent", "--rotary-percent"),
     ("disable_bias_linear", "--disable-bias-linear"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("tokenizer_type", "--tokenizer-type"),
@@ -175,16 +178,38 @@ def check_scheduler_state(saved: Dict[str, Any], scheduler, saved_gbs: Optional[
     return problems
 
 
+def _extra_state(key: str) -> bool:
+    return key == "_extra_state" or key.endswith("._extra_state")
+
+
+def fit_extra_states(saved: Dict[str, Any], model: torch.nn.Module) -> Dict[str, Any]:
+    """``saved`` with the modules' ``_extra_state`` entries as ``model`` has them: Transformer Engine's modules keep
+    one (FP8 metadata) and megatron-core builds some of them (the final norm: ``TENorm``) whenever Transformer Engine
+    is importable, whatever ``--transformer-impl`` says, so a checkpoint saved where it was (or was not) installed
+    names extra states this model lacks (or misses some it has). A missing one keeps the module's own; one this model
+    lacks is dropped -- as Megatron-LM, which retries such a load with ``strict=False``. Tensors stay strict."""
+    expected = model.state_dict(keep_vars=True)
+    out = {k: v for k, v in saved.items() if not _extra_state(k) or k in expected}
+    out.update({k: v for k, v in expected.items() if _extra_state(k) and k not in saved})
+    return out
+
+
 def check_model_state(saved: Dict[str, Any], model: torch.nn.Module) -> List[str]:
-    """What ``model.load_state_dict(saved, strict=True)`` would reject: missing/unexpected names, other shapes."""
+    """What ``model.load_state_dict(saved, strict=True)`` would reject after :func:`fit_extra_states`:
+    missing/unexpected names, other shapes."""
     expected = model.state_dict(keep_vars=True)
     problems = []
-    missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k not in expected]
+    missing = [k for k in expected if k not in saved and not _extra_state(k)]
+    unexpected = [k for k in saved if k not in expected and not _extra_state(k)]
     if missing:
         problems.append(f"missing from the checkpoint: {_some(missing)}")
     if unexpected:
         problems.append(f"not in this model: {_some(unexpected)}")
+    if any("layer_norm_" in k for k in missing + unexpected) and any("layernorm." in k for k in missing + unexpected):
+        problems.append("the layer norms are named for another --transformer-impl (Transformer Engine fuses them "
+                        "into linear_qkv / linear_fc1 as layer_norm_weight); resume with the saving run's "
+                        "--transformer-impl (tools/import_megatron_lm_checkpoint.py --transformer-impl local renames a "
+                        "Megatron-LM checkpoint's)")
     for k, v in expected.items():
         w = saved.get(k)
         if torch.is_tensor(v) and torch.is_tensor(w) and tuple(v.shape) != tuple(w.shape):

@@ -15,7 +15,8 @@ same writer, ``write_canonical_optimizer_state``), and the parameter names agree
 (``Float16Module`` for bf16/fp16, one wrapper per model chunk); the resume then continues exactly, LR schedule
 included. Megatron's own optimizers keep a layout private to their version (``DistributedOptimizer``'s buckets,
 ``Float16Optimizer``'s param-group order), so theirs is not carried: the checkpoint is marked as saved without one and
-a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights, as Megatron-LM's own flag) or
+a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights; as with Megatron-LM's own flag,
+the LR schedule is not loaded either and starts again from its warm-up, which suits fresh moments) or
 ``--finetune``. RNG states are never carried (re-seeded from ``--seed``, as after a reshard). Expert-parallel (MoE)
 checkpoints and the legacy (non-megatron-core) GPT model are refused.
 
@@ -142,16 +143,52 @@ def _positions(ckpt: str) -> Dict[Tuple[int, int], str]:
     return out
 
 
+# Megatron-LM's args that pretrain_gpt keeps under another name (its flag's destination there).
+_RENAMED_ARGS = {"layernorm_zero_centered_gamma": "apply_layernorm_1p",   # --apply-layernorm-1p
+                 "layernorm_epsilon": "norm_epsilon"}                      # --norm-epsilon
+
+# Model settings pretrain_gpt does not build: (saved arg, Megatron-LM's flag); refused unless unset/False/0.
+_UNSUPPORTED_MODEL_ARGS = (
+    ("num_experts", "--num-experts (mixture of experts)"),
+    ("multi_latent_attention", "--multi-latent-attention"),
+    ("mtp_num_layers", "--mtp-num-layers (multi-token prediction)"),
+    ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout (resave with the layer-count flags)"),
+    ("rotary_interleaved", "--rotary-interleaved"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("window_size", "--window-size (sliding-window attention)"),
+    ("no_rope_freq", "--no-rope-freq"),
+)
+
+
 def imported_args(ns: Any) -> Dict[str, Any]:
     """Megatron-LM's saved ``args`` as pretrain_gpt saves its own: plain values only (what the resume compares), and
-    the few flags whose destination differs (``--disable-bias-linear`` is Megatron-LM's ``add_bias_linear=False``)."""
+    the flags whose destination differs (``--disable-bias-linear`` is Megatron-LM's ``add_bias_linear=False``;
+    :data:`_RENAMED_ARGS`)."""
     src = vars(ns) if isinstance(ns, argparse.Namespace) else dict(getattr(ns, "__dict__", {}) or {})
     plain = (int, float, str, bool, type(None))
     out = {k: v for k, v in src.items()
            if isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
     if "add_bias_linear" in out:
         out["disable_bias_linear"] = not out.pop("add_bias_linear")
+    for theirs, ours in _RENAMED_ARGS.items():
+        if theirs in out and ours not in out:
+            out[ours] = out.pop(theirs)
     return out
+
+
+def model_problems(args: Dict[str, Any], src: Any) -> List[str]:
+    """What pretrain_gpt cannot build of the saved model, by Megatron-LM's flag (``src``: the raw saved args)."""
+    raw = vars(src) if isinstance(src, argparse.Namespace) else dict(getattr(src, "__dict__", {}) or {})
+    problems = [f"{flag} = {raw[name]!r}" for name, flag in _UNSUPPORTED_MODEL_ARGS
+                if raw.get(name) not in (None, False, 0, "")]
+    if (args.get("expert_model_parallel_size") or 1) > 1:
+        problems.append(f"--expert-model-parallel-size = {args['expert_model_parallel_size']}")
+    if raw.get("add_qkv_bias") and args.get("disable_bias_linear"):
+        problems.append("--add-qkv-bias with --disable-bias-linear")
+    if args.get("transformer_impl") not in (None, *_IMPLS):
+        problems.append(f"--transformer-impl {args['transformer_impl']}")
+    return problems
 
 
 def te_to_local_names() -> List[Tuple[str, str]]:
@@ -230,6 +267,10 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     if "args" not in first:
         raise CheckpointError(f"{files[min(files)]}: no 'args' entry (not written by Megatron-LM's save_checkpoint)")
     args = imported_args(first["args"])
+    problems = model_problems(args, first["args"])
+    if problems:
+        raise CheckpointError(f"{ckpt}: a model pretrain_gpt does not build (dense megatron-core GPT): "
+                              + "; ".join(problems))
     tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
     vp = args.get("virtual_pipeline_model_parallel_size") or 1
     missing = [mp_dir_name(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
@@ -262,6 +303,10 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             if any(k.startswith("language_model.") for c in chunks for k in c):
                 raise CheckpointError(f"{path}: a legacy (non-megatron-core) GPT model (language_model.*); "
                                       "pretrain_gpt builds megatron-core's GPTModel (--use-mcore-models)")
+            unreadable = [k for c in chunks for k, v in c.items() if isinstance(v, _Unknown)]
+            if unreadable:   # e.g. FP8 parameters of a Transformer Engine this environment lacks
+                raise CheckpointError(f"{path}: model entries of a type this environment cannot import: "
+                                      f"{', '.join(unreadable[:4])}")
             if renames is not None:
                 chunks = [rename_for_local(c, renames) for c in chunks]
             model = chunks[0] if vp == 1 else {f"model{i}": c for i, c in enumerate(chunks)}

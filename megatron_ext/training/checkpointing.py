@@ -523,8 +523,10 @@ def load_checkpoint(ckpt: str, model: Sequence, optimizer, scheduler, *, args: O
         error = f"{ckpt}: {type(e).__name__}: {e}"
     agree_on_error(error)
     common, model_state, optim_state, rng_state = loaded
+    from .checkpoint_compat import fit_extra_states
+
     for chunk, state in zip(model, chunk_states(model_state, len(model))):
-        _unwrap(chunk).load_state_dict(state, strict=True)
+        _unwrap(chunk).load_state_dict(fit_extra_states(state, _unwrap(chunk)), strict=True)
     if load_optim:
         # The optimizer's param groups carry max_lr/min_lr, which the scheduler reads before its own values and the
         # optimizer state brings back from the checkpoint; under --override-opt_param-scheduler this run's bounds

@@ -337,7 +337,13 @@ def _find_checkpoint_or_fail(args: argparse.Namespace):
     from .loop import print_rank_0
 
     if args.ckpt_step is not None:   # an iteration asked for by name: missing is an error, also when --load = --save
-        return checkpointing.find_checkpoint(args.load, args.ckpt_step)
+        ckpt = checkpointing.find_checkpoint(args.load, args.ckpt_step)
+        newer = [name for it, name in checkpointing._published(args.load) if it > args.ckpt_step]
+        if newer and load_is_save(args):
+            print_rank_0(f"> notice: --ckpt-step {args.ckpt_step} resumes before {', '.join(newer)} in --load = "
+                         "--save: this run's saves move the tracker back and replace those of the same iteration "
+                         "(drop --ckpt-step from a restart script once it has run)")
+        return ckpt
     same_as_save = load_is_save(args) and not args.exit_on_missing_checkpoint   # else a missing one is an error
     if same_as_save and not os.path.isdir(args.load):
         print_rank_0(f"> --load {args.load}: no checkpoint yet (same directory as --save); starting from scratch")

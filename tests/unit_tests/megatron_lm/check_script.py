@@ -21,6 +21,7 @@ def dry_runs(checkout: Path, out: Path, iters: int = 40) -> list[tuple[str, list
     for line in proc.stdout.splitlines():
         if line.startswith("RUN "):
             name, *argv = shlex.split(line[len("RUN "):])
-            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+            # the training script (or pretrain_gpt's module: the last run continues in this package)
+            script = next(i for i, a in enumerate(argv) if a.endswith(".py") or a == "megatron_ext.training.pretrain_gpt")
             runs.append((name, argv[script + 1:]))
     return runs

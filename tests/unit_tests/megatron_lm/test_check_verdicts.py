@@ -1,6 +1,7 @@
 """The verdict logic of tools/megatron_lm_check.sh, on synthetic Megatron-LM log text (the script needs GPUs)."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 from ..tool_loader import TOOLS, loaded_tool
@@ -71,7 +72,18 @@ def test_check_script_commands(tmp_path):
         "pretrain(extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None)\n")
     runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
-                          "odo_resume_bucket"]
+                          "odo_resume_bucket", "import_ckpt", "pretrain_gpt_imported"]
+    # (d): the checkpoint (b) saved at 20, imported, then pretrain_gpt with the same flags (less --ckpt-format)
+    from megatron_ext.training.arguments import parse_args
+
+    imported, ours = runs.pop("import_ckpt"), runs.pop("pretrain_gpt_imported")
+    assert _value(imported, "--load") == _value(runs["odo_resume_bucket"], "--load")
+    assert _value(ours, "--load") == _value(imported, "--save") and "--ckpt-format" not in ours
+    assert ours[:ours.index("--load")] == [a for a in runs["odo_launch"] if a not in ("--ckpt-format", "torch",
+                                                                                      "--use-overlapped-distributed-"
+                                                                                      "optimizer")]
+    os.makedirs(_value(ours, "--load"))
+    assert parse_args(ours, world_size=1).train_iters == 40   # pretrain_gpt takes every flag of that run
     for name, argv in runs.items():
         odo = "--use-overlapped-distributed-optimizer" in argv
         assert odo == (name != "megatron_dist_opt"), name

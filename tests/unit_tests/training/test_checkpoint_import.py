@@ -64,7 +64,10 @@ def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None
     src = os.path.join(ours, f"iter_{iteration:07d}")
     common = torch.load(os.path.join(src, "common.pt"), weights_only=False)
     saved = dict(common["args"])
+    # the destinations of Megatron-LM's --disable-bias-linear, --apply-layernorm-1p and --norm-epsilon
     saved["add_bias_linear"] = not saved.pop("disable_bias_linear")
+    saved["layernorm_zero_centered_gamma"] = saved.pop("apply_layernorm_1p")
+    saved["layernorm_epsilon"] = saved.pop("norm_epsilon")
     saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value,
                  consumed_train_samples=common["consumed_train_samples"],
                  consumed_valid_samples=common["consumed_valid_samples"], use_distributed_optimizer=True)
@@ -158,6 +161,7 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
         common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
         assert (common["iteration"], common["consumed_train_samples"], common["has_optim"]) == (2, 16, has_optim)
         assert "attention_backend" not in common["args"] and common["args"]["disable_bias_linear"] is False
+        assert (common["args"]["apply_layernorm_1p"], common["args"]["norm_epsilon"]) == (False, 1e-5)
         for name in ("mp_rank_00_000", "mp_rank_01_000"):
             want = torch.load(os.path.join(ours, "iter_0000002", name, "model.pt"), weights_only=False)
             got = torch.load(os.path.join(ckpt, name, "model.pt"), weights_only=False)
@@ -225,6 +229,20 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     stage1 = torch.load(tmp_path / "vp_out" / "iter_0000005" / "mp_rank_00_001" / "model.pt", weights_only=False)
     assert sorted(stage1) == ["model0", "model1"]
     assert stage1["model1"]["decoder.layers.0.mlp.linear_fc2.weight"].tolist() == [11.0, 11.0]
+    # models pretrain_gpt does not build, by Megatron-LM's flag (expert parallel size 1 keeps the usual names)
+    moe = _fake_megatron_lm(tmp_path / "moe_ep1", num_experts=8, apply_residual_connection_post_layernorm=True)
+    err = refused(moe)
+    assert "--num-experts (mixture of experts) = 8" in err and "--apply-residual-connection-post-layernorm" in err
+    odd = _fake_megatron_lm(tmp_path / "odd")   # a weight of a class this environment cannot import (FP8, say)
+    sys.path.insert(0, str(tmp_path))
+    (tmp_path / "gone_module.py").write_text("class Gone:\n    pass\n")
+    import gone_module
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+                "iteration": 5, "model": {"embedding.word_embeddings.weight": gone_module.Gone()}},
+               os.path.join(odd, "iter_0000005", "mp_rank_00", "model_optim_rng.pt"))
+    sys.path.remove(str(tmp_path))
+    _forget(tmp_path)
+    assert "a type this environment cannot import: embedding.word_embeddings.weight" in refused(odd)
     # the megatron_ext plug-in's optimizer: its parameter state must be there and be its own
     from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
 
@@ -255,3 +273,35 @@ def test_te_names_map_to_megatron_core_local_names():
                                                 "decoder.final_layernorm.weight": 5}
     with pytest.raises(CheckpointError, match="choose one of"):
         import_megatron_lm_checkpoint("x", "y", transformer_impl="te")
+
+
+def test_extra_states_fit_the_model_and_other_layer_names_are_named():
+    """A load keeps tensors strict but fits ``_extra_state`` entries to the model (Transformer Engine's final norm is
+    built wherever it is installed); names of the other --transformer-impl get a hint naming the flag."""
+    from megatron_ext.training.checkpoint_compat import check_model_state, fit_extra_states
+
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self):
+            return "mine"
+
+        def set_extra_state(self, state):
+            self.got = state
+
+    model = torch.nn.Sequential(WithExtra(2, 2), torch.nn.Linear(2, 2))
+    saved = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}   # no extra state saved
+    saved["1._extra_state"] = "theirs"                                                     # one this model lacks
+    assert check_model_state(saved, model) == []
+    fitted = fit_extra_states(saved, model)
+    assert fitted["0._extra_state"] == "mine" and "1._extra_state" not in fitted
+    model.load_state_dict(fitted, strict=True)
+    assert model[0].got == "mine"
+    del saved["0.bias"]
+    assert check_model_state(saved, model) == ["missing from the checkpoint: 0.bias"]   # tensors stay strict
+    te = {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.ones(2)}
+
+    class Local(torch.nn.Module):
+        def state_dict(self, *a, **kw):
+            return {"decoder.layers.0.input_layernorm.weight": torch.ones(2)}
+
+    problems = check_model_state(te, Local())
+    assert any("named for another --transformer-impl" in p for p in problems), problems
