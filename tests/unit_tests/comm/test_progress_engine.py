@@ -266,18 +266,49 @@ def test_close_lets_handles_in_flight_finish_then_fails_their_waits(monkeypatch)
 
 
 _EXIT_SCRIPT = """
-import os, sys, torch, torch.distributed as dist
-dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RANK"]), world_size=2)
+import os, sys, time
+import torch, torch.distributed as dist
 import megatron_ext as mx
 from megatron.core.optimizer import OptimizerConfig
-torch.manual_seed(0)
-m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-ddp = mx.OverlappedDDP(m, mx.OverlapConfig(bucket_size=5000, ranks_per_node=1))
-opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3), ddp)
-for _ in range(3):
-    ddp(torch.randn(4, 64)).sum().backward(); ddp.finish_grad_sync(); opt.step(); opt.zero_grad()
-assert ddp.engine is not None and ddp.param_sync.pending > 0
-# no destroy_process_group: the last step's gathers are in flight when the interpreter exits
+
+
+def train(rank, store):
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    ddp = mx.OverlappedDDP(m, mx.OverlapConfig(bucket_size=5000, ranks_per_node=1))
+    opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-3), ddp)
+    for _ in range(3):
+        ddp(torch.randn(4, 64)).sum().backward(); ddp.finish_grad_sync(); opt.step(); opt.zero_grad()
+    assert ddp.engine is not None and ddp.param_sync.pending > 0
+    # no destroy_process_group: the last step's gathers are in flight when the interpreter exits
+
+
+# The imports above run once; each rank of each run is a fork of this process that trains and then leaves as a
+# script does, through the interpreter's own finalisation (SystemExit at the top level: atexit hooks, then thread
+# and module teardown), which is where gloo's thread aborted.
+root, runs = sys.argv[1], int(sys.argv[2])
+for run in range(runs):
+    children = {}
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(os.open(os.path.join(root, f"run{run}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT), 2)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.environ["RANK"] = str(rank)
+            train(rank, "file://" + os.path.join(root, f"store{run}"))
+            sys.exit(0)
+        children[pid] = rank
+    deadline = time.monotonic() + 300
+    while children and time.monotonic() < deadline:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        print(f"EXIT {run} {children.pop(pid)} {os.waitstatus_to_exitcode(status)}", flush=True)
+    for pid, rank in children.items():   # a hang: reported as such, then killed
+        print(f"EXIT {run} {rank} hung", flush=True)
+        os.kill(pid, 9)
 """
 
 
@@ -330,7 +361,8 @@ def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
     """2 nodes of 1 rank, the last step's gathers in flight at exit: with the gathers on the engine and no exit hook,
     about a third of these runs aborted in gloo's thread (a gloo work finishing during finalisation). The gathers now
     run on the training thread, the engines are closed at exit and the gathers get the engines' deadline to finish
-    (``drain_at_exit``); the process must exit cleanly."""
+    (``drain_at_exit``); the process must exit cleanly. Three runs, each rank a forked process that exits through the
+    interpreter's finalisation (the script's note: the imports are paid once, not six times)."""
     import os
     import subprocess
     import sys
@@ -340,24 +372,13 @@ def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
     root = str(Path(__file__).resolve().parents[3])   # the checkout, also when the package is not installed
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_EXT_PROGRESS_ENGINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    # Two plain processes meeting in a file store: what torchrun would start, without its agent's start-up.
-    for run in range(3):
-        logs = [tmp_path / f"run{run}_rank{r}.log" for r in range(2)]
-        ranks = []
-        for r, log in enumerate(logs):
-            with open(log, "w") as err:   # the child holds its own copy of the descriptor
-                ranks.append(subprocess.Popen([sys.executable, str(script), f"file://{tmp_path / f'store{run}'}"],
-                                              env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL, stderr=err))
-        try:
-            for proc in ranks:
-                proc.wait(timeout=300)
-        finally:
-            for proc in ranks:
-                if proc.poll() is None:
-                    proc.kill()
-        for r, (proc, log) in enumerate(zip(ranks, logs)):
-            err = log.read_text()
-            assert proc.returncode == 0 and "terminate called" not in err, (run, r, proc.returncode, err[-3000:])
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "3"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    exits = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("EXIT ")]
+    assert proc.returncode == 0 and len(exits) == 6, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    for run, rank, code in exits:
+        err = (tmp_path / f"run{run}_rank{rank}.log").read_text()
+        assert code == "0" and "terminate called" not in err, (run, rank, code, err[-3000:])
 
 
 class _RecordingStreams(StreamOps):

@@ -250,6 +250,22 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     assert "distrib_optim.pt is missing" in refused(plugin)
     torch.save({"format": "other"}, tmp_path / "plugin" / "iter_0000005" / "mp_rank_00" / "distrib_optim.pt")
     assert "not the plug-in's canonical Adam state" in refused(plugin)
+    # two saves mixed: each position must hold the same iteration
+    mixed = _fake_megatron_lm(tmp_path / "mixed", ("mp_rank_00", "mp_rank_01"), tensor_model_parallel_size=2)
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
+                "iteration": 4, "model": {"embedding.word_embeddings.weight": torch.ones(2)}},
+               os.path.join(mixed, "iter_0000005", "mp_rank_01", "model_optim_rng.pt"))
+    assert "iteration 4, not 5" in refused(mixed)
+    # a release tracker (iteration 0, as Megatron-LM reads it), and --ckpt-step past the tracker
+    release = _fake_megatron_lm(tmp_path / "release")
+    os.rename(os.path.join(release, "iter_0000005"), os.path.join(release, "release"))
+    (tmp_path / "release" / TRACKER).write_text("release")
+    assert _tool(["--load", release, "--save", str(tmp_path / "release_out")]) == 0
+    assert (tmp_path / "release_out" / TRACKER).read_text() == "0"
+    two = _fake_megatron_lm(tmp_path / "two", iteration=3)
+    _fake_megatron_lm(tmp_path / "two", iteration=7)   # the tracker now names 7
+    assert _tool(["--load", two, "--save", str(tmp_path / "two_out"), "--ckpt-step", "3"]) == 0
+    assert (tmp_path / "two_out" / TRACKER).read_text() == "3"
     # a pretrain_gpt checkpoint (the import's own output) is not imported again
     assert _tool(["--load", local, "--save", str(tmp_path / "ours")]) == 0
     assert "pretrain_gpt checkpoint already" in refused(tmp_path / "ours")
