@@ -38,13 +38,12 @@ import argparse
 import os
 import pickle
 import re
-import shutil
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (FORMAT, TRACKER, CheckpointError, _fsync_save, _published, iter_dir_name, mp_dir_name,
-                            publish_checkpoint, remove_stale, write_manifest)
+from .checkpointing import (FORMAT, TRACKER, CheckpointError, _published, iter_dir_name, mp_dir_name,
+                            offline_checkpoint)
 from ..megatron_lm.optimizer_state import COMMON_FORMAT
 from ..optimizer.checkpoint import CANONICAL_FORMAT
 from .pipeline_layout import LAYOUT_ARGS
@@ -287,13 +286,8 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     step = 0 if os.path.basename(ckpt) == "release" else int(first.get("iteration", 0))
 
     final = os.path.join(save_dir, iter_dir_name(step))
-    tmp = final + ".tmp"
-    os.makedirs(save_dir, exist_ok=True)
-    remove_stale(save_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    written: Dict[str, int] = {}
     has_optim: List[bool] = []
-    try:
+    with offline_checkpoint(save_dir, step) as save:
         for (t, p), path in sorted(files.items()):
             saved = first if (t, p) == min(files) else _read(path)
             if int(saved.get("iteration", step)) != int(first.get("iteration", step)):
@@ -310,13 +304,11 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             if renames is not None:
                 chunks = [rename_for_local(c, renames) for c in chunks]
             model = chunks[0] if vp == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
-            out = os.path.join(tmp, mp_dir_name(t, p), "model.pt")
-            written[out] = _fsync_save(model, out)
+            save(model, os.path.join(mp_dir_name(t, p), "model.pt"))
             optim = _plugin_optimizer_state(saved, path, renames)
             has_optim.append(optim is not None)
             if optim is not None:
-                out = os.path.join(tmp, mp_dir_name(t, p), "optim.pt")
-                written[out] = _fsync_save(optim, out)
+                save(optim, os.path.join(mp_dir_name(t, p), "optim.pt"))
             del saved, chunks, model, optim
         if len(set(has_optim)) > 1:
             raise CheckpointError(f"{ckpt}: some positions hold the megatron_ext plug-in's optimizer state and "
@@ -334,14 +326,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
                   "world_size": None, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                   "data_parallel_size": None, "has_optim": has_optim[0], "args": args,
                   "imported_from": os.path.realpath(ckpt)}
-        out = os.path.join(tmp, "common.pt")
-        written[out] = _fsync_save(common, out)
-        write_manifest(tmp, step, {os.path.relpath(f, tmp): {"size": os.path.getsize(f), "crc32": crc}
-                                   for f, crc in written.items()})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_checkpoint(save_dir, step)
+        save(common, "common.pt")
     names = f"; layer names {source_impl} -> {target_impl}" if renames is not None else ""
     carried = ("the optimizer state (saved by the megatron_ext plug-in) and LR schedule; no RNG state" if has_optim[0]
                else "no optimizer state (Megatron's own optimizer) or RNG state: resume with --no-load-optim, or "

@@ -39,14 +39,12 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (TRACKER, CheckpointError, _fsync_save, _load, _published, chunk_states,
-                            find_checkpoint, iter_dir_name, mp_dir_name, publish_checkpoint, remove_stale,
-                            verify_checksums, write_manifest)
+from .checkpointing import (TRACKER, CheckpointError, _load, _published, chunk_states, find_checkpoint,
+                            iter_dir_name, mp_dir_name, offline_checkpoint, verify_checksums)
 from .model import padded_vocab_size
 from .pipeline_layout import LAYOUT_ARGS, PipelineLayout
 
@@ -390,12 +388,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
 
     iteration = common["iteration"]
     final = os.path.join(save_dir, iter_dir_name(iteration))
-    tmp = final + ".tmp"
-    os.makedirs(save_dir, exist_ok=True)
-    remove_stale(save_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    written: Dict[str, int] = {}
-    try:
+    with offline_checkpoint(save_dir, iteration) as save:
         model_plan = list(_target_keys(src.model_keys, target, src.tied))
         optim_plan = list(_target_keys(src.optim_keys, target, src.tied)) if src.has_optim else []
         header = src.optim_header() if src.has_optim else None
@@ -413,15 +406,14 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
 
         for stage in range(target.pp):
             for t in range(target.tp):
-                mp_dir = os.path.join(tmp, mp_dir_name(t, stage))
+                mp_dir = mp_dir_name(t, stage)
                 chunks: List[Dict[str, Any]] = [{} for _ in range(target.vp)]
                 for s, c, key, g in model_plan:
                     if s == stage:
                         v = full_model(g, t)
                         chunks[c][key] = split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
                 model = chunks[0] if target.vp == 1 else {f"model{i}": st for i, st in enumerate(chunks)}
-                path = os.path.join(mp_dir, "model.pt")
-                written[path] = _fsync_save(model, path)
+                save(model, os.path.join(mp_dir, "model.pt"))
                 del model, chunks
                 if header is not None:
                     params: Dict[str, dict] = {}
@@ -433,8 +425,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                         name = key if target.vp == 1 else f"{c}.{key}"
                         params[name] = {"shape": tuple(shape), "numel": shape.numel(),
                                         **{f: v.reshape(-1) for f, v in shard.items()}}
-                    path = os.path.join(mp_dir, "optim.pt")
-                    written[path] = _fsync_save({**copy.deepcopy(header), "params": params}, path)
+                    save({**copy.deepcopy(header), "params": params}, os.path.join(mp_dir, "optim.pt"))
                     del params
         new_common = dict(common)
         new_args = dict(args)
@@ -447,14 +438,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
             new_args.update(padded_vocab_size=new_rows, make_vocab_size_divisible_by=divisible_by)
         new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
                           data_parallel_size=None, args=new_args, resharded_from=os.path.realpath(ckpt))
-        path = os.path.join(tmp, "common.pt")
-        written[path] = _fsync_save(new_common, path)
-        write_manifest(tmp, iteration, {os.path.relpath(p, tmp): {"size": os.path.getsize(p), "crc32": crc}
-                                        for p, crc in written.items()})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_checkpoint(save_dir, iteration)
+        save(new_common, "common.pt")
     log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage, "
         f"{src.layout.describe()}) into {final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage, "
         f"{target.describe()}); RNG states are re-seeded on resume")

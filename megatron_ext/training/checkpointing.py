@@ -51,6 +51,7 @@ partial checkpoint or waits in a collective for a peer that gave up. TP/PP sizes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -58,7 +59,7 @@ import random
 import re
 import shutil
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -276,6 +277,31 @@ def publish_checkpoint(save_dir: str, iteration: int) -> str:
     os.replace(tracker_tmp, os.path.join(save_dir, TRACKER))
     _fsync_dir(save_dir)
     return final
+
+
+@contextlib.contextmanager
+def offline_checkpoint(save_dir: str, iteration: int) -> Iterator[Callable[[Any, str], None]]:
+    """One process (the reshard and import tools) writes checkpoint ``iteration`` into ``save_dir``: yields
+    ``save(obj, relative_path)``; when the block completes, the manifest is written and the checkpoint published as
+    a training run's save is (atomicity note); on any error the partial directory is removed, nothing published."""
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    os.makedirs(save_dir, exist_ok=True)
+    remove_stale(save_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    written: Dict[str, int] = {}
+
+    def save(obj: Any, rel: str) -> None:
+        written[rel] = _fsync_save(obj, os.path.join(tmp, rel))
+
+    try:
+        yield save
+        write_manifest(tmp, iteration, {rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "crc32": crc}
+                                        for rel, crc in written.items()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_checkpoint(save_dir, iteration)
 
 
 _LEFTOVER = re.compile(r"iter_(\d{7,})\.(tmp|old)")
