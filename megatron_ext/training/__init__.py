@@ -16,6 +16,11 @@ Files, one job each:
 * ``logging_utils.py`` Megatron-style log lines, FLOP count, TensorBoard
 * ``checkpointing.py`` atomic, reshardable checkpoints; loads agreed by all ranks before anything is applied
 * ``checkpoint_compat.py`` does a checkpoint fit this run (model flags, shapes, optimizer state, LR schedule)
+* ``checkpoint_reshard.py`` a checkpoint rewritten for other TP/PP sizes (tools/reshard_checkpoint.py)
+* ``checkpoint_import.py`` a Megatron-LM checkpoint as a pretrain_gpt one (tools/import_megatron_lm_checkpoint.py)
+* ``pipeline_layout.py`` which layers each pipeline stage and model chunk holds (even or Megatron-LM's uneven split)
+* ``batch_size.py``    ``--rampup-batch-size``: the global batch size at each consumed sample, train iterations
+* ``notices.py``       megatron-core's known fallback warnings shown once, on rank 0 (a quiet first screen)
 * ``pretrain_gpt.py``  wires the above together
 
 [Note: what runs on CPU/gloo, and the limits]
