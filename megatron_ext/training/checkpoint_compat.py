@@ -3,10 +3,11 @@
 Each check returns a list of problems (empty when the checkpoint fits), worded with the flag a user would change, so
 that ``load_checkpoint`` can agree across ranks first and then fail everywhere with the same message.
 
-* :func:`check_checkpoint_args`: the flags that fix the model's shape, like Megatron-LM's ``check_checkpoint_args``
-  (which compares layers, hidden size, heads, positions, padded vocabulary, tokenizer type and TP/PP sizes) plus
-  the ones megatron_ext adds or Megatron-LM leaves to a later shape error (FFN size, KV channels, query groups,
-  position embedding, normalization, SwiGLU, bias, tied embeddings, Ladder/Desynced Residual).
+* :func:`check_checkpoint_args`: the flags that fix the model's shape or numerics, like Megatron-LM's
+  ``check_checkpoint_args`` (which compares layers, hidden size, heads, positions, padded vocabulary, tokenizer type
+  and TP/PP sizes) plus the ones megatron_ext adds or Megatron-LM leaves to a later shape error (FFN size, KV
+  channels, query groups, position embedding, normalization and its epsilon, rotary base and percent, SwiGLU, bias,
+  tied embeddings, Ladder/Desynced Residual).
 * :func:`check_scheduler_state`: Megatron-LM's ``--override-opt_param-scheduler`` /
   ``--use-checkpoint-opt_param-scheduler`` semantics (megatron-core's ``OptimizerParamScheduler._check_and_set``),
   with errors that name the flag instead of an assertion deep inside ``load_state_dict``.
@@ -104,6 +105,9 @@ def load_scheduler_state(scheduler, saved: Dict[str, Any]) -> None:
 # Flags that change how the layers are wired, not the parameters' names or shapes: a --finetune run may change them
 # (seed 002 section 4.2: a pretrained standard model rewired as a Ladder hybrid and fine-tuned).
 WIRING_FLAGS = ("ladder_residual", "ladder_residual_layers", "desync_residual")
+# Flags that change the numerics, not the parameters: a --finetune run may change them too (a larger rotary base to
+# extend the context is the usual case).
+NUMERIC_FLAGS = ("norm_epsilon", "rotary_base", "rotary_percent")
 
 
 def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
@@ -119,6 +123,8 @@ def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
         out["virtual_pipeline_model_parallel_size"] = d["virtual_pipeline_model_parallel_size"] or 1
     if d.get("num_layers") and d.get("pipeline_model_parallel_size"):   # (older checkpoints: the even split)
         out["pipeline_layout"] = layout_counts(d, d["pipeline_model_parallel_size"])
+    if d.get("position_embedding_type", "rope") != "rope":   # rotary settings a model without rope never reads
+        out["rotary_base"] = out["rotary_percent"] = None
     if "ladder_residual" in d:
         layers = d.get("ladder_residual_layers")
         n = (d.get("num_layers") if layers is None else layers) if d.get("ladder_residual") else 0
@@ -127,15 +133,15 @@ def _effective(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_checkpoint_args(saved: Dict[str, Any], args: argparse.Namespace) -> List[str]:
-    """Flags that fix the model's shape and differ between the saving run (``saved``) and this one; under
-    ``--finetune`` the wiring flags (:data:`WIRING_FLAGS`) may differ.
+    """Flags that fix the model's shape or numerics and differ between the saving run (``saved``) and this one; under
+    ``--finetune`` the wiring and numeric flags (:data:`WIRING_FLAGS`, :data:`NUMERIC_FLAGS`) may differ.
 
     Names missing from ``saved`` (older checkpoints) are not compared.
     """
     old, new = _effective(saved), _effective(vars(args))
     problems = []
     for name, flag in MODEL_FLAGS:
-        if getattr(args, "finetune", False) and name in WIRING_FLAGS:
+        if getattr(args, "finetune", False) and name in WIRING_FLAGS + NUMERIC_FLAGS:
             continue
         if (name in saved or name == "pipeline_layout" and name in old) and old.get(name) != new.get(name):
             problems.append(f"{flag}: checkpoint {old.get(name)!r}, this run {new.get(name)!r}")
@@ -210,7 +216,9 @@ def check_model_state(saved: Dict[str, Any], model: torch.nn.Module) -> List[str
                         "into linear_qkv / linear_fc1 as layer_norm_weight); resume with the saving run's "
                         "--transformer-impl (tools/import_megatron_lm_checkpoint.py --transformer-impl local renames a "
                         "Megatron-LM checkpoint's)")
-    for k, v in expected.items():
+    for k, v in expected.items():   # (extra states are fitted, whatever their size: fit_extra_states)
+        if _extra_state(k):
+            continue
         w = saved.get(k)
         if torch.is_tensor(v) and torch.is_tensor(w) and tuple(v.shape) != tuple(w.shape):
             problems.append(f"{k}: checkpoint shape {tuple(w.shape)}, this model {tuple(v.shape)}")

@@ -155,6 +155,7 @@ _UNSUPPORTED_MODEL_ARGS = (
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout (resave with the layer-count flags)"),
     ("rotary_interleaved", "--rotary-interleaved"),
     ("use_rope_scaling", "--use-rope-scaling"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
     ("window_size", "--window-size (sliding-window attention)"),
     ("no_rope_freq", "--no-rope-freq"),
 )

@@ -415,9 +415,10 @@ def _find_tracked(load_dir: str, iteration: int, named_by: str = "the tracker na
     manifest_path = os.path.join(ckpt, "manifest.json")
     if not os.path.isdir(ckpt):
         there = ", ".join(name for _, name in _published(load_dir))
+        how = ("pass the iteration to resume from as --ckpt-step, or write it into " + TRACKER
+               if named_by == "the tracker names" else "pass one of them as --ckpt-step")
         raise CheckpointError(f"--load {load_dir}: {named_by} iteration {iteration} but {ckpt} is missing"
-                              + (f" (complete checkpoints there: {there}; pass the iteration to resume from as "
-                                 f"--ckpt-step, or write it into {TRACKER})" if there else ""))
+                              + (f" (complete checkpoints there: {there}; {how})" if there else ""))
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)

@@ -282,6 +282,7 @@ def train(rank, store):
         ddp(torch.randn(4, 64)).sum().backward(); ddp.finish_grad_sync(); opt.step(); opt.zero_grad()
     assert ddp.engine is not None and ddp.param_sync.pending > 0
     # no destroy_process_group: the last step's gathers are in flight when the interpreter exits
+    return m, ddp, opt
 
 
 # The imports above run once; each rank of each run is a fork of this process that trains and then leaves as a
@@ -296,7 +297,7 @@ for run in range(runs):
             os.dup2(os.open(os.path.join(root, f"run{run}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT), 2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             os.environ["RANK"] = str(rank)
-            train(rank, "file://" + os.path.join(root, f"store{run}"))
+            kept = train(rank, "file://" + os.path.join(root, f"store{run}"))   # alive at exit, as a script's globals
             sys.exit(0)
         children[pid] = rank
     deadline = time.monotonic() + 300
@@ -304,11 +305,12 @@ for run in range(runs):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             time.sleep(0.05)
-            continue
-        print(f"EXIT {run} {children.pop(pid)} {os.waitstatus_to_exitcode(status)}", flush=True)
-    for pid, rank in children.items():   # a hang: reported as such, then killed
+        elif pid in children:
+            print(f"EXIT {run} {children.pop(pid)} {os.waitstatus_to_exitcode(status)}", flush=True)
+    for pid, rank in children.items():   # a hang: reported as such, killed and reaped
         print(f"EXIT {run} {rank} hung", flush=True)
         os.kill(pid, 9)
+        os.waitpid(pid, 0)
 """
 
 
@@ -372,8 +374,16 @@ def test_process_exits_cleanly_with_gathers_in_flight(tmp_path):
     root = str(Path(__file__).resolve().parents[3])   # the checkout, also when the package is not installed
     env = dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_EXT_PROGRESS_ENGINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "3"], env=env, capture_output=True, text=True,
-                          timeout=900)
+    # its own session, so that on a timeout the forked ranks go with it
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), "3"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=3 * 300 + 120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     exits = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("EXIT ")]
     assert proc.returncode == 0 and len(exits) == 6, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     for run, rank, code in exits:

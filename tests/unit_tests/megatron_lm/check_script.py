@@ -22,6 +22,7 @@ def dry_runs(checkout: Path, out: Path, iters: int = 40) -> list[tuple[str, list
         if line.startswith("RUN "):
             name, *argv = shlex.split(line[len("RUN "):])
             # the training script (or pretrain_gpt's module: the last run continues in this package)
-            script = next(i for i, a in enumerate(argv) if a.endswith(".py") or a == "megatron_ext.training.pretrain_gpt")
+            script = next(i for i, a in enumerate(argv)
+                          if a.endswith(".py") or a == "megatron_ext.training.pretrain_gpt")
             runs.append((name, argv[script + 1:]))
     return runs

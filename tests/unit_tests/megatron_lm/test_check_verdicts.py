@@ -79,6 +79,8 @@ def test_check_script_commands(tmp_path):
     imported, ours = runs.pop("import_ckpt"), runs.pop("pretrain_gpt_imported")
     assert _value(imported, "--load") == _value(runs["odo_resume_bucket"], "--load")
     assert _value(ours, "--load") == _value(imported, "--save") and "--ckpt-format" not in ours
+    with loaded_tool("import_megatron_lm_checkpoint") as tool:   # and the import tool takes its flags
+        assert tool.get_args(imported).transformer_impl == "local"
     assert ours[:ours.index("--load")] == [a for a in runs["odo_launch"] if a not in ("--ckpt-format", "torch",
                                                                                       "--use-overlapped-distributed-"
                                                                                       "optimizer")]

@@ -181,6 +181,16 @@ def test_checkpoint_args_mismatch_names_the_flags():
     assert check_checkpoint_args(saved, argparse.Namespace(**hybrid, finetune=True)) == []
     assert check_checkpoint_args(saved, argparse.Namespace(**{**hybrid, "ffn_hidden_size": 128}, finetune=True)) == [
         "--ffn-hidden-size: checkpoint 256, this run 128"]   # shapes are still compared
+    # the numerics: the norm epsilon and, for a rope model, the rotary base and percent; free to --finetune (a larger
+    # rotary base extends the context), and a model without rope never reads the rotary ones
+    rope = dict(saved, position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5)
+    longer = {**rope, "rotary_base": 500000, "rotary_percent": 0.5, "norm_epsilon": 1e-6}
+    problems = "; ".join(check_checkpoint_args(rope, argparse.Namespace(**longer)))
+    for flag in ("--rotary-base: checkpoint 10000, this run 500000", "--rotary-percent", "--norm-epsilon"):
+        assert flag in problems, problems
+    assert check_checkpoint_args(rope, argparse.Namespace(**longer, finetune=True)) == []
+    learned = dict(saved, rotary_base=10000, rotary_percent=1.0)
+    assert check_checkpoint_args(learned, argparse.Namespace(**{**learned, "rotary_base": 500000})) == []
 
 
 def test_scheduler_mismatch_is_an_error_unless_a_side_is_chosen():

@@ -255,7 +255,8 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1),
                 "iteration": 4, "model": {"embedding.word_embeddings.weight": torch.ones(2)}},
                os.path.join(mixed, "iter_0000005", "mp_rank_01", "model_optim_rng.pt"))
-    assert "iteration 4, not 5" in refused(mixed)
+    assert "iteration 4, not 5" in refused(mixed)   # found while writing: the partial directory is gone
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
     # a release tracker (iteration 0, as Megatron-LM reads it), and --ckpt-step past the tracker
     release = _fake_megatron_lm(tmp_path / "release")
     os.rename(os.path.join(release, "iter_0000005"), os.path.join(release, "release"))
@@ -307,6 +308,7 @@ def test_extra_states_fit_the_model_and_other_layer_names_are_named():
     saved = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}   # no extra state saved
     saved["1._extra_state"] = "theirs"                                                     # one this model lacks
     assert check_model_state(saved, model) == []
+    assert check_model_state({**saved, "0._extra_state": torch.zeros(57, dtype=torch.uint8)}, model) == []  # FP8's
     fitted = fit_extra_states(saved, model)
     assert fitted["0._extra_state"] == "mine" and "1._extra_state" not in fitted
     model.load_state_dict(fitted, strict=True)

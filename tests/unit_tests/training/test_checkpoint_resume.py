@@ -37,8 +37,8 @@ def test_exact_resume_same_dp(spawn, text_dataset, tiny_model_flags, tmp_path):
     assert _ordered(resumed) == _ordered(a["losses"])  # bit-identical, iteration by iteration
     assert d["losses"] == {i: a["losses"][i] for i in (3, 4)}
     missing = spawn(_load_error, 2, base + ["--load", ckpt, "--ckpt-step", "3"])[0]
-    assert ("--ckpt-step asks for iteration 3 but" in missing and "iter_0000002, iter_0000004; pass the iteration to "
-            "resume from as --ckpt-step" in missing), missing
+    assert ("--ckpt-step asks for iteration 3 but" in missing
+            and "iter_0000002, iter_0000004; pass one of them as --ckpt-step)" in missing), missing
 
 
 def test_skip_train_evaluates_the_loaded_weights_as_the_run_that_saved_them(spawn, text_dataset, tiny_model_flags,
