@@ -81,8 +81,15 @@ class _lenient_pickle:   # a ``pickle_module`` for torch.load
 
 
 def _read(path: str) -> Dict[str, Any]:
+    """A Megatron-LM file, its tensors memory-mapped (a position's weights and fp32 optimizer state can be tens of
+    GB: they are paged through on their way to the new file, never all held)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_lenient_pickle)
+        except RuntimeError as e:   # a file in torch's legacy (non-zip) serialization cannot be mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
     except Exception as e:
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from None
     if not isinstance(state, dict):

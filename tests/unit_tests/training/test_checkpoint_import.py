@@ -261,6 +261,8 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     release = _fake_megatron_lm(tmp_path / "release")
     os.rename(os.path.join(release, "iter_0000005"), os.path.join(release, "release"))
     (tmp_path / "release" / TRACKER).write_text("release")
+    path = os.path.join(release, "release", "mp_rank_00", "model_optim_rng.pt")   # and torch's legacy serialization,
+    torch.save(torch.load(path, weights_only=False), path, _use_new_zipfile_serialization=False)   # not mappable
     assert _tool(["--load", release, "--save", str(tmp_path / "release_out")]) == 0
     assert (tmp_path / "release_out" / TRACKER).read_text() == "0"
     two = _fake_megatron_lm(tmp_path / "two", iteration=3)
