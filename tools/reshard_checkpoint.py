@@ -15,7 +15,8 @@ source is only read. Resume it with the new sizes and any DP size::
 The target keeps the checkpoint's pipeline split (even, or Megatron-LM's uneven ``--decoder-first/last-pipeline-num-
 layers`` / ``--account-for-embedding/loss-in-pipeline-split``) unless the ``--target-...`` split flags give another
 (``--target-even-pipeline-split``: the even one). RNG states are not carried over (they are per rank): the resumed run
-re-seeds from ``--seed``. How each tensor is split: ``megatron_ext/training/checkpoint_reshard.py`` ([Note: reshard
+re-seeds from ``--seed``. ``--target-transformer-impl local`` renames Transformer Engine's layer names for a run
+without it. How each tensor is split: ``megatron_ext/training/checkpoint_reshard.py`` ([Note: reshard
 rules]).
 """
 from __future__ import annotations
@@ -51,6 +52,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="pad the vocabulary to a multiple of this x the target TP (Megatron-LM's rule; padding rows "
                         "are cut or added, which moves the loss); default: keep the checkpoint's padded size when "
                         "the target TP divides it (the notice names the flag to resume with)")
+    p.add_argument("--target-transformer-impl", choices=("local",), default=None,
+                   help="rename Transformer Engine's fused layer-norm weights to megatron-core's local names (and "
+                        "drop its extra states), for a run with --transformer-impl local; default: the checkpoint's")
     args = p.parse_args(argv)
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                  "target_num_virtual_stages_per_pipeline_rank", "target_make_vocab_size_divisible_by",
@@ -72,7 +76,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         reshard_checkpoint(args.load, args.save, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.target_num_virtual_stages_per_pipeline_rank,
-                           args.target_make_vocab_size_divisible_by, split=args.split)
+                           args.target_make_vocab_size_divisible_by, split=args.split,
+                           transformer_impl=args.target_transformer_impl)
     except CheckpointError as e:
         print(f"reshard_checkpoint.py: error: {e}", file=sys.stderr)
         return 1

@@ -329,7 +329,7 @@ def _target_keys(keys: Dict[str, Tuple[int, int]], target: Layout, tied: bool) -
 
 def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optional[int] = None,
                        divisible_by: Optional[int] = None, log: Callable[[str], None] = print,
-                       split: Optional[Dict[str, Any]] = None) -> str:
+                       split: Optional[Dict[str, Any]] = None, transformer_impl: Optional[str] = None) -> str:
     """Write ``load_dir``'s tracked checkpoint into ``save_dir`` for TP ``tp`` x PP ``pp`` (``vp`` model chunks per
     stage; default: the source's), published atomically with its own manifest. Returns the new checkpoint directory.
     ``divisible_by``: pad the vocabulary as ``--make-vocab-size-divisible-by`` would at TP ``tp`` (default: keep the
@@ -374,6 +374,17 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     problems = tp_problems(args, tp)
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} does not fit this model: " + "; ".join(problems))
+    # Transformer Engine's layer names -> local ones (the import's renames), for a run without Transformer Engine
+    source_impl = args.get("transformer_impl") or "local"
+    renames = None
+    if transformer_impl not in (None, source_impl):
+        if transformer_impl != "local":
+            raise CheckpointError(f"--target-transformer-impl {transformer_impl}: the checkpoint's layers are "
+                                  f"{source_impl}'s; only Transformer Engine's names can be rewritten, to local ones")
+        from .checkpoint_import import rename_for_local, te_to_local_names
+
+        names = te_to_local_names()
+        renames = lambda state: rename_for_local(state, names)   # noqa: E731
     if args.get("ladder_residual") or args.get("desync_residual"):
         log("> notice: a Ladder/Desynced Residual model: pipeline stages that cut through its ladder layers change "
             "where it re-syncs (see README)")
@@ -412,6 +423,8 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                     if s == stage:
                         v = full_model(g, t)
                         chunks[c][key] = split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
+                if renames is not None:
+                    chunks = [renames(chunk) for chunk in chunks]
                 model = chunks[0] if target.vp == 1 else {f"model{i}": st for i, st in enumerate(chunks)}
                 save(model, os.path.join(mp_dir, "model.pt"))
                 del model, chunks
@@ -425,6 +438,8 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                         name = key if target.vp == 1 else f"{c}.{key}"
                         params[name] = {"shape": tuple(shape), "numel": shape.numel(),
                                         **{f: v.reshape(-1) for f, v in shard.items()}}
+                    if renames is not None:
+                        params = renames(params)
                     save({**copy.deepcopy(header), "params": params}, os.path.join(mp_dir, "optim.pt"))
                     del params
         new_common = dict(common)
@@ -436,10 +451,13 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
                         **target.split_args())
         if new_rows is not None:
             new_args.update(padded_vocab_size=new_rows, make_vocab_size_divisible_by=divisible_by)
+        if renames is not None:
+            new_args.update(transformer_impl="local")
         new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
                           data_parallel_size=None, args=new_args, resharded_from=os.path.realpath(ckpt))
         save(new_common, "common.pt")
     log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage, "
         f"{src.layout.describe()}) into {final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage, "
-        f"{target.describe()}); RNG states are re-seeded on resume")
+        f"{target.describe()}{'; layer names transformer_engine -> local' if renames is not None else ''}); "
+        "RNG states are re-seeded on resume")
     return final

@@ -178,6 +178,17 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     want, got = (_tensors(os.path.join(tmp_path, d, "iter_0000002")) for d in ("ours_tp1", "imported_tp1"))
     assert got.keys() == want.keys() and any(k.startswith("mp_rank_00_000/optim.pt") for k in got)
     assert all(torch.equal(t, got[k]) for k, t in want.items())
+    # imported as it is (Transformer Engine's names, for a TE run), then renamed by the reshard tool for a local run:
+    # the same files as the import with --transformer-impl local
+    te, te_local = str(tmp_path / "imported_te"), str(tmp_path / "te_local")
+    assert _tool(["--load", str(tmp_path / "mlm_plugin"), "--save", te]) == 0
+    te_files = _tensors(os.path.join(te, "iter_0000002"))
+    assert any("linear_qkv.layer_norm_weight" in k for k in te_files) and any("_extra_state" in k for k in te_files)
+    assert _reshard(te, te_local, 2, 1, "--target-transformer-impl", "local") == 0
+    want, got = (_tensors(os.path.join(d, "iter_0000002")) for d in (str(tmp_path / "imported_plugin"), te_local))
+    assert got.keys() == want.keys() and all(torch.equal(t, got[k]) for k, t in want.items())
+    assert torch.load(os.path.join(te_local, "iter_0000002", "common.pt"),
+                      weights_only=False)["args"]["transformer_impl"] == "local"
 
 
 def _fake_megatron_lm(root, positions=("mp_rank_00",), iteration=5, chunks=None, optimizer=None, **args):
