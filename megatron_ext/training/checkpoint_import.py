@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (FORMAT, TRACKER, CheckpointError, _published, iter_dir_name, mp_dir_name,
+from .checkpointing import (FORMAT, TRACKER, CheckpointError, check_offline_target, iter_dir_name, mp_dir_name,
                             offline_checkpoint)
 from ..megatron_lm.optimizer_state import COMMON_FORMAT
 from ..optimizer.checkpoint import CANONICAL_FORMAT
@@ -263,12 +263,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     if transformer_impl is not None and transformer_impl not in _IMPLS:
         raise CheckpointError(f"--transformer-impl {transformer_impl}: choose one of {', '.join(_IMPLS)}")
     ckpt = megatron_lm_checkpoint_dir(load_dir, iteration)
-    src_dir, dst_dir = os.path.realpath(load_dir), os.path.realpath(save_dir)
-    if os.path.commonpath([src_dir, dst_dir]) == src_dir:
-        raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the imported "
-                              "checkpoint elsewhere (the source stays untouched)")
-    if os.path.isdir(save_dir) and (os.path.exists(os.path.join(save_dir, TRACKER)) or _published(save_dir)):
-        raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory")
+    check_offline_target(load_dir, save_dir, "imported")
     files = _positions(ckpt)
     first = _read(files[min(files)])
     if "args" not in first:

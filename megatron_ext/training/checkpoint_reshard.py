@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (TRACKER, CheckpointError, _load, _published, chunk_states, find_checkpoint,
+from .checkpointing import (CheckpointError, _load, check_offline_target, chunk_states, find_checkpoint,
                             iter_dir_name, mp_dir_name, offline_checkpoint, verify_checksums)
 from .model import padded_vocab_size
 from .pipeline_layout import LAYOUT_ARGS, PipelineLayout
@@ -341,13 +341,7 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     ckpt = find_checkpoint(load_dir)
     if ckpt is None:
         raise CheckpointError(f"--load {load_dir}: no checkpoint there")
-    src_dir, dst_dir = os.path.realpath(load_dir), os.path.realpath(save_dir)
-    if os.path.commonpath([src_dir, dst_dir]) == src_dir:
-        raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the resharded "
-                              "checkpoint elsewhere (the source stays untouched)")
-    if os.path.isdir(save_dir) and (os.path.exists(os.path.join(save_dir, TRACKER)) or _published(save_dir)):
-        raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory (publishing "
-                              "there would move its tracker and could replace a checkpoint of the same iteration)")
+    check_offline_target(load_dir, save_dir, "resharded")
     verify_checksums(ckpt)
     common = _load(os.path.join(ckpt, "common.pt"))
     if not isinstance(common, dict) or not str(common.get("format", "")).startswith("megatron_ext.pretrain_gpt/"):

@@ -279,6 +279,19 @@ def publish_checkpoint(save_dir: str, iteration: int) -> str:
     return final
 
 
+def check_offline_target(load_dir: str, save_dir: str, what: str) -> None:
+    """The reshard and import tools write ``what`` into a new or empty ``save_dir`` outside ``load_dir``: the source
+    stays untouched, and publishing never moves another run's tracker or replaces its checkpoint of that iteration."""
+    src_dir, dst_dir = os.path.realpath(load_dir), os.path.realpath(save_dir)
+    if os.path.commonpath([src_dir, dst_dir]) == src_dir:
+        raise CheckpointError(f"--save {save_dir} is the --load directory or inside it: write the {what} checkpoint "
+                              "elsewhere (the source stays untouched)")
+    if os.path.isdir(save_dir) and (os.path.exists(os.path.join(save_dir, TRACKER))
+                                    or published_checkpoints(save_dir)):
+        raise CheckpointError(f"--save {save_dir} already holds checkpoints: give a new or empty directory (publishing "
+                              "there would move its tracker and could replace a checkpoint of the same iteration)")
+
+
 @contextlib.contextmanager
 def offline_checkpoint(save_dir: str, iteration: int) -> Iterator[Callable[[Any, str], None]]:
     """One process (the reshard and import tools) writes checkpoint ``iteration`` into ``save_dir``: yields
@@ -398,7 +411,7 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Optional[
         raise CheckpointError(f"--load {load_dir}: corrupt tracker file {tracker} (content {text[:40]!r} is not an "
                               "iteration number)") from None
     ckpt = _find_tracked(load_dir, iteration)   # (first: a missing one is an error, not a warning then an error)
-    newer = [name for it, name in _published(load_dir) if it > iteration]
+    newer = [name for it, name in published_checkpoints(load_dir) if it > iteration]
     if newer and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"WARNING: --load {load_dir}: the tracker names iteration {iteration}, but newer complete checkpoints "
               f"exist ({', '.join(newer)}: a save whose tracker update failed, or a rollback); resuming from "
@@ -414,7 +427,7 @@ def _find_tracked(load_dir: str, iteration: int, named_by: str = "the tracker na
         ckpt += ".old"  # a re-save of this iteration was interrupted between its two renames (atomicity note)
     manifest_path = os.path.join(ckpt, "manifest.json")
     if not os.path.isdir(ckpt):
-        there = ", ".join(name for _, name in _published(load_dir))
+        there = ", ".join(name for _, name in published_checkpoints(load_dir))
         how = ("pass the iteration to resume from as --ckpt-step, or write it into " + TRACKER
                if named_by == "the tracker names" else "pass one of them as --ckpt-step")
         raise CheckpointError(f"--load {load_dir}: {named_by} iteration {iteration} but {ckpt} is missing"
@@ -442,7 +455,7 @@ def _untracked_checkpoint(load_dir: str) -> Optional[str]:
     """No tracker: None when no checkpoint was ever published there. A published ``iter_N`` (renamed into place with
     its manifest) whose tracker write failed is found instead of training over it from scratch: the newest one is
     validated and used, with a warning on rank 0."""
-    published = _published(load_dir)
+    published = published_checkpoints(load_dir)
     if not published and os.path.isfile(os.path.join(load_dir, "manifest.json")):
         parent = os.path.dirname(os.path.abspath(load_dir))
         raise CheckpointError(f"--load {load_dir} is one checkpoint's directory; pass the directory that holds it and "
@@ -459,7 +472,7 @@ def _untracked_checkpoint(load_dir: str) -> Optional[str]:
     return _find_tracked(load_dir, iteration)
 
 
-def _published(load_dir: str) -> List[Tuple[int, str]]:
+def published_checkpoints(load_dir: str) -> List[Tuple[int, str]]:
     """``(iteration, name)`` of every published checkpoint (``iter_N`` renamed into place with its manifest),
     oldest first."""
     return sorted((int(m.group(1)), name) for name in os.listdir(load_dir)

@@ -338,7 +338,7 @@ def _find_checkpoint_or_fail(args: argparse.Namespace):
 
     if args.ckpt_step is not None:   # an iteration asked for by name: missing is an error, also when --load = --save
         ckpt = checkpointing.find_checkpoint(args.load, args.ckpt_step)
-        newer = [name for it, name in checkpointing._published(args.load) if it > args.ckpt_step]
+        newer = [name for it, name in checkpointing.published_checkpoints(args.load) if it > args.ckpt_step]
         if newer and load_is_save(args):
             print_rank_0(f"> notice: --ckpt-step {args.ckpt_step} resumes before {', '.join(newer)} in --load = "
                          "--save: this run's saves move the tracker back and replace those of the same iteration "
