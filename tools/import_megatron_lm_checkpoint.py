@@ -1,18 +1,17 @@
 #!/usr/bin/env python
-"""Import a Megatron-LM checkpoint (``--ckpt-format torch``) as a pretrain_gpt checkpoint.
+"""Import a Megatron-LM checkpoint (``--ckpt-format torch_dist``, its default, or ``torch``) as a pretrain_gpt one.
 
-Reads the iteration that Megatron-LM's tracker in ``--load`` names (or ``--ckpt-step``). Publishes it in ``--save``
-at the same TP/PP sizes. It carries the weights, the iteration, the consumed samples (the data position) and the
-model flags, and the optimizer state where the megatron_ext plug-in saved it (then resume as usual). Megatron's own
-optimizers' state and the RNG states are not carried: after those, continue with ``--no-load-optim`` (fresh Adam
-moments), or start a fine-tune with ``--finetune``::
+Reads the iteration that Megatron-LM's tracker in ``--load`` names (or ``--ckpt-step``), offline, on a CPU host.
+Publishes it in ``--save`` at the same TP/PP sizes. It carries the weights, the iteration, the consumed samples (the
+data position) and the model flags, and, from the torch format, the optimizer state where the megatron_ext plug-in
+saved it (then resume as usual). Megatron's own optimizers' state and the RNG states are not carried: after those,
+continue with ``--no-load-optim`` (fresh Adam moments), or start a fine-tune with ``--finetune``::
 
     python tools/import_megatron_lm_checkpoint.py --load mlm_ckpt --save ckpt --transformer-impl local
     torchrun --nproc-per-node 8 -m megatron_ext.training.pretrain_gpt ... --load ckpt --no-load-optim --save ckpt
 
-Use ``tools/reshard_checkpoint.py`` on the result for other TP/PP sizes. A torch_dist checkpoint is converted to the
-torch format by Megatron-LM first (``--ckpt-convert-format torch --ckpt-convert-save DIR``). What is carried and how
-the layers are named: ``megatron_ext/training/checkpoint_import.py``.
+Use ``tools/reshard_checkpoint.py`` on the result for other TP/PP sizes. What is carried and how the layers are named:
+``megatron_ext/training/checkpoint_import.py`` (torch) and ``checkpoint_import_dist.py`` (torch_dist).
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Import a Megatron-LM checkpoint as a pretrain_gpt one (``tools/import_megatron_lm_checkpoint.py``).
 
+The torch format is read here; torch_dist (Megatron-LM's default) in ``checkpoint_import_dist.py``, which shares the
+args checks and ``common.pt`` below.
+
 [Note: what is carried]
 Megatron-LM's legacy format (``--ckpt-format torch``) holds, per TP/PP position, ``mp_rank_TT[_PPP]/
 model_optim_rng.pt``: the megatron-core module's state dict (``model``, or ``model0``, ``model1``, ... per model
@@ -42,8 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpointing import (FORMAT, TRACKER, CheckpointError, check_offline_target, iter_dir_name, mp_dir_name,
-                            offline_checkpoint)
+from .checkpointing import (FORMAT, TRACKER, CheckpointError, check_offline_target, iter_dir_name,
+                            megatron_lm_format, mp_dir_name, offline_checkpoint)
 from ..megatron_lm.optimizer_state import COMMON_FORMAT
 from ..optimizer.checkpoint import CANONICAL_FORMAT
 from .pipeline_layout import LAYOUT_ARGS
@@ -99,7 +102,7 @@ def _read(path: str) -> Dict[str, Any]:
 
 def megatron_lm_checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     """The iteration directory Megatron-LM would load: ``iteration`` (its ``--ckpt-step``), else the tracker's
-    (``release`` included). Refuses torch_dist checkpoints and pretrain_gpt's own."""
+    (``release`` included). Refuses pretrain_gpt's own."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: no such directory")
     if iteration is None:
@@ -124,10 +127,6 @@ def megatron_lm_checkpoint_dir(load_dir: str, iteration: Optional[int] = None) -
     if "manifest.json" in names and "common.pt" in names:
         raise CheckpointError(f"{ckpt} is a pretrain_gpt checkpoint already: load it directly "
                               "(tools/reshard_checkpoint.py changes its TP/PP sizes)")
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-        raise CheckpointError(f"{ckpt} is a Megatron-LM torch_dist checkpoint: convert it to the torch format first "
-                              "(Megatron-LM with the run's flags and --load plus --ckpt-convert-format torch "
-                              "--ckpt-convert-save DIR), then import DIR/torch")
     return ckpt
 
 
@@ -198,6 +197,39 @@ def model_problems(args: Dict[str, Any], src: Any) -> List[str]:
     return problems
 
 
+def checked_args(saved: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """The saved ``args`` as pretrain_gpt keeps them (:func:`imported_args`), refused by flag when pretrain_gpt
+    cannot build the model."""
+    if "args" not in saved:
+        raise CheckpointError(f"{where}: no 'args' entry (not written by Megatron-LM's save_checkpoint)")
+    args = imported_args(saved["args"])
+    problems = model_problems(args, saved["args"])
+    if problems:
+        raise CheckpointError(f"{where}: a model pretrain_gpt does not build (dense megatron-core GPT): "
+                              + "; ".join(problems))
+    return args
+
+
+def imported_common(saved: Dict[str, Any], args: Dict[str, Any], step: int, has_optim: bool, ckpt: str,
+                    transformer_impl: str) -> Dict[str, Any]:
+    """pretrain_gpt's ``common.pt`` for Megatron-LM's checkpoint ``ckpt`` (``saved``: its entries beside the
+    model): the iteration, data position, LR schedule and model flags; no DP size (any resumes)."""
+    args = dict(args, transformer_impl=transformer_impl, world_size=None, data_parallel_size=None)
+    if (args.get("virtual_pipeline_model_parallel_size") or 1) == 1:
+        args["virtual_pipeline_model_parallel_size"] = None
+    for k in LAYOUT_ARGS:
+        args.setdefault(k, None if "num_layers" in k else False)
+    scheduler = saved.get("opt_param_scheduler") or saved.get("lr_scheduler")
+    return {"format": FORMAT, "iteration": step,
+            "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+            "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
+            "scheduler": dict(scheduler) if isinstance(scheduler, dict) else None,
+            "world_size": None, "tensor_model_parallel_size": args.get("tensor_model_parallel_size") or 1,
+            "pipeline_model_parallel_size": args.get("pipeline_model_parallel_size") or 1,
+            "data_parallel_size": None, "has_optim": has_optim, "args": args,
+            "imported_from": os.path.realpath(ckpt)}
+
+
 def te_to_local_names() -> List[Tuple[str, str]]:
     """(Transformer Engine prefix, local prefix) inside a layer, from megatron-core's local layer spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -264,15 +296,13 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
         raise CheckpointError(f"--transformer-impl {transformer_impl}: choose one of {', '.join(_IMPLS)}")
     ckpt = megatron_lm_checkpoint_dir(load_dir, iteration)
     check_offline_target(load_dir, save_dir, "imported")
+    if megatron_lm_format(ckpt) == "torch_dist":
+        from .checkpoint_import_dist import import_torch_dist
+
+        return import_torch_dist(ckpt, save_dir, transformer_impl, log)
     files = _positions(ckpt)
     first = _read(files[min(files)])
-    if "args" not in first:
-        raise CheckpointError(f"{files[min(files)]}: no 'args' entry (not written by Megatron-LM's save_checkpoint)")
-    args = imported_args(first["args"])
-    problems = model_problems(args, first["args"])
-    if problems:
-        raise CheckpointError(f"{ckpt}: a model pretrain_gpt does not build (dense megatron-core GPT): "
-                              + "; ".join(problems))
+    args = checked_args(first, files[min(files)])
     tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
     vp = args.get("virtual_pipeline_model_parallel_size") or 1
     missing = [mp_dir_name(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
@@ -316,20 +346,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
         if len(set(has_optim)) > 1:
             raise CheckpointError(f"{ckpt}: some positions hold the megatron_ext plug-in's optimizer state and "
                                   "others not (a mix of two saves)")
-        args.update(transformer_impl=target_impl, world_size=None, data_parallel_size=None)
-        if vp == 1:
-            args["virtual_pipeline_model_parallel_size"] = None
-        for k in LAYOUT_ARGS:
-            args.setdefault(k, None if "num_layers" in k else False)
-        scheduler = first.get("opt_param_scheduler") or first.get("lr_scheduler")
-        common = {"format": FORMAT, "iteration": step,
-                  "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
-                  "consumed_valid_samples": int(args.get("consumed_valid_samples") or 0),
-                  "scheduler": dict(scheduler) if isinstance(scheduler, dict) else None,
-                  "world_size": None, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                  "data_parallel_size": None, "has_optim": has_optim[0], "args": args,
-                  "imported_from": os.path.realpath(ckpt)}
-        save(common, "common.pt")
+        save(imported_common(first, args, step, has_optim[0], ckpt, target_impl), "common.pt")
     names = f"; layer names {source_impl} -> {target_impl}" if renames is not None else ""
     carried = ("the optimizer state (saved by the megatron_ext plug-in) and LR schedule; no RNG state" if has_optim[0]
                else "no optimizer state (Megatron's own optimizer) or RNG state: resume with --no-load-optim, or "

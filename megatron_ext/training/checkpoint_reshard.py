@@ -346,7 +346,19 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
     common = _load(os.path.join(ckpt, "common.pt"))
     if not isinstance(common, dict) or not str(common.get("format", "")).startswith("megatron_ext.pretrain_gpt/"):
         raise CheckpointError(f"{ckpt}: not a megatron_ext pretrain_gpt checkpoint")
-    src = _Source(ckpt, common)
+    return write_layout(_Source(ckpt, common), ckpt, save_dir, tp, pp, vp, divisible_by, log, split,
+                        transformer_impl)
+
+
+def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optional[int] = None,
+                 divisible_by: Optional[int] = None, log: Callable[[str], None] = print,
+                 split: Optional[Dict[str, Any]] = None, transformer_impl: Optional[str] = None,
+                 origin: str = "resharded_from", verb: str = "resharded", note: str = "") -> str:
+    """Write the model (and optimizer) state ``src`` serves by global key -- a pretrain_gpt checkpoint's
+    (``_Source``) or a Megatron-LM torch_dist one's (``checkpoint_import_dist.DistSource``) -- into ``save_dir`` at
+    TP ``tp`` x PP ``pp`` (see :func:`reshard_checkpoint` for the other arguments); ``src.common`` gives the rest of
+    ``common.pt``, which records ``ckpt`` under ``origin``."""
+    common = src.common
     args = src.args
     target_args = dict(args, **(split if split is not None else {}))
     try:
@@ -448,10 +460,10 @@ def reshard_checkpoint(load_dir: str, save_dir: str, tp: int, pp: int, vp: Optio
         if renames is not None:
             new_args.update(transformer_impl="local")
         new_common.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=None,
-                          data_parallel_size=None, args=new_args, resharded_from=os.path.realpath(ckpt))
+                          data_parallel_size=None, args=new_args, **{origin: os.path.realpath(ckpt)})
         save(new_common, "common.pt")
-    log(f"> resharded {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage, "
+    log(f"> {verb} {ckpt} (TP {src.layout.tp}, PP {src.layout.pp}, {src.layout.vp} chunk(s) per stage, "
         f"{src.layout.describe()}) into {final} (TP {tp}, PP {pp}, {target.vp} chunk(s) per stage, "
         f"{target.describe()}{'; layer names transformer_engine -> local' if renames is not None else ''}); "
-        "RNG states are re-seeded on resume")
+        f"RNG states are re-seeded on resume{note}")
     return final

@@ -480,19 +480,22 @@ def published_checkpoints(load_dir: str) -> List[Tuple[int, str]]:
                                                                                    "manifest.json")))
 
 
-def _refuse_megatron_lm_layout(load_dir: str, candidates: List[str]) -> None:
-    """A Megatron-LM checkpoint (torch format: ``mp_rank_*/model_optim_rng.pt``; torch_dist: ``.metadata`` and
-    ``*.distcp``; or a ``release`` tracker) is not a damaged one of ours: say what it is."""
-    def megatron_lm_format(d: str) -> Optional[str]:
-        if not os.path.isdir(d):
-            return None
-        names = os.listdir(d)
-        if any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(d, n, "model_optim_rng.pt")) for n in names):
-            return "torch"
-        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-            return "torch_dist"
+def megatron_lm_format(d: str) -> Optional[str]:
+    """The ``--ckpt-format`` of Megatron-LM's iteration directory ``d`` (torch: ``mp_rank_*/model_optim_rng.pt``;
+    torch_dist: PyTorch Distributed Checkpoint files, ``.metadata`` and ``*.distcp``), or None."""
+    if not os.path.isdir(d):
         return None
+    names = os.listdir(d)
+    if any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(d, n, "model_optim_rng.pt")) for n in names):
+        return "torch"
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist"
+    return None
 
+
+def _refuse_megatron_lm_layout(load_dir: str, candidates: List[str]) -> None:
+    """A Megatron-LM checkpoint (:func:`megatron_lm_format`, or a ``release`` tracker) is not a damaged one of
+    ours: say what it is."""
     for d in [*candidates, load_dir]:
         fmt = megatron_lm_format(d)
         if fmt:

@@ -53,13 +53,8 @@ def _as_transformer_engine(state):
     return out
 
 
-def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None:
-    """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note). ``plugin``: as
-    with the megatron_ext plug-in's optimizer, whose ``state_dict()`` is the common part (``optimizer_state.py``) and
-    whose ``save_parameter_state`` writes ``distrib_optim.pt`` with the writer that wrote ``optim.pt`` here;
-    otherwise Megatron's own optimizer's entry."""
-    from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
-
+def _megatron_lm_args(ours: str):
+    """(iteration, its directory, common.pt, args as Megatron-LM names them) of pretrain_gpt's checkpoint ``ours``."""
     iteration = int(open(os.path.join(ours, TRACKER)).read())
     src = os.path.join(ours, f"iter_{iteration:07d}")
     common = torch.load(os.path.join(src, "common.pt"), weights_only=False)
@@ -68,9 +63,70 @@ def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None
     saved["add_bias_linear"] = not saved.pop("disable_bias_linear")
     saved["layernorm_zero_centered_gamma"] = saved.pop("apply_layernorm_1p")
     saved["layernorm_epsilon"] = saved.pop("norm_epsilon")
-    saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value,
-                 consumed_train_samples=common["consumed_train_samples"],
+    saved.update(consumed_train_samples=common["consumed_train_samples"],
                  consumed_valid_samples=common["consumed_valid_samples"], use_distributed_optimizer=True)
+    return iteration, src, common, saved
+
+
+def _write_torch_dist(argv, ours: str, mlm: str) -> None:
+    """pretrain_gpt's checkpoint ``ours`` saved as Megatron-LM saves ``--ckpt-format torch_dist`` (every rank):
+    the same megatron-core model built at the run's TP/PP and loaded from ``ours``; its ``sharded_state_dict`` with
+    the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's ``dist_checkpointing.save``. That save
+    calls ``torch.cuda.synchronize`` and puts a status flag on ``torch.cuda.current_device()``, so both are made
+    host no-ops here, and writes from worker processes, which the harness's (daemonic) ranks may start only when
+    marked otherwise (test only: the import reads with torch's DCP, no CUDA and no processes)."""
+    import multiprocessing
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.checkpoint_compat import fit_extra_states
+    from megatron_ext.training.initialize import init_model_parallel
+    from megatron_ext.training.model import build_model_chunks
+
+    iteration, src, common, saved = _megatron_lm_args(ours)
+    args = parse_args(argv)
+    init_model_parallel(args)
+    try:
+        args.padded_vocab_size = common["args"]["padded_vocab_size"]
+        (module,) = build_model_chunks(args)
+        position = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+        state = torch.load(os.path.join(src, position, "model.pt"), weights_only=False)
+        module.load_state_dict(fit_extra_states(state, module), strict=True)
+        saved.update(ckpt_format="torch_dist")
+        metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+                    "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        state_dict = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": iteration,
+                      "model": module.sharded_state_dict(metadata=metadata),
+                      "opt_param_scheduler": common["scheduler"], "num_floating_point_operations_so_far": 0}
+        out = os.path.join(mlm, f"iter_{iteration:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(out)
+        dist.barrier()
+        with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
+                mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+                mock.patch.dict(multiprocessing.current_process()._config, {"daemon": False}):
+            dist_checkpointing.save(state_dict, out)
+        if dist.get_rank() == 0:
+            with open(os.path.join(mlm, TRACKER), "w") as f:
+                f.write(str(iteration))
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None:
+    """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note). ``plugin``: as
+    with the megatron_ext plug-in's optimizer, whose ``state_dict()`` is the common part (``optimizer_state.py``) and
+    whose ``save_parameter_state`` writes ``distrib_optim.pt`` with the writer that wrote ``optim.pt`` here;
+    otherwise Megatron's own optimizer's entry."""
+    from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
+
+    iteration, src, common, saved = _megatron_lm_args(ours)
+    saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value)
     args = argparse.Namespace(**saved)
     for ours_name in sorted(os.listdir(src)):
         if not ours_name.startswith("mp_rank_"):
@@ -120,6 +176,7 @@ def _save_import_resume(base, ours, tmp):
     from megatron_ext.training.pretrain_gpt import pretrain
 
     pretrain(base + ["--train-iters", "4", "--exit-interval", "2", "--save", ours])   # the 4-iteration schedule
+    _write_torch_dist(base + ["--train-iters", "4"], ours, os.path.join(tmp, "mlm_dist"))
     if dist.get_rank() == 0:
         from pathlib import Path
 
@@ -128,13 +185,18 @@ def _save_import_resume(base, ours, tmp):
             _write_megatron_lm(ours, mlm, _unimportable(Path(tmp)), plugin)
             _forget(Path(tmp))
             assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
+        mlm_dist = os.path.join(tmp, "mlm_dist")
+        assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist")]) == 0
+        assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist_te"),
+                      "--transformer-impl", "transformer_engine"]) == 0
     dist.barrier()
     resume = base + ["--train-iters", "4", "--no-load-rng"]
     no_optim = resume + ["--no-load-optim"]
     plugin, own = os.path.join(tmp, "imported_plugin"), os.path.join(tmp, "imported_own")
     return [pretrain(resume + ["--load", ours]), pretrain(resume + ["--load", plugin]),
             pretrain(no_optim + ["--load", ours]), pretrain(no_optim + ["--load", own]),
-            _load_error(resume + ["--load", own])]
+            _load_error(resume + ["--load", own]),
+            pretrain(no_optim + ["--load", os.path.join(tmp, "imported_dist")])]
 
 
 def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset, tiny_model_flags, tmp_path):
@@ -143,28 +205,40 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     under its local name, and the resume continues at the saved iteration and data position with the original
     checkpoint's losses, bit for bit: with the optimizer state where the megatron_ext plug-in saved it, with
     --no-load-optim where Megatron's own optimizer did. (PP > 1 names: the model-chunk case of
-    test_what_cannot_be_imported_is_refused_by_name.)"""
+    test_what_cannot_be_imported_is_refused_by_name.) The same model saved as ``--ckpt-format torch_dist`` (by
+    megatron-core's own ``sharded_state_dict`` and ``dist_checkpointing.save``, as Megatron-LM saves it) imports to
+    the same weights, for local layers (the saving run's) or Transformer Engine's names, and continues as the
+    original with --no-load-optim."""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
         "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
     ours = str(tmp_path / "ours")
-    full, plugin_run, fresh, own_run, refusal = spawn(_save_import_resume, 2, base, ours, str(tmp_path),
-                                                      timeout=200)[-1]
+    full, plugin_run, fresh, own_run, refusal, dist_run = spawn(_save_import_resume, 2, base, ours, str(tmp_path),
+                                                                timeout=240)[-1]
     assert sorted(plugin_run["losses"]) == [3, 4] and plugin_run["consumed_train_samples"] == 32
     assert plugin_run["losses"] == full["losses"] and own_run["losses"] == fresh["losses"]
+    assert dist_run["losses"] == fresh["losses"] and dist_run["consumed_train_samples"] == 32
     assert full["losses"][4] != fresh["losses"][4]   # the optimizer state matters at iteration 4
     assert "imported from Megatron-LM without its optimizer state; resume with --no-load-optim" in refusal, refusal
     assert sorted(os.listdir(tmp_path / "mlm_own" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
-    for kind, has_optim in (("plugin", True), ("own", False)):
+    for kind, has_optim in (("plugin", True), ("own", False), ("dist", False)):
         ckpt = os.path.join(tmp_path, f"imported_{kind}", "iter_0000002")
         assert open(os.path.join(tmp_path, f"imported_{kind}", TRACKER)).read() == "2"
         assert verify_checksums(ckpt) > 0 and not os.path.exists(os.path.join(ckpt, "rng"))
         common = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)
         assert (common["iteration"], common["consumed_train_samples"], common["has_optim"]) == (2, 16, has_optim)
-        assert "attention_backend" not in common["args"] and common["args"]["disable_bias_linear"] is False
+        assert ("attention_backend" in common["args"]) == (kind == "dist")   # (dropped: its class is unimportable)
+        assert common["args"]["disable_bias_linear"] is False and common["imported_from"] == os.path.realpath(
+            os.path.join(tmp_path, f"mlm_{kind}", "iter_0000002"))
         assert (common["args"]["apply_layernorm_1p"], common["args"]["norm_epsilon"]) == (False, 1e-5)
         for name in ("mp_rank_00_000", "mp_rank_01_000"):
             want = torch.load(os.path.join(ours, "iter_0000002", name, "model.pt"), weights_only=False)
             got = torch.load(os.path.join(ckpt, name, "model.pt"), weights_only=False)
+            if kind == "dist":   # torch_dist's extra states are not carried (the modules keep their own)
+                want = {k: t for k, t in want.items() if torch.is_tensor(t)}
+                te = torch.load(os.path.join(tmp_path, "imported_dist_te", "iter_0000002", name, "model.pt"),
+                                weights_only=False)
+                assert te.keys() == {_te_name(k) for k in want}
+                assert all(torch.equal(t, te[_te_name(k)]) for k, t in want.items())
             assert got.keys() == want.keys() and any("input_layernorm" in k for k in got)
             for k, t in want.items():   # tensors, and the local linear layers' extra states (None)
                 same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
@@ -189,6 +263,22 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     assert got.keys() == want.keys() and all(torch.equal(t, got[k]) for k, t in want.items())
     assert torch.load(os.path.join(te_local, "iter_0000002", "common.pt"),
                       weights_only=False)["args"]["transformer_impl"] == "local"
+    # a torch_dist checkpoint's tensors do not depend on the saving run's PP size: the same files, as if saved at
+    # PP 2, import to the stages the reshard tool gives the original at TP 2 x PP 2 (layers placed, the tied output
+    # layer's copy of the embedding on the last stage)
+    import shutil
+
+    pp2 = tmp_path / "mlm_dist_pp2" / "iter_0000002"
+    shutil.copytree(tmp_path / "mlm_dist", tmp_path / "mlm_dist_pp2")
+    saved = torch.load(pp2 / "common.pt", weights_only=False)
+    saved["args"].pipeline_model_parallel_size = 2
+    torch.save(saved, pp2 / "common.pt")
+    assert _tool(["--load", str(tmp_path / "mlm_dist_pp2"), "--save", str(tmp_path / "imported_pp2")]) == 0
+    assert _reshard(ours, str(tmp_path / "ours_pp2"), 2, 2) == 0
+    want, got = (_tensors(str(tmp_path / d / "iter_0000002")) for d in ("ours_pp2", "imported_pp2"))
+    want = {k: t for k, t in want.items() if k.split("/")[1] == "model.pt"}
+    assert got.keys() == want.keys() and "mp_rank_01_001/model.pt/output_layer.weight" in got
+    assert all(torch.equal(t, got[k]) for k, t in want.items())
 
 
 def _fake_megatron_lm(root, positions=("mp_rank_00",), iteration=5, chunks=None, optimizer=None, **args):
@@ -211,11 +301,6 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
         assert not os.path.exists(tmp_path / "out" / TRACKER)
         return capsys.readouterr().err
 
-    dist_ckpt = tmp_path / "dist"
-    (dist_ckpt / "iter_0000003").mkdir(parents=True)
-    (dist_ckpt / "iter_0000003" / ".metadata").write_bytes(b"")
-    (dist_ckpt / TRACKER).write_text("3")
-    assert "--ckpt-convert-format torch" in refused(dist_ckpt)
     assert "expert-parallel" in refused(_fake_megatron_lm(tmp_path / "moe", ("mp_rank_00_000_001",)))
     half = _fake_megatron_lm(tmp_path / "half", ("mp_rank_00",), tensor_model_parallel_size=2)
     assert "missing: ['mp_rank_01_000']" in refused(half)
@@ -284,6 +369,52 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
     assert _tool(["--load", local, "--save", str(tmp_path / "ours")]) == 0
     assert "pretrain_gpt checkpoint already" in refused(tmp_path / "ours")
     assert "already holds checkpoints" in refused(local, save=tmp_path / "ours")
+
+
+def _fake_torch_dist(root, tensors, iteration=3, **args):
+    """A torch_dist checkpoint with these (stored key -> tensor) entries, written by torch's DCP as
+    megatron-core's save writes them, and Megatron-LM's ``args`` in ``common.pt``."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = os.path.join(root, f"iter_{iteration:07d}")
+    dcp.save(tensors, checkpoint_id=ckpt, no_dist=True)
+    args = argparse.Namespace(**{"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                 "num_layers": 2, "transformer_impl": "local", **args})
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0}, os.path.join(ckpt, "common.pt"))
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+    return str(root)
+
+
+def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tmp_path, capsys):
+    """(Importing a real one: test_megatron_lm_checkpoint_continues_like_the_original.)"""
+    def refused(load):
+        assert _tool(["--load", load, "--save", str(tmp_path / "out")]) == 1
+        assert not os.path.exists(tmp_path / "out" / TRACKER)
+        return capsys.readouterr().err
+
+    layers = {"decoder.layers.mlp.linear_fc2.weight": torch.ones(2, 4, 4), "embedding.word_embeddings.weight":
+              torch.ones(8, 4), "optimizer.state.exp_avg.embedding.word_embeddings.weight": torch.ones(8, 4)}
+    foreign = _fake_torch_dist(tmp_path / "foreign", {**layers, "vision_model.proj.weight": torch.ones(2)})
+    assert "tensors pretrain_gpt's GPT model has no place for: vision_model.proj.weight" in refused(foreign)
+    stacked = _fake_torch_dist(tmp_path / "stacked", layers, num_layers=3)
+    assert "decoder.layers.mlp.linear_fc2.weight has shape (2, 4, 4), not stacked over the --num-layers 3" in \
+        refused(stacked)
+    moe = _fake_torch_dist(tmp_path / "moe", layers, num_experts=8)
+    assert "--num-experts (mixture of experts) = 8" in refused(moe)
+    os.remove(os.path.join(moe, "iter_0000003", "common.pt"))
+    assert "no common.pt (an incomplete torch_dist save?)" in refused(moe)
+    # the optimizer's entries are left (see the import's note); what is read is exactly the model's tensors
+    from megatron_ext.training.checkpoint_import_dist import DistSource
+
+    common = {"args": {"num_layers": 2}, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+    src = DistSource(os.path.join(_fake_torch_dist(tmp_path / "ok", {**layers, "decoder.layers.mlp.linear_fc2.bias":
+                                                                     torch.arange(6.0).reshape(2, 3)}),
+                                  "iter_0000003"), common)
+    assert list(src.model_keys) == ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+                                    "decoder.layers.0.mlp.linear_fc2.bias", "decoder.layers.1.mlp.linear_fc2.weight",
+                                    "decoder.layers.1.mlp.linear_fc2.bias"]
+    assert torch.equal(src.model_tensor("decoder.layers.1.mlp.linear_fc2.bias"), torch.tensor([3.0, 4.0, 5.0]))
 
 
 def test_te_names_map_to_megatron_core_local_names():
