@@ -2,7 +2,7 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch) on every GPU of this machine and prints one verdict line per check.
+# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e)) on every GPU of this machine and prints one verdict line per check.
 # The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
 # it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
 # the check runs with or without them.
@@ -14,7 +14,11 @@
 #   (c) a resume of that checkpoint at another --ddp-bucket-size: within the bf16 tolerance of the uninterrupted run;
 #   (d) that checkpoint imported (tools/import_megatron_lm_checkpoint.py: weights, data position, the ODO's optimizer
 #       state) and continued by this package's pretrain_gpt with the same flags: within the bf16 tolerance of the
-#       uninterrupted Megatron-LM run.
+#       uninterrupted Megatron-LM run;
+#   (e) Megatron-LM's own distributed optimizer saving in its default --ckpt-format torch_dist at iteration HALF,
+#       that checkpoint imported (weights, data position) and continued by pretrain_gpt with --no-load-optim: within
+#       the bf16 tolerance of Megatron-LM's own --no-load-optim resume of it (fresh Adam moments, schedule from its
+#       warm-up, in both).
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -72,7 +76,7 @@ sed -e '0,/^from megatron.training import/s//import megatron_ext.megatron_lm as 
 grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-line edit did not apply: check $out/pretrain_gpt_two_lines.py)" >&2
 
 odo=(--use-overlapped-distributed-optimizer)
-rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported"
+rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported" "$out/ckpt_dist" "$out/ckpt_dist_imported"
 run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
 run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
@@ -94,6 +98,17 @@ done
 run import_ckpt python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_bucket" --save "$out/ckpt_imported" \
     --transformer-impl local
 run pretrain_gpt_imported "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" --load "$out/ckpt_imported"
+# (e): Megatron-LM's default checkpoint format, its own optimizer
+torch_dist=("${ours[@]}" --ckpt-format torch_dist)
+fresh_optim=(--no-load-optim --no-load-rng)
+run megatron_torch_dist_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${torch_dist[@]}" --save "$out/ckpt_dist" --save-interval "$half" --exit-interval "$half"
+run megatron_torch_dist_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${torch_dist[@]}" --load "$out/ckpt_dist" "${fresh_optim[@]}"
+run import_torch_dist python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_dist" \
+    --save "$out/ckpt_dist_imported"
+run pretrain_gpt_imported_torch_dist "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
+    --load "$out/ckpt_dist_imported" "${fresh_optim[@]}"
 
 [ "$dry" = 1 ] && exit 0
 status=0
@@ -108,5 +123,8 @@ verdict "(c) ODO resume at another bucket size vs uninterrupted" "$out/odo_launc
     --first $((half + 1)) --skip $((half + 2))
 verdict "(d) pretrain_gpt continues the imported ODO checkpoint vs uninterrupted" "$out/odo_launch.log" \
     "$out/pretrain_gpt_imported.log" --first $((half + 1))
+verdict "(e) pretrain_gpt continues Megatron-LM's torch_dist checkpoint vs Megatron-LM (both --no-load-optim)" \
+    "$out/megatron_torch_dist_resume.log" "$out/pretrain_gpt_imported_torch_dist.log" --first $((half + 1)) \
+    --skip $((half + 2))
 echo "logs: $out" >&2
 exit $status
