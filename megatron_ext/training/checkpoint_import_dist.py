@@ -29,12 +29,12 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .checkpoint_import import _IMPLS, _read, checked_args, imported_common
-from .checkpoint_reshard import layout_of, write_layout
+from .checkpoint_reshard import _gated, layout_of, tp_split_dim, write_layout
 from .checkpointing import CheckpointError
 
 _LAYERS = "decoder.layers."
@@ -116,16 +116,48 @@ class DistSource:
 
     def model_tensor(self, g: str, tp_rank: Optional[int] = None) -> torch.Tensor:
         """The full (TP-merged) tensor of global key ``g``, read from the checkpoint."""
+        return self._read(g, [])
+
+    def model_shard(self, g: str, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
+        """TP rank ``rank``'s shard of ``g`` at TP ``tp``, bit for bit ``split_tp`` of :meth:`model_tensor`, read
+        as just that slice (at the saving run's TP size, its own stored chunk) rather than the whole tensor."""
+        dim = tp_split_dim(g)
+        if dim is None or tp == 1:
+            return self._read(g, [])
+        size = self.shape(g)[dim]
+        parts = 2 if _gated(g, swiglu) else 1   # a fused SwiGLU fc1: the rank's rows of the gate, then of the up
+        if size % (parts * tp):
+            raise CheckpointError(f"{g}: dim {dim} of shape {self.shape(g)} does not split over TP {tp}")
+        n = size // (parts * tp)
+        return torch.cat([self._read(g, [(dim, part * size // parts + rank * n, n)]) for part in range(parts)],
+                         dim=dim)
+
+    def _stored(self, g: str) -> Tuple[str, Optional[int]]:
+        """(stored key, layer index or None) of global key ``g``."""
+        m = _GLOBAL_LAYER.match(g)
+        return (f"{_LAYERS}{m.group(2)}", int(m.group(1))) if m else (g, None)
+
+    def shape(self, g: str) -> Tuple[int, ...]:
+        """The global shape of ``g`` (one layer's, for a layer tensor)."""
+        key, layer = self._stored(g)
+        shape = self._saved[key][0]
+        return shape if layer is None else shape[1:]
+
+    def _read(self, g: str, narrow: List[Tuple[int, int, int]]) -> torch.Tensor:
+        """``g`` narrowed by each ``(dim, start, length)``, read through DCP's planner from the stored chunks it
+        overlaps."""
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        m = _GLOBAL_LAYER.match(g)
-        key, layer = (f"{_LAYERS}{m.group(2)}", int(m.group(1))) if m else (g, None)
-        shape, dtype = self._saved[key]
-        dest = torch.empty(shape if layer is None else (1, *shape[1:]), dtype=dtype)
-        offsets = (0,) * len(shape) if layer is None else (layer,) + (0,) * (len(shape) - 1)
+        key, layer = self._stored(g)
+        sizes, offsets = list(self.shape(g)), [0] * len(self.shape(g))
+        for dim, start, length in narrow:
+            offsets[dim], sizes[dim] = start, length
+        if layer is not None:
+            sizes, offsets = [1, *sizes], [layer, *offsets]
+        dest = torch.empty(sizes, dtype=self._saved[key][1])
         with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore")
-            load({key: dest}, storage_reader=FileSystemReader(self.ckpt), planner=_planner({key: offsets}),
+            load({key: dest}, storage_reader=FileSystemReader(self.ckpt), planner=_planner({key: tuple(offsets)}),
                  no_dist=True)
         return dest if layer is None else dest[0]
 

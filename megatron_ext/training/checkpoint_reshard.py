@@ -417,6 +417,15 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
             v = src.model_tensor(_tied_output(g, target, src.tied) or g, t if same_tp else None)
             return fit_vocab(g, v, True) if torch.is_tensor(v) else v
 
+        def model_shard(g: str, t: int) -> Any:
+            """TP rank ``t``'s shard of ``g``: read as such where the source can (a torch_dist checkpoint, whose
+            reads then touch only the stored chunks it overlaps), else split from the merged tensor."""
+            stored = _tied_output(g, target, src.tied) or g
+            if hasattr(src, "model_shard") and (new_rows in (None, src.shape(stored)[0]) or not _VOCAB.search(g)):
+                return src.model_shard(stored, tp, t, src.swiglu)
+            v = full_model(g, t)
+            return split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
+
         def full_optim(g: str, t: int) -> Dict[str, torch.Tensor]:
             entry = src.optim_entry(_tied_output(g, target, src.tied) or g, t if same_tp else None)
             return {f: fit_vocab(g, v, f == "master") for f, v in entry.items()}
@@ -427,8 +436,7 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
                 chunks: List[Dict[str, Any]] = [{} for _ in range(target.vp)]
                 for s, c, key, g in model_plan:
                     if s == stage:
-                        v = full_model(g, t)
-                        chunks[c][key] = split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
+                        chunks[c][key] = model_shard(g, t)
                 if renames is not None:
                     chunks = [renames(chunk) for chunk in chunks]
                 model = chunks[0] if target.vp == 1 else {f"model{i}": st for i, st in enumerate(chunks)}

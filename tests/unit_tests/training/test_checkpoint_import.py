@@ -415,6 +415,18 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
                                     "decoder.layers.0.mlp.linear_fc2.bias", "decoder.layers.1.mlp.linear_fc2.weight",
                                     "decoder.layers.1.mlp.linear_fc2.bias"]
     assert torch.equal(src.model_tensor("decoder.layers.1.mlp.linear_fc2.bias"), torch.tensor([3.0, 4.0, 5.0]))
+    # a TP rank's shard, read as a slice, is the reshard rules' split of the whole tensor (a fused SwiGLU fc1's gate
+    # and up rows; a row-parallel weight's columns)
+    from megatron_ext.training.checkpoint_reshard import split_tp
+
+    fc = {"decoder.layers.mlp.linear_fc1.weight": torch.arange(2 * 8 * 3.0).reshape(2, 8, 3),
+          "decoder.layers.mlp.linear_fc2.weight": torch.arange(2 * 3 * 4.0).reshape(2, 3, 4)}
+    src = DistSource(os.path.join(_fake_torch_dist(tmp_path / "fc", fc), "iter_0000003"), common)
+    for g in ("decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight"):
+        for swiglu in (True, False):
+            for rank in (0, 1):
+                want = split_tp(g, src.model_tensor(g), 2, rank, swiglu)
+                assert torch.equal(src.model_shard(g, 2, rank, swiglu), want), (g, swiglu, rank)
 
 
 def test_te_names_map_to_megatron_core_local_names():
