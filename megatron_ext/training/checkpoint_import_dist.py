@@ -19,10 +19,10 @@ So the import is the reshard tool's writer (``write_layout``) reading from :clas
 and PP sizes and pipeline split, each position's tensors are read as one layer's slice through DCP's load planner,
 which reads only the stored chunks that slice overlaps (memory holds one position's state and one layer's tensor).
 
-Not carried: Megatron's optimizer state (``optimizer.*`` entries, in a layout of its version and sharding type:
-resume with ``--no-load-optim`` or ``--finetune``, as after the torch-format import of Megatron's own optimizer), the
-RNG states, and Transformer Engine's extra states (byte objects with FP8 scaling metadata: each module keeps its
-own, as when a checkpoint saved without Transformer Engine loads with it).
+Megatron's DistributedOptimizer state (``optimizer.*``) is carried, with the LR schedule, in both of its torch_dist
+layouts (``checkpoint_import_dist_optim.py``); other optimizer states are not (resume with ``--no-load-optim`` or
+``--finetune``). Not carried either: the RNG states, and Transformer Engine's extra states (byte objects with FP8
+scaling metadata: each module keeps its own, as when a checkpoint saved without Transformer Engine loads with it).
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_import import _IMPLS, _read, checked_args, imported_common
-from .checkpoint_reshard import _gated, layout_of, tp_split_dim, write_layout
+from .checkpoint_import import _IMPLS, _lenient_pickle, _read, checked_args, imported_common
+from .checkpoint_import_dist_optim import MegatronOptimizerState, saved_layout
+from .checkpoint_reshard import _gated, _target_keys, layout_of, tp_split_dim, write_layout
 from .checkpointing import CheckpointError
 
 _LAYERS = "decoder.layers."
@@ -66,12 +67,10 @@ def _planner(offsets: Dict[str, Tuple[int, ...]]):
 
 
 class DistSource:
-    """A torch_dist checkpoint's model tensors by pretrain_gpt's global key (the reshard writer's source)."""
+    """A torch_dist checkpoint's model tensors by pretrain_gpt's global key, and its DistributedOptimizer state where
+    it has one this import reads (``checkpoint_import_dist_optim.py``): the reshard writer's source."""
 
-    has_optim = False
-    optim_keys: Dict[str, Tuple[int, int]] = {}
-
-    def __init__(self, ckpt: str, common: Dict[str, Any]) -> None:
+    def __init__(self, ckpt: str, common: Dict[str, Any], saved: Optional[Dict[str, Any]] = None) -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -86,23 +85,25 @@ class DistSource:
             metadata = FileSystemReader(ckpt).read_metadata()
         except Exception as e:   # noqa: BLE001 - DCP raises its own types for a damaged .metadata
             raise CheckpointError(f"{ckpt}: unreadable torch_dist metadata ({type(e).__name__}: {e})") from None
-        self._saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}   # stored key -> (global shape, dtype)
-        foreign = []
+        # stored key -> (global shape, dtype) of every tensor; the byte objects' keys (extra states, RNG, the
+        # optimizer's param groups: "<key>/shard_<offset>_<shape>")
+        self._saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+        self._objects: Dict[str, str] = {}
         for key, md in metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata) or _NOT_MODEL.match(key):
-                continue   # byte objects (extra states, RNG), optimizer state: see the module note
-            if not _MODEL.match(key):
-                foreign.append(key)
-                continue
-            self._saved[key] = (tuple(md.size), md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata):
+                self._saved[key] = (tuple(md.size), md.properties.dtype)
+            else:
+                self._objects.setdefault(key.split("/shard_")[0], key)
+        model = [k for k in self._saved if not _NOT_MODEL.match(k)]
+        foreign = [k for k in model if not _MODEL.match(k)]
         if foreign:
             raise CheckpointError(f"{ckpt}: tensors pretrain_gpt's GPT model has no place for: {', '.join(foreign[:4])}"
                                   f"{' ...' if len(foreign) > 4 else ''}")
-        if not any(k.startswith(_LAYERS) for k in self._saved):
+        if not any(k.startswith(_LAYERS) for k in model):
             raise CheckpointError(f"{ckpt}: no decoder layer tensors (decoder.layers.*) among the saved tensors")
         self.model_keys: Dict[str, Tuple[int, int]] = {}
         num_layers = args["num_layers"]
-        for key in self._saved:
+        for key in model:
             shape = self._saved[key][0]
             if key.startswith(_LAYERS):
                 if not shape or shape[0] != num_layers:
@@ -113,43 +114,104 @@ class DistSource:
             elif not (self.tied and key == "output_layer.weight"):   # (written from the embedding where needed)
                 self.model_keys[key] = (0, 0)
         self.model_keys = dict(sorted(self.model_keys.items(), key=lambda kv: _layer_order(kv[0])))
+        self.optim_keys: Dict[str, Tuple[int, int]] = {}
+        self.has_optim, self.optim_note, self._optim = False, "", None
+        optim_layout, self.optim_note = saved_layout(saved or {})
+        if optim_layout is not None:
+            positions = list(_target_keys(self.model_keys, self.layout, self.tied))
+            self._optim = MegatronOptimizerState(self, saved, optim_layout, positions)
+            self.has_optim, self.optim_keys = True, self.model_keys
+
+    def stored_keys(self, prefix: str = "") -> List[str]:
+        """The stored model tensors' names (``prefix`` "": those of the model; else every one starting so)."""
+        if not prefix:
+            return [k for k in self._saved if not _NOT_MODEL.match(k)]
+        return [k for k in self._saved if k.startswith(prefix)]
+
+    def has_stored(self, key: str) -> bool:
+        return key in self._saved
+
+    def stored_name(self, g: str) -> str:
+        """The stored name of global key ``g``: a tied model's output layer is stored as its embedding."""
+        if self.tied and g.endswith("output_layer.weight"):
+            return g[: len(g) - len("output_layer.weight")] + "embedding.word_embeddings.weight"
+        return g
+
+    def read_object(self, key: str) -> Any:
+        """A byte object megatron-core saved under ``key`` (a ShardedObject: the value of its one shard)."""
+        import io
+
+        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        if key not in self._objects:
+            raise CheckpointError(f"{self.ckpt}: no {key} saved")
+
+        got: Dict[str, Any] = {}
+
+        class Lenient(DefaultLoadPlanner):   # another version's classes in a pickled value stay readable
+            def load_bytes(self, read_item, value: io.BytesIO) -> None:
+                got[read_item.dest_index.fqn] = torch.load(value, weights_only=False, pickle_module=_lenient_pickle)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load({self._objects[key]: io.BytesIO()}, storage_reader=FileSystemReader(self.ckpt), planner=Lenient(),
+                 no_dist=True)
+        value = got[self._objects[key]]
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def read_flat(self, key: str) -> torch.Tensor:
+        """The whole stored tensor ``key``."""
+        return self._read(key, [])
+
+    def optim_header(self) -> Dict[str, Any]:
+        return self._optim.header
+
+    def optim_shard(self, stage: int, chunk: int, key: str, g: str, tp: int, rank: int, swiglu: bool
+                    ) -> Dict[str, torch.Tensor]:
+        """TP rank ``rank``'s (master, exp_avg, exp_avg_sq) of the parameter ``key`` of (stage, chunk) at the saving
+        layout (global key ``g``), in the parameter's shape."""
+        return self._optim.shard(stage, chunk, key, self.stored_name(g), tp, rank, swiglu)
 
     def model_tensor(self, g: str, tp_rank: Optional[int] = None) -> torch.Tensor:
         """The full (TP-merged) tensor of global key ``g``, read from the checkpoint."""
         return self._read(g, [])
 
-    def model_shard(self, g: str, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
+    def model_shard(self, g: str, tp: int, rank: int, swiglu: bool, prefix: str = "") -> torch.Tensor:
         """TP rank ``rank``'s shard of ``g`` at TP ``tp``, bit for bit ``split_tp`` of :meth:`model_tensor`, read
-        as just that slice (at the saving run's TP size, its own stored chunk) rather than the whole tensor."""
+        as just that slice (at the saving run's TP size, its own stored chunk) rather than the whole tensor.
+        ``prefix``: read the tensor stored as ``prefix + g``'s stored name instead (model-space optimizer state)."""
         dim = tp_split_dim(g)
         if dim is None or tp == 1:
-            return self._read(g, [])
-        size = self.shape(g)[dim]
+            return self._read(g, [], prefix)
+        size = self.shape(g, prefix)[dim]
         parts = 2 if _gated(g, swiglu) else 1   # a fused SwiGLU fc1: the rank's rows of the gate, then of the up
         if size % (parts * tp):
-            raise CheckpointError(f"{g}: dim {dim} of shape {self.shape(g)} does not split over TP {tp}")
+            raise CheckpointError(f"{g}: dim {dim} of shape {self.shape(g, prefix)} does not split over TP {tp}")
         n = size // (parts * tp)
-        return torch.cat([self._read(g, [(dim, part * size // parts + rank * n, n)]) for part in range(parts)],
-                         dim=dim)
+        return torch.cat([self._read(g, [(dim, part * size // parts + rank * n, n)], prefix)
+                          for part in range(parts)], dim=dim)
 
-    def _stored(self, g: str) -> Tuple[str, Optional[int]]:
+    def _stored(self, g: str, prefix: str = "") -> Tuple[str, Optional[int]]:
         """(stored key, layer index or None) of global key ``g``."""
         m = _GLOBAL_LAYER.match(g)
-        return (f"{_LAYERS}{m.group(2)}", int(m.group(1))) if m else (g, None)
+        return (f"{prefix}{_LAYERS}{m.group(2)}", int(m.group(1))) if m else (prefix + g, None)
 
-    def shape(self, g: str) -> Tuple[int, ...]:
+    def shape(self, g: str, prefix: str = "") -> Tuple[int, ...]:
         """The global shape of ``g`` (one layer's, for a layer tensor)."""
-        key, layer = self._stored(g)
+        key, layer = self._stored(g, prefix)
+        if key not in self._saved:
+            raise CheckpointError(f"{self.ckpt}: no {key} saved")
         shape = self._saved[key][0]
         return shape if layer is None else shape[1:]
 
-    def _read(self, g: str, narrow: List[Tuple[int, int, int]]) -> torch.Tensor:
+    def _read(self, g: str, narrow: List[Tuple[int, int, int]], prefix: str = "") -> torch.Tensor:
         """``g`` narrowed by each ``(dim, start, length)``, read through DCP's planner from the stored chunks it
         overlaps."""
         from torch.distributed.checkpoint import FileSystemReader, load
 
-        key, layer = self._stored(g)
-        sizes, offsets = list(self.shape(g)), [0] * len(self.shape(g))
+        key, layer = self._stored(g, prefix)
+        sizes, offsets = list(self.shape(g, prefix)), [0] * len(self.shape(g, prefix))
         for dim, start, length in narrow:
             offsets[dim], sizes[dim] = start, length
         if layer is not None:
@@ -183,9 +245,12 @@ def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
         raise CheckpointError(f"--transformer-impl {target_impl}: choose one of {', '.join(_IMPLS)}")
     step = 0 if os.path.basename(ckpt) == "release" else int(saved.get("iteration", 0))
     common = imported_common(saved, args, step, False, ckpt, target_impl)
-    src = DistSource(ckpt, common)
+    src = DistSource(ckpt, common, saved)
+    common["has_optim"] = src.has_optim
     layout = src.layout
+    note = (f"; Megatron's DistributedOptimizer state ({saved['optimizer']['param_state_sharding_type']}) and LR "
+            "schedule carried" if src.has_optim else
+            f"; no optimizer state ({src.optim_note}): resume with --no-load-optim, or --finetune")
     return write_layout(src, ckpt, save_dir, layout.tp, layout.pp, layout.vp, log=log,
                         transformer_impl=target_impl, origin="imported_from",
-                        verb="imported Megatron-LM's torch_dist checkpoint",
-                        note="; no optimizer state (Megatron's own): resume with --no-load-optim, or --finetune")
+                        verb="imported Megatron-LM's torch_dist checkpoint", note=note)

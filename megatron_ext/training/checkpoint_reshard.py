@@ -360,6 +360,9 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
     ``common.pt``, which records ``ckpt`` under ``origin``."""
     common = src.common
     args = src.args
+    if hasattr(src, "optim_shard") and src.has_optim and (tp, pp, vp) != (src.layout.tp, src.layout.pp, src.layout.vp):
+        raise CheckpointError("a torch_dist checkpoint's optimizer state is imported at its saving layout; reshard "
+                              "the imported checkpoint (tools/reshard_checkpoint.py) for another")
     target_args = dict(args, **(split if split is not None else {}))
     try:
         target = layout_of(target_args, tp, pp, vp or src.layout.vp)
@@ -447,7 +450,10 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
                     for s, c, key, g in optim_plan:
                         if s != stage:
                             continue
-                        shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g, t).items()}
+                        if hasattr(src, "optim_shard"):   # a torch_dist checkpoint's, read per position
+                            shard = src.optim_shard(s, c, key, g, tp, t, src.swiglu)
+                        else:
+                            shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g, t).items()}
                         shape = next(iter(shard.values())).shape
                         name = key if target.vp == 1 else f"{c}.{key}"
                         params[name] = {"shape": tuple(shape), "numel": shape.numel(),

@@ -73,18 +73,17 @@ def test_check_script_commands(tmp_path):
     runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
                           "odo_resume_bucket", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
-                          "megatron_torch_dist_resume", "import_torch_dist", "pretrain_gpt_imported_torch_dist"]
-    # (e): Megatron-LM's own optimizer saves torch_dist at 20 and resumes it with --no-load-optim, beside
-    # pretrain_gpt continuing the import the same way, with the same flags (less --ckpt-format)
-    dist_save, dist_resume = runs.pop("megatron_torch_dist_save"), runs.pop("megatron_torch_dist_resume")
-    dist_import, dist_ours = runs.pop("import_torch_dist"), runs.pop("pretrain_gpt_imported_torch_dist")
-    fresh = ["--no-load-optim", "--no-load-rng"]
-    assert _value(dist_save, "--ckpt-format") == _value(dist_resume, "--ckpt-format") == "torch_dist"
-    assert "--use-overlapped-distributed-optimizer" not in dist_save + dist_resume
+                          "import_torch_dist", "pretrain_gpt_imported_torch_dist"]
+    # (e): Megatron-LM's own optimizer saves torch_dist at 20; pretrain_gpt continues the import with its optimizer
+    # state and the same flags (less --ckpt-format)
+    dist_save, dist_import = runs.pop("megatron_torch_dist_save"), runs.pop("import_torch_dist")
+    dist_ours = runs.pop("pretrain_gpt_imported_torch_dist")
+    assert _value(dist_save, "--ckpt-format") == "torch_dist" and "--ckpt-format" not in dist_ours
+    assert "--use-overlapped-distributed-optimizer" not in dist_save and "--use-distributed-optimizer" in dist_save
     assert _value(dist_save, "--save-interval") == _value(dist_save, "--exit-interval") == "20"
-    assert _value(dist_resume, "--load") == _value(dist_save, "--save") == _value(dist_import, "--load")
-    assert dist_resume[-2:] == dist_ours[-2:] == fresh and _value(dist_ours, "--load") == _value(dist_import, "--save")
-    assert dist_ours[:dist_ours.index("--load")] == dist_resume[:dist_resume.index("--ckpt-format")]
+    assert _value(dist_save, "--save") == _value(dist_import, "--load")
+    assert _value(dist_ours, "--load") == _value(dist_import, "--save") and "--no-load-optim" not in dist_ours
+    assert dist_ours[:dist_ours.index("--load")] == dist_save[:dist_save.index("--ckpt-format")]
     # (d): the checkpoint (b) saved at 20, imported, then pretrain_gpt with the same flags (less --ckpt-format)
     from megatron_ext.training.arguments import parse_args
 

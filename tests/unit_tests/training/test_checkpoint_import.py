@@ -8,6 +8,7 @@ of its ``training/checkpointing.py``): ``iter_N/mp_rank_TT[_PPP]/model_optim_rng
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -68,16 +69,79 @@ def _megatron_lm_args(ours: str):
     return iteration, src, common, saved
 
 
-def _write_torch_dist(argv, ours: str, mlm: str) -> None:
-    """pretrain_gpt's checkpoint ``ours`` saved as Megatron-LM saves ``--ckpt-format torch_dist`` (every rank):
-    the same megatron-core model built at the run's TP/PP and loaded from ``ours``; its ``sharded_state_dict`` with
-    the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's ``dist_checkpointing.save``. That save
-    calls ``torch.cuda.synchronize`` and puts a status flag on ``torch.cuda.current_device()``, so both are made
-    host no-ops here, and writes from worker processes, which the harness's (daemonic) ranks may start only when
-    marked otherwise (test only: the import reads with torch's DCP, no CUDA and no processes)."""
+@contextlib.contextmanager
+def _megatron_core_on_cpu():
+    """megatron-core's DDP, DistributedOptimizer and dist-checkpoint save, which assume CUDA, run on CPU tensors
+    (test only: they write the Megatron-LM checkpoints the import reads; the import itself needs none of this).
+    Allocations asked of CUDA land on the CPU, ``.cuda()`` is the identity, a CPU tensor's ``type()`` reads as
+    CUDA's (the optimizer checks it), ``torch.cuda.synchronize`` / ``current_device`` are host no-ops, and the
+    checkpoint writer may start its worker processes from the harness's (daemonic) ranks."""
     import multiprocessing
     from unittest import mock
 
+    from torch.overrides import TorchFunctionMode
+
+    class CudaOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.to and len(args) > 1 and "cuda" in str(args[1]):
+                args = (args[0], "cpu", *args[2:])
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                return func(*args).replace("torch.", "torch.cuda.", 1)
+            return func(*args, **kwargs)
+
+    with CudaOnCpu(), mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
+            mock.patch.dict(multiprocessing.current_process()._config, {"daemon": False}):
+        yield
+
+
+def _megatron_distributed_optimizer(module, canonical: dict, argv):
+    """megatron-core's own DDP + DistributedOptimizer around ``module`` (under :func:`_megatron_core_on_cpu`),
+    holding the canonical optimizer state ``canonical`` (pretrain_gpt's ``optim.pt`` of this position): each DP
+    rank's main-parameter shard, Adam moments and step, copied through the optimizer's own parameter ranges."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.training.arguments import parse_args
+
+    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=20000),
+        module)
+    args = parse_args(argv)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, use_distributed_optimizer=True),
+        [ddp])
+    (dist_opt,) = optimizer.chained_optimizers
+    current = {g["wd_mult"]: g for g in canonical["param_groups"]}   # the schedule's lr and weight decay now
+    for group in dist_opt.optimizer.param_groups:
+        group.update(lr=current[group["wd_mult"]]["lr"], weight_decay=current[group["wd_mult"]]["weight_decay"])
+    for group in dist_opt.optimizer.param_groups:   # the state Adam builds at its first step
+        for p in group["params"]:
+            dist_opt.optimizer.state[p].update(step=torch.tensor(float(canonical["step"])),
+                                               exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p not in dist_opt.model_param_group_index_map:   # no element of it in this DP rank's shard
+                continue
+            piece = dist_opt._get_model_param_range_map(p)["param"]
+            tensors = dist_opt._get_main_param_and_optimizer_states(p)
+            for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                tensors[theirs].copy_(canonical["params"][name][ours][piece.start:piece.end])
+    return ddp, optimizer
+
+
+def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
+    """pretrain_gpt's checkpoint ``ours`` saved as Megatron-LM saves ``--ckpt-format torch_dist`` (every rank):
+    the same megatron-core model built at the run's TP/PP and loaded from ``ours``; its ``sharded_state_dict`` with
+    the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's ``dist_checkpointing.save``
+    (under :func:`_megatron_core_on_cpu`). ``sharding``: also Megatron's DistributedOptimizer's state, in that
+    ``distrib_optim_sharding_type`` (Megatron-LM's default: ``dp_reshardable``)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -99,16 +163,20 @@ def _write_torch_dist(argv, ours: str, mlm: str) -> None:
         saved.update(ckpt_format="torch_dist")
         metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-        state_dict = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": iteration,
-                      "model": module.sharded_state_dict(metadata=metadata),
-                      "opt_param_scheduler": common["scheduler"], "num_floating_point_operations_so_far": 0}
         out = os.path.join(mlm, f"iter_{iteration:07d}")
         if dist.get_rank() == 0:
             os.makedirs(out)
         dist.barrier()
-        with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
-                mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
-                mock.patch.dict(multiprocessing.current_process()._config, {"daemon": False}):
+        with _megatron_core_on_cpu():
+            model_sd = module.sharded_state_dict(metadata=metadata)
+            state_dict = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": iteration,
+                          "model": model_sd, "opt_param_scheduler": common["scheduler"],
+                          "num_floating_point_operations_so_far": 0}
+            if sharding is not None:
+                canonical = torch.load(os.path.join(src, position, "optim.pt"), weights_only=False)
+                _, optimizer = _megatron_distributed_optimizer(module, canonical, argv)
+                state_dict["optimizer"] = optimizer.sharded_state_dict(
+                    model_sd, metadata=dict(metadata, distrib_optim_sharding_type=sharding))
             dist_checkpointing.save(state_dict, out)
         if dist.get_rank() == 0:
             with open(os.path.join(mlm, TRACKER), "w") as f:
@@ -176,7 +244,8 @@ def _save_import_resume(base, ours, tmp):
     from megatron_ext.training.pretrain_gpt import pretrain
 
     pretrain(base + ["--train-iters", "4", "--exit-interval", "2", "--save", ours])   # the 4-iteration schedule
-    _write_torch_dist(base + ["--train-iters", "4"], ours, os.path.join(tmp, "mlm_dist"))
+    for layout, name in (("dp_reshardable", "mlm_dist"), ("fully_reshardable", "mlm_dist_full")):
+        _write_torch_dist(base + ["--train-iters", "4"], ours, os.path.join(tmp, name), layout)
     if dist.get_rank() == 0:
         from pathlib import Path
 
@@ -187,6 +256,7 @@ def _save_import_resume(base, ours, tmp):
             assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
         mlm_dist = os.path.join(tmp, "mlm_dist")
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist")]) == 0
+        assert _tool(["--load", mlm_dist + "_full", "--save", os.path.join(tmp, "imported_dist_full")]) == 0
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist_te"),
                       "--transformer-impl", "transformer_engine"]) == 0
     dist.barrier()
@@ -196,7 +266,7 @@ def _save_import_resume(base, ours, tmp):
     return [pretrain(resume + ["--load", ours]), pretrain(resume + ["--load", plugin]),
             pretrain(no_optim + ["--load", ours]), pretrain(no_optim + ["--load", own]),
             _load_error(resume + ["--load", own]),
-            pretrain(no_optim + ["--load", os.path.join(tmp, "imported_dist")])]
+            pretrain(resume + ["--load", os.path.join(tmp, "imported_dist")])]
 
 
 def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset, tiny_model_flags, tmp_path):
@@ -205,10 +275,12 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     under its local name, and the resume continues at the saved iteration and data position with the original
     checkpoint's losses, bit for bit: with the optimizer state where the megatron_ext plug-in saved it, with
     --no-load-optim where Megatron's own optimizer did. (PP > 1 names: the model-chunk case of
-    test_what_cannot_be_imported_is_refused_by_name.) The same model saved as ``--ckpt-format torch_dist`` (by
-    megatron-core's own ``sharded_state_dict`` and ``dist_checkpointing.save``, as Megatron-LM saves it) imports to
-    the same weights, for local layers (the saving run's) or Transformer Engine's names, and continues as the
-    original with --no-load-optim."""
+    test_what_cannot_be_imported_is_refused_by_name.) The same model saved as ``--ckpt-format torch_dist``, with
+    megatron-core's own DistributedOptimizer holding the run's Adam state (megatron-core's ``sharded_state_dict``,
+    ``dist_checkpointing.save``, as Megatron-LM saves it; buckets small enough that parameters fill several), in its
+    default bucket-space layout (dp_reshardable) and in model space (fully_reshardable): imported, the weights (for
+    local layers, the saving run's, or Transformer Engine's names) and each position's optimizer state (main weights,
+    moments, step) equal the original's bit for bit, and the resume continues with the original's losses."""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
         "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
     ours = str(tmp_path / "ours")
@@ -216,11 +288,11 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                                                                 timeout=240)[-1]
     assert sorted(plugin_run["losses"]) == [3, 4] and plugin_run["consumed_train_samples"] == 32
     assert plugin_run["losses"] == full["losses"] and own_run["losses"] == fresh["losses"]
-    assert dist_run["losses"] == fresh["losses"] and dist_run["consumed_train_samples"] == 32
+    assert dist_run["losses"] == full["losses"] and dist_run["consumed_train_samples"] == 32
     assert full["losses"][4] != fresh["losses"][4]   # the optimizer state matters at iteration 4
     assert "imported from Megatron-LM without its optimizer state; resume with --no-load-optim" in refusal, refusal
     assert sorted(os.listdir(tmp_path / "mlm_own" / "iter_0000002")) == ["mp_rank_00", "mp_rank_01"]
-    for kind, has_optim in (("plugin", True), ("own", False), ("dist", False)):
+    for kind, has_optim in (("plugin", True), ("own", False), ("dist", True)):
         ckpt = os.path.join(tmp_path, f"imported_{kind}", "iter_0000002")
         assert open(os.path.join(tmp_path, f"imported_{kind}", TRACKER)).read() == "2"
         assert verify_checksums(ckpt) > 0 and not os.path.exists(os.path.join(ckpt, "rng"))
@@ -244,6 +316,17 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                 same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
                 assert same, k
             assert os.path.exists(os.path.join(ckpt, name, "optim.pt")) == has_optim
+    # Megatron's DistributedOptimizer state, both layouts: each position's equals the original's, bit for bit
+    for kind in ("dist", "dist_full"):
+        for name in ("mp_rank_00_000", "mp_rank_01_000"):
+            want = torch.load(os.path.join(ours, "iter_0000002", name, "optim.pt"), weights_only=False)
+            got = torch.load(tmp_path / f"imported_{kind}" / "iter_0000002" / name / "optim.pt", weights_only=False)
+            assert (got["format"], got["optimizer"], got["step"]) == (want["format"], want["optimizer"], 2)
+            assert got["params"].keys() == want["params"].keys()
+            for param, entry in want["params"].items():
+                assert tuple(got["params"][param]["shape"]) == tuple(entry["shape"])
+                for field in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(got["params"][param][field], entry[field]), (kind, name, param, field)
     # and tools/reshard_checkpoint.py takes it to other TP/PP sizes as it takes the original
     from .test_checkpoint_reshard import _reshard, _tensors
 
@@ -272,8 +355,10 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     shutil.copytree(tmp_path / "mlm_dist", tmp_path / "mlm_dist_pp2")
     saved = torch.load(pp2 / "common.pt", weights_only=False)
     saved["args"].pipeline_model_parallel_size = 2
+    del saved["optimizer"]   # (its buckets are the PP 1 positions': weights only)
     torch.save(saved, pp2 / "common.pt")
     assert _tool(["--load", str(tmp_path / "mlm_dist_pp2"), "--save", str(tmp_path / "imported_pp2")]) == 0
+    assert torch.load(tmp_path / "imported_pp2" / "iter_0000002" / "common.pt", weights_only=False)["has_optim"] is False
     assert _reshard(ours, str(tmp_path / "ours_pp2"), 2, 2) == 0
     want, got = (_tensors(str(tmp_path / d / "iter_0000002")) for d in ("ours_pp2", "imported_pp2"))
     want = {k: t for k, t in want.items() if k.split("/")[1] == "model.pt"}
@@ -427,6 +512,22 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
             for rank in (0, 1):
                 want = split_tp(g, src.model_tensor(g), 2, rank, swiglu)
                 assert torch.equal(src.model_shard(g, 2, rank, swiglu), want), (g, swiglu, rank)
+
+
+def test_bucket_walk_places_parameters_by_their_main_weights():
+    """dp_reshardable buckets: the parameter at an offset is the one whose weight equals the main weights there
+    (cast to the weight's dtype), whether or not it is the one the registration order expects, and none is placed
+    where no weight matches (the import then refuses)."""
+    from megatron_ext.training.checkpoint_import_dist_optim import _place
+
+    weights = {(0, "a"): torch.tensor([1.0, 2.0, 3.0]).to(torch.bfloat16), (0, "b"): torch.tensor([[4.0, 7.0]]),
+               (0, "c"): torch.tensor([4.0, 5.0, 6.0])}
+    main = torch.tensor([4.0, 5.0, 6.0, 0.0, 1.0, 2.0, 3.0 + 2 ** -10])   # c, padding, a (rounds to 3 in bf16)
+    expected = [(0, "a"), (0, "b"), (0, "c")]
+    assert _place(main, 0, 8, expected, weights) == (0, "c")   # b's first element matches too, b does not
+    assert _place(main, 4, 8, expected, weights) == (0, "a")
+    assert _place(main, 4, 6, expected, weights) is None   # a would run past the bucket's end
+    assert _place(main, 3, 8, expected, weights) is None
 
 
 def test_te_names_map_to_megatron_core_local_names():
