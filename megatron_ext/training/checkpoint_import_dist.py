@@ -120,7 +120,10 @@ class DistSource:
         if optim_layout is not None:
             positions = list(_target_keys(self.model_keys, self.layout, self.tied))
             self._optim = MegatronOptimizerState(self, saved, optim_layout, positions)
-            self.has_optim, self.optim_keys = True, self.model_keys
+            # the canonical state names parameters as the optimizer sees them: Float16Module's under bf16/fp16
+            self._optim_prefix = "module." if args.get("bf16") or args.get("fp16") else ""
+            self.has_optim = True
+            self.optim_keys = {self._optim_prefix + k: v for k, v in self.model_keys.items()}
 
     def stored_keys(self, prefix: str = "") -> List[str]:
         """The stored model tensors' names (``prefix`` "": those of the model; else every one starting so)."""
@@ -170,8 +173,9 @@ class DistSource:
     def optim_shard(self, stage: int, chunk: int, key: str, g: str, tp: int, rank: int, swiglu: bool
                     ) -> Dict[str, torch.Tensor]:
         """TP rank ``rank``'s (master, exp_avg, exp_avg_sq) of the parameter ``key`` of (stage, chunk) at the saving
-        layout (global key ``g``), in the parameter's shape."""
-        return self._optim.shard(stage, chunk, key, self.stored_name(g), tp, rank, swiglu)
+        layout (global key ``g``; both as :attr:`optim_keys` name them), in the parameter's shape."""
+        n = len(self._optim_prefix)
+        return self._optim.shard(stage, chunk, key[n:], self.stored_name(g[n:]), tp, rank, swiglu)
 
     def model_tensor(self, g: str, tp_rank: Optional[int] = None) -> torch.Tensor:
         """The full (TP-merged) tensor of global key ``g``, read from the checkpoint."""

@@ -125,7 +125,7 @@ def _megatron_distributed_optimizer(module, canonical: dict, argv):
         for p in group["params"]:
             dist_opt.optimizer.state[p].update(step=torch.tensor(float(canonical["step"])),
                                                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-    with torch.no_grad():
+    with torch.no_grad():   # (the canonical state names them as the optimizer sees them: Float16Module's)
         for name, p in module.named_parameters():
             if p not in dist_opt.model_param_group_index_map:   # no element of it in this DP rank's shard
                 continue
@@ -156,10 +156,11 @@ def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
     init_model_parallel(args)
     try:
         args.padded_vocab_size = common["args"]["padded_vocab_size"]
-        (module,) = build_model_chunks(args)
+        (module,) = build_model_chunks(args)   # (Float16Module-wrapped for --bf16, as in Megatron-LM)
+        gpt = getattr(module, "module", module)
         position = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
         state = torch.load(os.path.join(src, position, "model.pt"), weights_only=False)
-        module.load_state_dict(fit_extra_states(state, module), strict=True)
+        gpt.load_state_dict(fit_extra_states(state, gpt), strict=True)
         saved.update(ckpt_format="torch_dist")
         metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -282,7 +283,7 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     local layers, the saving run's, or Transformer Engine's names) and each position's optimizer state (main weights,
     moments, step) equal the original's bit for bit, and the resume continues with the original's losses."""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
-        "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
+        "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--bf16"]
     ours = str(tmp_path / "ours")
     full, plugin_run, fresh, own_run, refusal, dist_run = spawn(_save_import_resume, 2, base, ours, str(tmp_path),
                                                                 timeout=240)[-1]
