@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .checkpoint_import import _IMPLS, _lenient_pickle, _read, checked_args, imported_common
-from .checkpoint_import_dist_optim import MegatronOptimizerState, saved_layout
+from .checkpoint_import_dist_optim import MODEL_GROUPS, MegatronOptimizerState, saved_layout
 from .checkpoint_reshard import _gated, _target_keys, layout_of, tp_split_dim, write_layout
 from .checkpointing import CheckpointError
 
@@ -42,7 +42,23 @@ _LAYERS = "decoder.layers."
 _MODEL = re.compile(r"^(embedding|decoder|output_layer)\.")
 _NOT_MODEL = re.compile(r"^(optimizer|rng_state|rerun_state_machine)(\.|/|$)")
 _GLOBAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_ORDER = (r"^embedding\.", r"^decoder\.layers\.", r"^decoder\.", r"^output_layer\.")
+_PER_LAYER = re.compile(r"^decoder\.layers\.\d+\.")   # layers saved one by one (megatron-core's heterogeneous)
+
+
+def _reader(ckpt: str):
+    """torch's DCP reader of ``ckpt`` with its ``.metadata`` read once (``load`` asks for it on every call, and a
+    large save's metadata runs to many MB)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class CachedReader(FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return CachedReader(ckpt)
 
 
 def _planner(offsets: Dict[str, Tuple[int, ...]]):
@@ -70,21 +86,26 @@ class DistSource:
     """A torch_dist checkpoint's model tensors by pretrain_gpt's global key, and its DistributedOptimizer state where
     it has one this import reads (``checkpoint_import_dist_optim.py``): the reshard writer's source."""
 
-    def __init__(self, ckpt: str, common: Dict[str, Any], saved: Optional[Dict[str, Any]] = None) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
+    serves_shards = True   # reads a TP rank's shard itself (model_shard, optim_shard): see write_layout
+
+    def __init__(self, ckpt: str, common: Dict[str, Any], saved: Optional[Dict[str, Any]] = None,
+                 saved_impl: str = "transformer_engine") -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.ckpt, self.common = ckpt, common
+        self.ckpt, self.common, self.saved_impl = ckpt, common, saved_impl
         args = dict(common["args"], transformer_impl="transformer_engine")   # the names torch_dist stores
         self.args = args
         tp, pp = common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"]
         self.layout = layout_of(args, tp, pp, args.get("virtual_pipeline_model_parallel_size") or 1)
         self.swiglu = bool(args.get("swiglu"))
         self.tied = not args.get("untie_embeddings_and_output_weights", False)
+        self._reader = _reader(ckpt)
         try:
-            metadata = FileSystemReader(ckpt).read_metadata()
+            metadata = self._reader.read_metadata()
         except Exception as e:   # noqa: BLE001 - DCP raises its own types for a damaged .metadata
             raise CheckpointError(f"{ckpt}: unreadable torch_dist metadata ({type(e).__name__}: {e})") from None
+        self._chunks = {k: md.chunks for k, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata)}
         # stored key -> (global shape, dtype) of every tensor; the byte objects' keys (extra states, RNG, the
         # optimizer's param groups: "<key>/shard_<offset>_<shape>")
         self._saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
@@ -94,15 +115,22 @@ class DistSource:
                 self._saved[key] = (tuple(md.size), md.properties.dtype)
             else:
                 self._objects.setdefault(key.split("/shard_")[0], key)
-        model = [k for k in self._saved if not _NOT_MODEL.match(k)]
+        model = self.model_stored_keys()
         foreign = [k for k in model if not _MODEL.match(k)]
         if foreign:
             raise CheckpointError(f"{ckpt}: tensors pretrain_gpt's GPT model has no place for: {', '.join(foreign[:4])}"
                                   f"{' ...' if len(foreign) > 4 else ''}")
         if not any(k.startswith(_LAYERS) for k in model):
             raise CheckpointError(f"{ckpt}: no decoder layer tensors (decoder.layers.*) among the saved tensors")
+        per_layer = [k for k in model if _PER_LAYER.match(k)]
+        if per_layer:
+            raise CheckpointError(f"{ckpt}: layers saved one by one ({per_layer[0]}: heterogeneous layers), not the "
+                                  "stacked layers of the GPT model pretrain_gpt builds")
+        num_layers = args.get("num_layers")
+        if not num_layers:
+            raise CheckpointError(f"{ckpt}: its args have no num_layers")
+        self._check_tp_splits(model, tp)
         self.model_keys: Dict[str, Tuple[int, int]] = {}
-        num_layers = args["num_layers"]
         for key in model:
             shape = self._saved[key][0]
             if key.startswith(_LAYERS):
@@ -125,10 +153,30 @@ class DistSource:
             self.has_optim = True
             self.optim_keys = {self._optim_prefix + k: v for k, v in self.model_keys.items()}
 
-    def stored_keys(self, prefix: str = "") -> List[str]:
-        """The stored model tensors' names (``prefix`` "": those of the model; else every one starting so)."""
-        if not prefix:
-            return [k for k in self._saved if not _NOT_MODEL.match(k)]
+    def _check_tp_splits(self, model: List[str], tp: int) -> None:
+        """Each model tensor is split across the saving run's TP ranks along the dim the reshard rules give it
+        (``tp_split_dim``), or not at all: its stored chunks show how it was saved. A tensor-parallel tensor these
+        rules do not know would otherwise be handed whole to every rank."""
+        if tp == 1:
+            return
+        for key in model:
+            skip = 1 if key.startswith(_LAYERS) else 0   # the layer axis
+            split = {d for d in range(skip, len(self._saved[key][0]))
+                     if len({c.offsets[d] for c in self._chunks[key]}) > 1}
+            name = f"{_LAYERS}0.{key[len(_LAYERS):]}" if skip else key
+            dim = tp_split_dim(name)
+            want = set() if dim is None else {dim + skip}
+            if split != want:
+                raise CheckpointError(f"{self.ckpt}: {key} was saved split along dims {sorted(split) or 'none'} "
+                                      f"across its TP {tp} ranks, not as the reshard rules split it ({dim}): a "
+                                      "tensor-parallel parameter they do not know")
+
+    def model_stored_keys(self) -> List[str]:
+        """The stored names of the model's tensors."""
+        return [k for k in self._saved if not _NOT_MODEL.match(k)]
+
+    def stored_keys(self, prefix: str) -> List[str]:
+        """Every stored tensor's name that starts with ``prefix``."""
         return [k for k in self._saved if k.startswith(prefix)]
 
     def has_stored(self, key: str) -> bool:
@@ -144,7 +192,6 @@ class DistSource:
         """A byte object megatron-core saved under ``key`` (a ShardedObject: the value of its one shard)."""
         import io
 
-        from torch.distributed.checkpoint import FileSystemReader, load
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         if key not in self._objects:
@@ -156,10 +203,7 @@ class DistSource:
             def load_bytes(self, read_item, value: io.BytesIO) -> None:
                 got[read_item.dest_index.fqn] = torch.load(value, weights_only=False, pickle_module=_lenient_pickle)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            load({self._objects[key]: io.BytesIO()}, storage_reader=FileSystemReader(self.ckpt), planner=Lenient(),
-                 no_dist=True)
+        self._load({self._objects[key]: io.BytesIO()}, Lenient(), key)
         value = got[self._objects[key]]
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
@@ -169,6 +213,10 @@ class DistSource:
 
     def optim_header(self) -> Dict[str, Any]:
         return self._optim.header
+
+    @property
+    def optim_scaler_dropped(self) -> bool:
+        return self._optim is not None and self._optim.scaler_dropped
 
     def optim_shard(self, stage: int, chunk: int, key: str, g: str, tp: int, rank: int, swiglu: bool
                     ) -> Dict[str, torch.Tensor]:
@@ -212,26 +260,32 @@ class DistSource:
     def _read(self, g: str, narrow: List[Tuple[int, int, int]], prefix: str = "") -> torch.Tensor:
         """``g`` narrowed by each ``(dim, start, length)``, read through DCP's planner from the stored chunks it
         overlaps."""
-        from torch.distributed.checkpoint import FileSystemReader, load
-
         key, layer = self._stored(g, prefix)
-        sizes, offsets = list(self.shape(g, prefix)), [0] * len(self.shape(g, prefix))
+        shape = self.shape(g, prefix)
+        sizes, offsets = list(shape), [0] * len(shape)
         for dim, start, length in narrow:
             offsets[dim], sizes[dim] = start, length
         if layer is not None:
             sizes, offsets = [1, *sizes], [layer, *offsets]
         dest = torch.empty(sizes, dtype=self._saved[key][1])
-        with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore")
-            load({key: dest}, storage_reader=FileSystemReader(self.ckpt), planner=_planner({key: tuple(offsets)}),
-                 no_dist=True)
+        self._load({key: dest}, _planner({key: tuple(offsets)}), key)
         return dest if layer is None else dest[0]
+
+    def _load(self, state: Dict[str, Any], planner: Any, what: str) -> None:
+        from torch.distributed.checkpoint import load
+
+        try:
+            with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore")
+                load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        except Exception as e:   # noqa: BLE001 - DCP wraps a damaged or missing file in its own exception types
+            raise CheckpointError(f"{self.ckpt}: cannot read {what} ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _layer_order(g: str) -> Tuple[int, int]:
     """State-dict order: embedding, layers by index, final norm, output layer."""
     m = _GLOBAL_LAYER.match(g)
-    return next(i for i, p in enumerate(_ORDER) if re.match(p, g)), int(m.group(1)) if m else -1
+    return next(i for i, p in enumerate(MODEL_GROUPS) if re.search(p, g)), int(m.group(1)) if m else -1
 
 
 def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
@@ -249,11 +303,12 @@ def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
         raise CheckpointError(f"--transformer-impl {target_impl}: choose one of {', '.join(_IMPLS)}")
     step = 0 if os.path.basename(ckpt) == "release" else int(saved.get("iteration", 0))
     common = imported_common(saved, args, step, False, ckpt, target_impl)
-    src = DistSource(ckpt, common, saved)
+    src = DistSource(ckpt, common, saved, source_impl)
     common["has_optim"] = src.has_optim
     layout = src.layout
     note = (f"; Megatron's DistributedOptimizer state ({saved['optimizer']['param_state_sharding_type']}) and LR "
-            "schedule carried" if src.has_optim else
+            "schedule carried" + ("; the fp16 loss scale is not: it starts again from --initial-loss-scale"
+                                  if src.optim_scaler_dropped else "") if src.has_optim else
             f"; no optimizer state ({src.optim_note}): resume with --no-load-optim, or --finetune")
     return write_layout(src, ckpt, save_dir, layout.tp, layout.pp, layout.vp, log=log,
                         transformer_impl=target_impl, origin="imported_from",

@@ -14,16 +14,20 @@ Megatron-LM saves its distributed optimizer's Adam state in one of two layouts (
   ``_ParamAndGradBuffer``). Which parameter lies where is not stored, so it is recovered and proved: walking the
   bucket, the parameter placed at each offset must be one whose weight, as the checkpoint saved it, equals the main
   weight there cast to the weight's dtype (Megatron copies the main weights into the model after every step, and
-  syncs them before saving), element for element. The registration order is tried first, then every parameter of
-  the position not yet placed; one that fits nowhere, or a bucket left with elements no parameter explains, refuses
-  the import, naming the bucket, so the state is either carried exactly or not at all. (Two parameters of one size
-  whose weights are equal element for element are told apart by the registration order alone.)
+  syncs them before saving), element for element. The gradient buffers follow the model chunks (``gbuf_idx`` is the
+  chunk), and a chunk registers its parameters as megatron-core's GPT modules do (:func:`registration_order`: the
+  embedding, each layer's modules in order, the final norm, the output layer), so the walk expects that order
+  reversed. Where the expected parameter does not fit, the one other parameter of the chunk that does is taken; none,
+  or several (equal weights, as layer norms still at 1.0 in bf16 early in training, which only the order tells
+  apart), refuses the import, naming the bucket, as does a bucket left with elements no parameter explains: the
+  state is carried exactly or not at all.
 
 The step comes from the optimizer's param groups (the same on every position), and the groups' hyper-parameters
 (``lr``, ``weight_decay``, ``wd_mult``, ...) are kept as pretrain_gpt's loader matches them (by ``wd_mult`` and
-``lr_mult``). Only Adam is read, and a loss scaler's state (fp16) is not: the resumed run's scaler starts afresh.
-Megatron's non-distributed optimizers and the other (deprecated) layouts are refused by name: resume those with
-``--no-load-optim``.
+``lr_mult``). Only Adam is read, and an fp16 loss scaler's state is not (the tool says so: the resumed run's scaler
+starts from ``--initial-loss-scale``). Megatron's non-distributed optimizers, its chained ones
+(``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool says
+which: resume those with ``--no-load-optim``.
 """
 from __future__ import annotations
 
@@ -47,6 +51,9 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
     optimizer = saved.get("optimizer")
     if not isinstance(optimizer, dict):
         return None, "saved without optimizer state"
+    if optimizer and all(isinstance(k, int) for k in optimizer):
+        return None, ("Megatron's chained optimizers (--overlap-param-gather-with-optimizer-step, or separate "
+                      "expert optimizers) are not read")
     layout = optimizer.get("param_state_sharding_type")
     if layout is None:
         return None, "Megatron's non-distributed optimizer state is not read"
@@ -77,8 +84,10 @@ class MegatronOptimizerState:
         self.header = {"format": CANONICAL_FORMAT, "optimizer": "AdamW", "step": steps.pop(),
                        "param_groups": [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups],
                        "grad_scaler": None}
+        self.scaler_dropped = bool(src.args.get("fp16"))   # (its state is not read: see the module note)
+        self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
         if layout == "fully_reshardable":
-            missing = [f"optimizer.state.{theirs}.{key}" for key in src.stored_keys() for _, theirs in _FIELDS
+            missing = [f"optimizer.state.{theirs}.{key}" for key in src.model_stored_keys() for _, theirs in _FIELDS
                        if not src.has_stored(f"optimizer.state.{theirs}.{key}")]
             if missing:
                 raise CheckpointError(f"{src.ckpt}: fully_reshardable optimizer state without {missing[0]} (only "
@@ -107,26 +116,33 @@ class MegatronOptimizerState:
         if not buckets:
             raise CheckpointError(f"{self.src.ckpt}: no optimizer buckets for TP rank {rank}, stage {stage} "
                                   f"(dp_group_idx_{group})")
-        weights = {}   # (chunk, key) -> this position's weight, flat
-        for s, c, key, g in self._positions:
-            if s == stage:
-                weights[c, key] = self.src.model_shard(self.src.stored_name(g), tp, rank, swiglu)
-        order = list(weights)   # registration order: the walk expects its reverse
+        mine = [(c, key, g) for s, c, key, g in self._positions if s == stage]
+        order, trusted = registration_order(mine, self._te_saved), order_is_known(mine)
+        weights = {(c, key): self.src.model_shard(self.src.stored_name(g), tp, rank, swiglu) for c, key, g in mine}
+        chunks = sorted({c for c, _ in order})
+        gbufs = sorted({b[0] for b in buckets})
+        if gbufs != list(range(len(chunks))):
+            raise CheckpointError(f"{self.src.ckpt}: dp_group_idx_{group} has gradient buffers {gbufs}, not one per "
+                                  f"model chunk ({len(chunks)}): parameters of several dtypes are not read; resume "
+                                  "with --no-load-optim")
         out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
-        for _, _, prefix in buckets:
+        for gbuf, _, prefix in buckets:
             fields = {ours: self.src.read_flat(f"{prefix}.{theirs}") for ours, theirs in _FIELDS}
             main, end, offset = fields["master"], fields["master"].numel(), 0
-            expected = [p for p in reversed(order) if p not in out]
+            expected = [p for p in reversed(order) if p[0] == chunks[gbuf] and p not in out]
             while True:
                 offset = -(-offset // _ALIGN) * _ALIGN
                 if offset >= end:
                     break
-                found = _place(main, offset, end, expected, weights)
-                if found is None:
+                found = _place(main, offset, end, expected, weights, trusted)
+                if isinstance(found, list):
+                    what = ("no parameter" if not found else
+                            f"{len(found)} parameters ({', '.join(k for _, k in found[:3])}) with equal weights")
                     raise CheckpointError(
-                        f"{self.src.ckpt}: {prefix}: no parameter of TP rank {rank}, stage {stage} has the main "
-                        f"weights at element {offset} of {end} (not megatron-core's bucket layout, or weights and "
-                        "optimizer from two saves): resume with --no-load-optim")
+                        f"{self.src.ckpt}: {prefix}: {what} of TP rank {rank}, stage {stage} fit the main weights at "
+                        f"element {offset} of {end} where megatron-core's order expects "
+                        f"{expected[0][1] if expected else 'none'} (not its bucket layout, or weights and optimizer "
+                        "from two saves): resume with --no-load-optim")
                 n = weights[found].numel()
                 shape = weights[found].shape
                 out[found] = {ours: t[offset:offset + n].reshape(shape).clone() for ours, t in fields.items()}
@@ -140,19 +156,67 @@ class MegatronOptimizerState:
 
 
 def _place(main: torch.Tensor, offset: int, end: int, expected: List[Tuple[int, str]],
-           weights: Dict[Tuple[int, str], torch.Tensor]) -> Optional[Tuple[int, str]]:
+           weights: Dict[Tuple[int, str], torch.Tensor], trusted: bool = True) -> Any:
     """The parameter whose weight is the main weights at ``offset`` (cast to its dtype): the next one in
-    ``expected`` order if it is, else the first in that order that is."""
+    ``expected`` order if it is and the order is ``trusted``, else the only one that is; otherwise the list of those
+    that are (empty: none; several: equal weights nothing here tells apart)."""
     def fits(p: Tuple[int, str]) -> bool:
         w = weights[p].reshape(-1)
         n = w.numel()
         return offset + n <= end and torch.equal(main[offset:offset + n].to(w.dtype), w)
 
-    if expected and fits(expected[0]):
+    if trusted and expected and fits(expected[0]):
         return expected[0]
     head = main[offset:offset + 8]
-    for p in expected:   # the first elements rule most out before a whole comparison
-        w = weights[p].reshape(-1)
-        if torch.equal(head[:w.numel()].to(w.dtype), w[:head.numel()]) and fits(p):
-            return p
-    return None
+    found = [p for p in expected[1 if trusted else 0:]   # the first elements rule most out before a whole comparison
+             if torch.equal(head[:weights[p].numel()].to(weights[p].dtype), weights[p].reshape(-1)[:head.numel()])
+             and fits(p)]
+    return found[0] if len(found) == 1 else found
+
+
+# The parameters of a megatron-core GPT layer in registration order, by their torch_dist (Transformer Engine) names:
+# SelfAttention builds linear_proj (in Attention) before linear_qkv and its q/k norms; Transformer Engine's
+# LayerNormLinear registers its layer norm before its weight and bias. The local spec has the norms as modules of their
+# own, input_layernorm before self_attention and pre_mlp_layernorm before mlp (tested against megatron-core).
+_TE_LAYER = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+             "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+             "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+             "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+             "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
+             "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_LOCAL_LAYER = _TE_LAYER[2:4] + _TE_LAYER[:2] + _TE_LAYER[4:]
+_OUTSIDE_LAYERS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                   "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
+                   "output_layer.bias")
+_LAYER_KEY = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.(.+)$")
+# where a key lies in a GPT chunk's registration (and state-dict) order
+MODEL_GROUPS = (r"(^|\.)embedding\.", r"(^|\.)decoder\.layers\.", r"(^|\.)decoder\.", r"(^|\.)output_layer\.")
+
+
+def registration_order(params: List[Tuple[int, str, str]], te_saved: bool) -> List[Tuple[int, str]]:
+    """(chunk, local key) of ``params`` ((chunk, local key, global key), torch_dist names) in the order megatron-core
+    registers them (``te_saved``: the saving run's layers were Transformer Engine's): by chunk, then the embedding,
+    the layers by index and their modules in order, the final norm, the output layer. A name the tables do not know
+    comes after the known ones of its group or layer (see :func:`order_is_known`)."""
+    table = _TE_LAYER if te_saved else _LOCAL_LAYER
+
+    def rank(item: Tuple[int, int, str, str]) -> tuple:
+        i, c, key, _ = item
+        group = next(n for n, pattern in enumerate(MODEL_GROUPS) if re.search(pattern, key))
+        m = _LAYER_KEY.match(key)
+        if m is None:
+            outside = next((n for n, name in enumerate(_OUTSIDE_LAYERS) if key.endswith(name)), len(_OUTSIDE_LAYERS))
+            return c, group, 0, outside, i
+        inner = table.index(m.group(2)) if m.group(2) in table else len(table)
+        return c, group, int(m.group(1)), inner, i
+
+    ranked = sorted(((i, c, key, g) for i, (c, key, g) in enumerate(params)), key=rank)
+    return [(c, key) for _, c, key, _ in ranked]
+
+
+def order_is_known(params: List[Tuple[int, str, str]]) -> bool:
+    """Whether every parameter is in the tables, so that :func:`registration_order` is megatron-core's and may
+    break ties between equal weights; otherwise the walk takes a parameter only where no other fits."""
+    return all(m.group(2) in _TE_LAYER if m else any(key.endswith(name) for name in _OUTSIDE_LAYERS)
+               for key, m in ((key, _LAYER_KEY.match(key)) for _, key, _ in params))

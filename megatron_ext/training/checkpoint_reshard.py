@@ -156,6 +156,8 @@ def resize_vocab(full: torch.Tensor, rows: int, fill_with_last_row: bool) -> tor
 class _Source:
     """The source checkpoint, read lazily: per (TP rank, stage) the model and optimizer files, memory-mapped."""
 
+    serves_shards = False   # serves whole (TP-merged) tensors; write_layout splits them
+
     def __init__(self, ckpt: str, common: dict) -> None:
         args = common.get("args") or {}
         self.ckpt, self.common, self.args = ckpt, common, args
@@ -360,7 +362,7 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
     ``common.pt``, which records ``ckpt`` under ``origin``."""
     common = src.common
     args = src.args
-    if hasattr(src, "optim_shard") and src.has_optim and (tp, pp, vp) != (src.layout.tp, src.layout.pp, src.layout.vp):
+    if src.serves_shards and src.has_optim and (tp, pp, vp) != (src.layout.tp, src.layout.pp, src.layout.vp):
         raise CheckpointError("a torch_dist checkpoint's optimizer state is imported at its saving layout; reshard "
                               "the imported checkpoint (tools/reshard_checkpoint.py) for another")
     target_args = dict(args, **(split if split is not None else {}))
@@ -424,7 +426,7 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
             """TP rank ``t``'s shard of ``g``: read as such where the source can (a torch_dist checkpoint, whose
             reads then touch only the stored chunks it overlaps), else split from the merged tensor."""
             stored = _tied_output(g, target, src.tied) or g
-            if hasattr(src, "model_shard") and (new_rows in (None, src.shape(stored)[0]) or not _VOCAB.search(g)):
+            if src.serves_shards and (new_rows in (None, src.shape(stored)[0]) or not _VOCAB.search(g)):
                 return src.model_shard(stored, tp, t, src.swiglu)
             v = full_model(g, t)
             return split_tp(g, v, tp, t, src.swiglu) if torch.is_tensor(v) else v
@@ -450,7 +452,7 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
                     for s, c, key, g in optim_plan:
                         if s != stage:
                             continue
-                        if hasattr(src, "optim_shard"):   # a torch_dist checkpoint's, read per position
+                        if src.serves_shards:   # a torch_dist checkpoint's, read per position
                             shard = src.optim_shard(s, c, key, g, tp, t, src.swiglu)
                         else:
                             shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g, t).items()}

@@ -359,7 +359,8 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     del saved["optimizer"]   # (its buckets are the PP 1 positions': weights only)
     torch.save(saved, pp2 / "common.pt")
     assert _tool(["--load", str(tmp_path / "mlm_dist_pp2"), "--save", str(tmp_path / "imported_pp2")]) == 0
-    assert torch.load(tmp_path / "imported_pp2" / "iter_0000002" / "common.pt", weights_only=False)["has_optim"] is False
+    pp2_common = torch.load(tmp_path / "imported_pp2" / "iter_0000002" / "common.pt", weights_only=False)
+    assert pp2_common["has_optim"] is False
     assert _reshard(ours, str(tmp_path / "ours_pp2"), 2, 2) == 0
     want, got = (_tensors(str(tmp_path / d / "iter_0000002")) for d in ("ours_pp2", "imported_pp2"))
     want = {k: t for k, t in want.items() if k.split("/")[1] == "model.pt"}
@@ -486,6 +487,13 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
     stacked = _fake_torch_dist(tmp_path / "stacked", layers, num_layers=3)
     assert "decoder.layers.mlp.linear_fc2.weight has shape (2, 4, 4), not stacked over the --num-layers 3" in \
         refused(stacked)
+    per_layer = _fake_torch_dist(tmp_path / "per_layer",
+                                 {**layers, "decoder.layers.0.mlp.linear_fc2.bias": torch.ones(4)})
+    assert "layers saved one by one (decoder.layers.0.mlp.linear_fc2.bias" in refused(per_layer)
+    # saved at TP 2, the row-parallel weight in one piece: not the split the reshard rules know
+    unsplit = _fake_torch_dist(tmp_path / "unsplit", layers, tensor_model_parallel_size=2)
+    assert "decoder.layers.mlp.linear_fc2.weight was saved split along dims none across its TP 2 ranks" in \
+        refused(unsplit)
     moe = _fake_torch_dist(tmp_path / "moe", layers, num_experts=8)
     assert "--num-experts (mixture of experts) = 8" in refused(moe)
     os.remove(os.path.join(moe, "iter_0000003", "common.pt"))
@@ -516,19 +524,61 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
 
 
 def test_bucket_walk_places_parameters_by_their_main_weights():
-    """dp_reshardable buckets: the parameter at an offset is the one whose weight equals the main weights there
-    (cast to the weight's dtype), whether or not it is the one the registration order expects, and none is placed
-    where no weight matches (the import then refuses)."""
+    """dp_reshardable buckets: the parameter at an offset is the expected one if its weight equals the main weights
+    there (cast to the weight's dtype), else the only other one whose weight does; none, or several equal ones that
+    the order cannot vouch for, are refused (the import then names the bucket)."""
     from megatron_ext.training.checkpoint_import_dist_optim import _place
 
     weights = {(0, "a"): torch.tensor([1.0, 2.0, 3.0]).to(torch.bfloat16), (0, "b"): torch.tensor([[4.0, 7.0]]),
-               (0, "c"): torch.tensor([4.0, 5.0, 6.0])}
-    main = torch.tensor([4.0, 5.0, 6.0, 0.0, 1.0, 2.0, 3.0 + 2 ** -10])   # c, padding, a (rounds to 3 in bf16)
-    expected = [(0, "a"), (0, "b"), (0, "c")]
-    assert _place(main, 0, 8, expected, weights) == (0, "c")   # b's first element matches too, b does not
-    assert _place(main, 4, 8, expected, weights) == (0, "a")
-    assert _place(main, 4, 6, expected, weights) is None   # a would run past the bucket's end
-    assert _place(main, 3, 8, expected, weights) is None
+               (0, "c"): torch.tensor([4.0, 5.0, 6.0]), (0, "d"): torch.tensor([4.0, 5.0, 6.0])}
+    main = torch.tensor([4.0, 5.0, 6.0, 0.0, 1.0, 2.0, 3.0 + 2 ** -10])   # c (or d), padding, a (3 in bf16)
+    assert _place(main, 4, 8, [(0, "a"), (0, "b")], weights) == (0, "a")
+    assert _place(main, 4, 8, [(0, "b"), (0, "a")], weights) == (0, "a")   # not the expected one, but the only one
+    assert _place(main, 4, 6, [(0, "a")], weights) == []   # a would run past the bucket's end
+    assert _place(main, 3, 8, [(0, "a"), (0, "b")], weights) == []
+    assert _place(main, 0, 8, [(0, "c"), (0, "d")], weights) == (0, "c")   # equal weights: the order decides
+    assert _place(main, 0, 8, [(0, "b"), (0, "c"), (0, "d")], weights) == [(0, "c"), (0, "d")]
+    assert _place(main, 0, 8, [(0, "c"), (0, "d")], weights, trusted=False) == [(0, "c"), (0, "d")]
+
+
+def _registered_local_gpt():
+    """The parameter names megatron-core's GPT with the local layer spec (biases, q/k layer norms) registers, in
+    order."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.models.gpt import make_gpt_config
+
+    from ..test_utilities import Utils
+
+    enable_cpu_compat()
+    Utils.initialize_model_parallel(1, 1)
+    try:
+        gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True),
+                       transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                       max_sequence_length=16)
+        return [n for n, _ in gpt.named_parameters()]
+    finally:
+        Utils.destroy_model_parallel()
+
+
+def test_registration_order_is_megatron_cores(spawn):
+    """The walk's expected order: megatron-core's GPT with the local layer spec registers its parameters in the order
+    registration_order gives their torch_dist names (the Transformer Engine order differs only by the fused layer
+    norms, which its LayerNormLinear registers before its weight: see the table)."""
+    from megatron_ext.training.checkpoint_import import te_to_local_names
+    from megatron_ext.training.checkpoint_import_dist_optim import order_is_known, registration_order
+
+    stored = []   # torch_dist's names: the local spec maps its layer norms to Transformer Engine's
+    for name in spawn(_registered_local_gpt, 1)[0]:
+        for te, local in te_to_local_names():
+            name = name.replace("." + local, "." + te)
+        stored.append(name)
+    shuffled = [(0, k, k) for k in reversed(stored)]
+    assert registration_order(shuffled, te_saved=False) == [(0, k) for k in stored]
+    assert any("q_layernorm" in k for k in stored) and any("linear_qkv.layer_norm_bias" in k for k in stored)
+    assert order_is_known(shuffled) and not order_is_known(shuffled + [(0, "decoder.layers.0.new.weight", "")])
 
 
 def test_te_names_map_to_megatron_core_local_names():
