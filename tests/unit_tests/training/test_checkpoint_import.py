@@ -100,23 +100,24 @@ def _megatron_core_on_cpu():
         yield
 
 
-def _megatron_distributed_optimizer(module, canonical: dict, argv):
-    """megatron-core's own DDP + DistributedOptimizer around ``module`` (under :func:`_megatron_core_on_cpu`),
-    holding the canonical optimizer state ``canonical`` (pretrain_gpt's ``optim.pt`` of this position): each DP
-    rank's main-parameter shard, Adam moments and step, copied through the optimizer's own parameter ranges."""
+def _megatron_distributed_optimizer(modules, canonical: dict, argv):
+    """megatron-core's own DDP (one per model chunk) + DistributedOptimizer around ``modules`` (under
+    :func:`_megatron_core_on_cpu`), holding the canonical optimizer state ``canonical`` (pretrain_gpt's ``optim.pt``
+    of this position): each DP rank's main-parameter shard, Adam moments and step, copied through the optimizer's
+    own parameter ranges."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_ext.training.arguments import parse_args
 
-    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=20000),
-        module)
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                           overlap_grad_reduce=True, bucket_size=20000)
+    ddps = [DistributedDataParallel(m.config, config, m) for m in modules]
     args = parse_args(argv)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, use_distributed_optimizer=True),
-        [ddp])
+        ddps)
     (dist_opt,) = optimizer.chained_optimizers
     current = {g["wd_mult"]: g for g in canonical["param_groups"]}   # the schedule's lr and weight decay now
     for group in dist_opt.optimizer.param_groups:
@@ -125,29 +126,33 @@ def _megatron_distributed_optimizer(module, canonical: dict, argv):
         for p in group["params"]:
             dist_opt.optimizer.state[p].update(step=torch.tensor(float(canonical["step"])),
                                                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-    with torch.no_grad():   # (the canonical state names them as the optimizer sees them: Float16Module's)
-        for name, p in module.named_parameters():
-            if p not in dist_opt.model_param_group_index_map:   # no element of it in this DP rank's shard
-                continue
-            piece = dist_opt._get_model_param_range_map(p)["param"]
-            tensors = dist_opt._get_main_param_and_optimizer_states(p)
-            for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                tensors[theirs].copy_(canonical["params"][name][ours][piece.start:piece.end])
-    return ddp, optimizer
+    with torch.no_grad():   # (the canonical state names them as the optimizer sees them: Float16Module's, by chunk)
+        for chunk, module in enumerate(modules):
+            for name, p in module.named_parameters():
+                if p not in dist_opt.model_param_group_index_map:   # no element of it in this DP rank's shard
+                    continue
+                piece = dist_opt._get_model_param_range_map(p)["param"]
+                tensors = dist_opt._get_main_param_and_optimizer_states(p)
+                entry = canonical["params"][name if len(modules) == 1 else f"{chunk}.{name}"]
+                for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                    tensors[theirs].copy_(entry[ours][piece.start:piece.end])
+    return optimizer
 
 
 def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
     """pretrain_gpt's checkpoint ``ours`` saved as Megatron-LM saves ``--ckpt-format torch_dist`` (every rank):
-    the same megatron-core model built at the run's TP/PP and loaded from ``ours``; its ``sharded_state_dict`` with
-    the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's ``dist_checkpointing.save``
-    (under :func:`_megatron_core_on_cpu`). ``sharding``: also Megatron's DistributedOptimizer's state, in that
-    ``distrib_optim_sharding_type`` (Megatron-LM's default: ``dp_reshardable``)."""
+    the same megatron-core model chunks built at the run's TP/PP and loaded from ``ours``; their
+    ``sharded_state_dict`` with the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's
+    ``dist_checkpointing.save`` (under :func:`_megatron_core_on_cpu`). ``sharding``: also Megatron's
+    DistributedOptimizer's state, in that ``distrib_optim_sharding_type`` (Megatron-LM's default:
+    ``dp_reshardable``)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.arguments import parse_args
     from megatron_ext.training.checkpoint_compat import fit_extra_states
+    from megatron_ext.training.checkpointing import chunk_states
     from megatron_ext.training.initialize import init_model_parallel
     from megatron_ext.training.model import build_model_chunks
 
@@ -156,11 +161,12 @@ def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
     init_model_parallel(args)
     try:
         args.padded_vocab_size = common["args"]["padded_vocab_size"]
-        (module,) = build_model_chunks(args)   # (Float16Module-wrapped for --bf16, as in Megatron-LM)
-        gpt = getattr(module, "module", module)
+        modules = build_model_chunks(args)   # (Float16Module-wrapped for --bf16, as in Megatron-LM)
         position = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
-        state = torch.load(os.path.join(src, position, "model.pt"), weights_only=False)
-        gpt.load_state_dict(fit_extra_states(state, gpt), strict=True)
+        states = chunk_states(torch.load(os.path.join(src, position, "model.pt"), weights_only=False), len(modules))
+        for module, state in zip(modules, states):
+            gpt = getattr(module, "module", module)
+            gpt.load_state_dict(fit_extra_states(state, gpt), strict=True)
         saved.update(ckpt_format="torch_dist")
         metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -169,15 +175,16 @@ def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
             os.makedirs(out)
         dist.barrier()
         with _megatron_core_on_cpu():
-            model_sd = module.sharded_state_dict(metadata=metadata)
             state_dict = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": iteration,
-                          "model": model_sd, "opt_param_scheduler": common["scheduler"],
-                          "num_floating_point_operations_so_far": 0}
+                          "opt_param_scheduler": common["scheduler"], "num_floating_point_operations_so_far": 0}
+            for i, module in enumerate(modules):
+                state_dict["model" if len(modules) == 1 else f"model{i}"] = module.sharded_state_dict(
+                    metadata=metadata)
             if sharding is not None:
                 canonical = torch.load(os.path.join(src, position, "optim.pt"), weights_only=False)
-                _, optimizer = _megatron_distributed_optimizer(module, canonical, argv)
+                optimizer = _megatron_distributed_optimizer(modules, canonical, argv)
                 state_dict["optimizer"] = optimizer.sharded_state_dict(
-                    model_sd, metadata=dict(metadata, distrib_optim_sharding_type=sharding))
+                    state_dict, metadata=dict(metadata, distrib_optim_sharding_type=sharding))
             dist_checkpointing.save(state_dict, out)
         if dist.get_rank() == 0:
             with open(os.path.join(mlm, TRACKER), "w") as f:
@@ -471,6 +478,36 @@ def _fake_torch_dist(root, tensors, iteration=3, **args):
     with open(os.path.join(root, TRACKER), "w") as f:
         f.write(str(iteration))
     return str(root)
+
+
+def _save_pipeline_as_torch_dist(base, ours, mlm, imported):
+    import torch.distributed as dist
+
+    from megatron_ext.training.pretrain_gpt import pretrain
+
+    pretrain(base + ["--train-iters", "2", "--save", ours])
+    _write_torch_dist(base + ["--train-iters", "2"], ours, mlm, "dp_reshardable")
+    if dist.get_rank() == 0:
+        assert _tool(["--load", mlm, "--save", imported]) == 0
+    dist.barrier()
+
+
+def test_pipeline_chunks_optimizer_state_imports_bit_for_bit(spawn, text_dataset, tiny_model_flags, tmp_path):
+    """The bucket-space layout at PP 2 with 2 model chunks per stage and tied embeddings: each stage's optimizer
+    keeps one gradient buffer per chunk (gbuf_idx), and the last stage the output layer's own copy of the embedding
+    in a bucket of its own. Imported, every stage's model and optimizer state equals the original's bit for bit."""
+    base = tiny_model_flags + _data_flags(text_dataset) + [
+        "--global-batch-size", "8", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+        "1"]
+    base[base.index("--num-layers") + 1] = "4"
+    ours, mlm, imported = (str(tmp_path / n) for n in ("ours", "mlm", "imported"))
+    spawn(_save_pipeline_as_torch_dist, 2, base, ours, mlm, imported, timeout=240)
+    from .test_checkpoint_reshard import _tensors
+
+    want, got = (_tensors(os.path.join(d, "iter_0000002")) for d in (ours, imported))
+    want = {k: t for k, t in want.items() if "_extra_state" not in k}
+    assert got.keys() == want.keys() and "mp_rank_00_001/optim.pt/params/1.output_layer.weight/exp_avg" in got
+    assert all(torch.equal(t, got[k]) for k, t in want.items())
 
 
 def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tmp_path, capsys):
