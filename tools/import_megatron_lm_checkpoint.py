@@ -3,8 +3,8 @@
 
 Reads the iteration that Megatron-LM's tracker in ``--load`` names (or ``--ckpt-step``), offline, on a CPU host.
 Publishes it in ``--save`` at the same TP/PP sizes. It carries the weights, the iteration, the consumed samples (the
-data position) and the model flags, and the optimizer state of Megatron's DistributedOptimizer (torch_dist) or of
-the megatron_ext plug-in (torch format): then resume as usual. Megatron's other optimizer states and the RNG states
+data position) and the model flags, and the optimizer state of Megatron's DistributedOptimizer or of the
+megatron_ext plug-in: then resume as usual. Megatron's other optimizer states and the RNG states
 are not carried: after those, continue with ``--no-load-optim`` (fresh Adam moments), or start a fine-tune with
 ``--finetune``::
 

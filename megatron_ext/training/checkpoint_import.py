@@ -16,10 +16,12 @@ The optimizer state is carried when the megatron_ext plug-in saved it (``--use-o
 its ``distrib_optim.pt`` is the ODO's canonical per-parameter state, the layout of pretrain_gpt's ``optim.pt`` (the
 same writer, ``write_canonical_optimizer_state``), and the parameter names agree because both wrap the same modules
 (``Float16Module`` for bf16/fp16, one wrapper per model chunk); the resume then continues exactly, LR schedule
-included. Megatron's own optimizers keep a layout private to their version (``DistributedOptimizer``'s buckets,
-``Float16Optimizer``'s param-group order), so theirs is not carried: the checkpoint is marked as saved without one and
-a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights; as with Megatron-LM's own flag,
-the LR schedule is not loaded either and starts again from its warm-up, which suits fresh moments) or
+included. So does Megatron's own ``DistributedOptimizer``'s: its ``distrib_optim.pt`` holds each gradient buffer's
+buckets back to back, placed parameter by parameter and proved against the weights (``checkpoint_import_optim.py``).
+Megatron's other optimizers (``Float16Optimizer``, ``FP32Optimizer``: state inside ``model_optim_rng.pt`` by
+param-group order), chained ones and older bucket layouts are not carried: the checkpoint is marked as saved without
+one and a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights; as with Megatron-LM's own
+flag, the LR schedule is not loaded either and starts again from its warm-up, which suits fresh moments) or
 ``--finetune``. RNG states are never carried (re-seeded from ``--seed``, as after a reshard). Expert-parallel (MoE)
 checkpoints and the legacy (non-megatron-core) GPT model are refused.
 
@@ -49,6 +51,7 @@ from .checkpointing import (FORMAT, TRACKER, CheckpointError, check_offline_targ
                             megatron_lm_format, mp_dir_name, offline_checkpoint)
 from ..megatron_lm.optimizer_state import COMMON_FORMAT
 from ..optimizer.checkpoint import CANONICAL_FORMAT
+from .checkpoint_import_optim import torch_format_state
 from .pipeline_layout import LAYOUT_ARGS
 
 _MP_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
@@ -238,6 +241,13 @@ def te_to_local_names() -> List[Tuple[str, str]]:
     return [(te, local) for local, te in keys_map.items()]
 
 
+def _local_to_te_name(key: str) -> str:
+    """A local layer's name as Transformer Engine's layers (and torch_dist) name it."""
+    for te, local in te_to_local_names():
+        key = key.replace("." + local, "." + te)
+    return key
+
+
 def rename_for_local(state: Dict[str, Any], renames: List[Tuple[str, str]]) -> Dict[str, Any]:
     """A Transformer Engine model's state dict with the local layers' names (see the module note)."""
     out: Dict[str, Any] = {}
@@ -319,7 +329,11 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     step = 0 if os.path.basename(ckpt) == "release" else int(first.get("iteration", 0))
 
     final = os.path.join(save_dir, iter_dir_name(step))
-    has_optim: List[bool] = []
+    carried: List[Optional[str]] = []   # per position: whose optimizer state was carried
+    why_not = ""
+    # the layer table's (Transformer Engine's) names of a local run's layer norms; the canonical names' prefix
+    te_names = (lambda key: key) if source_impl != "local" else _local_to_te_name
+    prefix = "module." if args.get("bf16") or args.get("fp16") else ""
     with offline_checkpoint(save_dir, step) as save:
         for (t, p), path in sorted(files.items()):
             saved = first if (t, p) == min(files) else _read(path)
@@ -334,23 +348,29 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             if unreadable:   # e.g. FP8 parameters of a Transformer Engine this environment lacks
                 raise CheckpointError(f"{path}: model entries of a type this environment cannot import: "
                                       f"{', '.join(unreadable[:4])}")
+            optim = _plugin_optimizer_state(saved, path, renames)
+            kind = "the megatron_ext plug-in's"
+            if optim is None:   # Megatron's own DistributedOptimizer's, placed against the weights as saved
+                kind = "Megatron's DistributedOptimizer's"
+                optim, why_not = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix)
+                if optim is not None and renames is not None:
+                    optim["params"] = rename_for_local(optim["params"], renames)
             if renames is not None:
                 chunks = [rename_for_local(c, renames) for c in chunks]
             model = chunks[0] if vp == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
             save(model, os.path.join(mp_dir_name(t, p), "model.pt"))
-            optim = _plugin_optimizer_state(saved, path, renames)
-            has_optim.append(optim is not None)
+            carried.append(kind if optim is not None else None)
             if optim is not None:
                 save(optim, os.path.join(mp_dir_name(t, p), "optim.pt"))
             del saved, chunks, model, optim
-        if len(set(has_optim)) > 1:
-            raise CheckpointError(f"{ckpt}: some positions hold the megatron_ext plug-in's optimizer state and "
-                                  "others not (a mix of two saves)")
-        save(imported_common(first, args, step, has_optim[0], ckpt, target_impl), "common.pt")
+        if len(set(carried)) > 1:
+            kinds = sorted(str(k) for k in set(carried))
+            raise CheckpointError(f"{ckpt}: the positions' optimizer states differ in kind ({kinds}): a mix of two "
+                                  "saves?")
+        save(imported_common(first, args, step, carried[0] is not None, ckpt, target_impl), "common.pt")
     names = f"; layer names {source_impl} -> {target_impl}" if renames is not None else ""
-    carried = ("the optimizer state (saved by the megatron_ext plug-in) and LR schedule; no RNG state" if has_optim[0]
-               else "no optimizer state (Megatron's own optimizer) or RNG state: resume with --no-load-optim, or "
-               "--finetune")
+    carried_text = (f"{carried[0]} optimizer state and the LR schedule; no RNG state" if carried[0] else
+                    f"no optimizer state ({why_not}) or RNG state: resume with --no-load-optim, or --finetune")
     log(f"> imported Megatron-LM's {ckpt} (iteration {step}, TP {tp}, PP {pp}, {vp} chunk(s) per stage{names}) into "
-        f"{final}: weights, iteration, data position; {carried}")
+        f"{final}: weights, iteration, data position; {carried_text}")
     return final

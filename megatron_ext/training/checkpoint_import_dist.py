@@ -20,7 +20,7 @@ and PP sizes and pipeline split, each position's tensors are read as one layer's
 which reads only the stored chunks that slice overlaps (memory holds one position's state and one layer's tensor).
 
 Megatron's DistributedOptimizer state (``optimizer.*``) is carried, with the LR schedule, in both of its torch_dist
-layouts (``checkpoint_import_dist_optim.py``); other optimizer states are not (resume with ``--no-load-optim`` or
+layouts (``checkpoint_import_optim.py``); other optimizer states are not (resume with ``--no-load-optim`` or
 ``--finetune``). Not carried either: the RNG states, and Transformer Engine's extra states (byte objects with FP8
 scaling metadata: each module keeps its own, as when a checkpoint saved without Transformer Engine loads with it).
 """
@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .checkpoint_import import _IMPLS, _lenient_pickle, _read, checked_args, imported_common
-from .checkpoint_import_dist_optim import MODEL_GROUPS, MegatronOptimizerState, saved_layout
+from .checkpoint_import_optim import MODEL_GROUPS, MegatronOptimizerState, saved_layout
 from .checkpoint_reshard import _gated, _target_keys, layout_of, tp_split_dim, write_layout
 from .checkpointing import CheckpointError
 
@@ -84,7 +84,7 @@ def _planner(offsets: Dict[str, Tuple[int, ...]]):
 
 class DistSource:
     """A torch_dist checkpoint's model tensors by pretrain_gpt's global key, and its DistributedOptimizer state where
-    it has one this import reads (``checkpoint_import_dist_optim.py``): the reshard writer's source."""
+    it has one this import reads (``checkpoint_import_optim.py``): the reshard writer's source."""
 
     serves_shards = True   # reads a TP rank's shard itself (model_shard, optim_shard): see write_layout
 

@@ -194,15 +194,17 @@ def _write_torch_dist(argv, ours: str, mlm: str, sharding: str = None) -> None:
         ps.destroy_model_parallel()
 
 
-def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None:
+def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool, te: bool = True) -> None:
     """pretrain_gpt's checkpoint ``ours`` rewritten as Megatron-LM saves one (see the module note). ``plugin``: as
     with the megatron_ext plug-in's optimizer, whose ``state_dict()`` is the common part (``optimizer_state.py``) and
     whose ``save_parameter_state`` writes ``distrib_optim.pt`` with the writer that wrote ``optim.pt`` here;
-    otherwise Megatron's own optimizer's entry."""
+    otherwise a non-distributed optimizer's entry. ``te``: Transformer Engine's layer names (else the local ones,
+    as saved)."""
     from megatron_ext.megatron_lm.optimizer_state import COMMON_FORMAT
 
     iteration, src, common, saved = _megatron_lm_args(ours)
-    saved.update(transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=unknown_value)
+    saved.update(transformer_impl="transformer_engine" if te else "local", ckpt_format="torch",
+                 attention_backend=unknown_value)
     args = argparse.Namespace(**saved)
     for ours_name in sorted(os.listdir(src)):
         if not ours_name.startswith("mp_rank_"):
@@ -220,11 +222,48 @@ def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool) -> None
             optimizer = {"format": COMMON_FORMAT, "optimizer": state["optimizer"], "step": state["step"],
                          "param_groups": state["param_groups"], "grad_scaler": state["grad_scaler"]}
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                    "model": _as_transformer_engine(model), "optimizer": optimizer,
+                    "model": _as_transformer_engine(model) if te else model, "optimizer": optimizer,
                     "opt_param_scheduler": common["scheduler"], "rng_state": [{"random_rng_state": None}],
                     "num_floating_point_operations_so_far": 0}, os.path.join(out, "model_optim_rng.pt"))
     with open(os.path.join(mlm, TRACKER), "w") as f:
         f.write(str(iteration))
+
+
+def _add_distributed_optimizer_state(argv, ours: str, mlm: str) -> None:
+    """Every rank: Megatron's DistributedOptimizer (megatron-core's, :func:`_megatron_distributed_optimizer`) holding
+    ``ours``'s state replaces the optimizer of its position of the torch-format checkpoint ``mlm`` as Megatron-LM
+    saves it there: its ``state_dict()`` in ``model_optim_rng.pt``, its ``save_parameter_state`` (gathered on DP
+    rank 0) in ``distrib_optim.pt``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.checkpoint_compat import fit_extra_states
+    from megatron_ext.training.initialize import init_model_parallel
+    from megatron_ext.training.model import build_model_chunks
+
+    iteration, src, common, _ = _megatron_lm_args(ours)
+    args = parse_args(argv)
+    init_model_parallel(args)
+    try:
+        args.padded_vocab_size = common["args"]["padded_vocab_size"]
+        (module,) = build_model_chunks(args)
+        t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        gpt = getattr(module, "module", module)
+        state = torch.load(os.path.join(src, f"mp_rank_{t:02d}_{p:03d}", "model.pt"), weights_only=False)
+        gpt.load_state_dict(fit_extra_states(state, gpt), strict=True)
+        canonical = torch.load(os.path.join(src, f"mp_rank_{t:02d}_{p:03d}", "optim.pt"), weights_only=False)
+        out = os.path.join(mlm, f"iter_{iteration:07d}", f"mp_rank_{t:02d}")
+        with _megatron_core_on_cpu():
+            optimizer = _megatron_distributed_optimizer([module], canonical, argv)
+            saved = torch.load(os.path.join(out, "model_optim_rng.pt"), weights_only=False)
+            saved["optimizer"] = optimizer.state_dict()
+            optimizer.save_parameter_state(os.path.join(out, "distrib_optim.pt"))
+        if ps.get_data_parallel_rank() == 0:
+            torch.save(saved, os.path.join(out, "model_optim_rng.pt"))
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
 
 
 def _unimportable(tmp_path):
@@ -262,6 +301,11 @@ def _save_import_resume(base, ours, tmp):
             _write_megatron_lm(ours, mlm, _unimportable(Path(tmp)), plugin)
             _forget(Path(tmp))
             assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
+        _write_megatron_lm(ours, os.path.join(tmp, "mlm_dopt"), "sdpa", plugin=False, te=False)
+    dist.barrier()
+    _add_distributed_optimizer_state(base + ["--train-iters", "4"], ours, os.path.join(tmp, "mlm_dopt"))
+    if dist.get_rank() == 0:
+        assert _tool(["--load", os.path.join(tmp, "mlm_dopt"), "--save", os.path.join(tmp, "imported_dopt")]) == 0
         mlm_dist = os.path.join(tmp, "mlm_dist")
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist")]) == 0
         assert _tool(["--load", mlm_dist + "_full", "--save", os.path.join(tmp, "imported_dist_full")]) == 0
@@ -324,8 +368,9 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                 same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
                 assert same, k
             assert os.path.exists(os.path.join(ckpt, name, "optim.pt")) == has_optim
-    # Megatron's DistributedOptimizer state, both layouts: each position's equals the original's, bit for bit
-    for kind in ("dist", "dist_full"):
+    # Megatron's DistributedOptimizer state, torch_dist's two layouts and the torch format's distrib_optim.pt: each
+    # position's equals the original's, bit for bit
+    for kind in ("dist", "dist_full", "dopt"):
         for name in ("mp_rank_00_000", "mp_rank_01_000"):
             want = torch.load(os.path.join(ours, "iter_0000002", name, "optim.pt"), weights_only=False)
             got = torch.load(tmp_path / f"imported_{kind}" / "iter_0000002" / name / "optim.pt", weights_only=False)
@@ -564,7 +609,7 @@ def test_bucket_walk_places_parameters_by_their_main_weights():
     """dp_reshardable buckets: the parameter at an offset is the expected one if its weight equals the main weights
     there (cast to the weight's dtype), else the only other one whose weight does; none, or several equal ones that
     the order cannot vouch for, are refused (the import then names the bucket)."""
-    from megatron_ext.training.checkpoint_import_dist_optim import _place
+    from megatron_ext.training.checkpoint_import_optim import _place
 
     weights = {(0, "a"): torch.tensor([1.0, 2.0, 3.0]).to(torch.bfloat16), (0, "b"): torch.tensor([[4.0, 7.0]]),
                (0, "c"): torch.tensor([4.0, 5.0, 6.0]), (0, "d"): torch.tensor([4.0, 5.0, 6.0])}
@@ -600,12 +645,28 @@ def _registered_local_gpt():
         Utils.destroy_model_parallel()
 
 
+def test_coalesced_buckets_walk_across_unaligned_bucket_ends():
+    """The torch format's distrib_optim.pt holds a gradient buffer's buckets back to back, each cut at its unpadded
+    end: after a bucket that ends off the 64-element grid the next parameter starts right there, inside a bucket the
+    walk places it in as it does 64-aligned ones."""
+    from megatron_ext.training.checkpoint_import_optim import walk_buffer
+
+    # reverse registration order: c (70 elements, then padding to 128) and b (30, a bucket's end at 158), a (100)
+    w = {(0, "a"): torch.arange(100.0), (0, "b"): torch.arange(30.0) + 500, (0, "c"): torch.arange(70.0) + 900}
+    main = torch.cat([w[0, "c"], torch.zeros(58), w[0, "b"], w[0, "a"]])
+    fields = {"master": main, "exp_avg": main * 2, "exp_avg_sq": main * 3}
+    out = walk_buffer(fields, [(0, "c"), (0, "b"), (0, "a")], w, True, "buffer", "here", coalesced=True)
+    assert all(torch.equal(out[k]["master"], t) and torch.equal(out[k]["exp_avg_sq"], 3 * t) for k, t in w.items())
+    with pytest.raises(CheckpointError, match="no parameter of here fit the main weights at element 192"):
+        walk_buffer(fields, [(0, "c"), (0, "b"), (0, "a")], w, True, "buffer", "here")   # one bucket: not aligned
+
+
 def test_registration_order_is_megatron_cores(spawn):
     """The walk's expected order: megatron-core's GPT with the local layer spec registers its parameters in the order
     registration_order gives their torch_dist names (the Transformer Engine order differs only by the fused layer
     norms, which its LayerNormLinear registers before its weight: see the table)."""
     from megatron_ext.training.checkpoint_import import te_to_local_names
-    from megatron_ext.training.checkpoint_import_dist_optim import order_is_known, registration_order
+    from megatron_ext.training.checkpoint_import_optim import order_is_known, registration_order
 
     stored = []   # torch_dist's names: the local spec maps its layer norms to Transformer Engine's
     for name in spawn(_registered_local_gpt, 1)[0]:

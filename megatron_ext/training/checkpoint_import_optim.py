@@ -1,8 +1,8 @@
-"""Megatron's DistributedOptimizer state in a torch_dist checkpoint, read as pretrain_gpt's canonical optimizer state.
+"""Megatron's DistributedOptimizer state in a Megatron-LM checkpoint, read as pretrain_gpt's canonical optimizer state.
 
-[Note: the two layouts]
-Megatron-LM saves its distributed optimizer's Adam state in one of two layouts (``param_state_sharding_type`` in
-``common.pt``), both read here:
+[Note: the layouts]
+Megatron-LM saves its distributed optimizer's Adam state with ``--ckpt-format torch_dist`` in one of two layouts
+(``param_state_sharding_type`` in ``common.pt``), and with ``--ckpt-format torch`` in a third; all are read here:
 
 * ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``): model space. ``optimizer.state.param.<key>``
   (the fp32 main weight), ``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>`` have the
@@ -21,6 +21,10 @@ Megatron-LM saves its distributed optimizer's Adam state in one of two layouts (
   or several (equal weights, as layer norms still at 1.0 in bf16 early in training, which only the order tells
   apart), refuses the import, naming the bucket, as does a bucket left with elements no parameter explains: the
   state is carried exactly or not at all.
+* torch format: ``distrib_optim.pt`` beside each position's ``model_optim_rng.pt`` (``save_parameter_state``,
+  gathered on DP rank 0) holds per gradient buffer one flat tensor per state: its buckets back to back, each cut at
+  its unpadded end. The same walk places the parameters; at a bucket's end, which need not be 64-aligned, the next
+  parameter starts right there.
 
 The step comes from the optimizer's param groups (the same on every position), and the groups' hyper-parameters
 (``lr``, ``weight_decay``, ``wd_mult``, ...) are kept as pretrain_gpt's loader matches them (by ``wd_mult`` and
@@ -32,7 +36,7 @@ which: resume those with ``--no-load-optim``.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,6 +66,67 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
     return layout, ""
 
 
+def canonical_header(saved: Any, where: str) -> Dict[str, Any]:
+    """The canonical state's header (type, step, param groups) from the DistributedOptimizer's ``state_dict()``
+    (``{"optimizer": {"param_groups": [...]}}``): the step is the one its param groups record."""
+    groups = saved.get("optimizer", saved).get("param_groups") if isinstance(saved, dict) else None
+    if not groups:
+        raise CheckpointError(f"{where}: Megatron's optimizer state without its param groups")
+    steps = {int(g["step"]) for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointError(f"{where}: the optimizer's param groups give the steps {sorted(steps)}, not one")
+    return {"format": CANONICAL_FORMAT, "optimizer": "AdamW", "step": steps.pop(),
+            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups],
+            "grad_scaler": None}
+
+
+def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]], te_names: Callable[[str], str],
+                       te_saved: bool, prefix: str) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint that Megatron's
+    DistributedOptimizer saved (its ``state_dict()`` in ``model_optim_rng.pt`` at ``path``, its parameter state
+    gathered in ``distrib_optim.pt`` beside it: each gradient buffer's buckets coalesced), placed by the walk of the
+    module note against the position's weights ``chunks``; or (None, why not). ``te_names``: a saved name's
+    Transformer Engine name (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16)."""
+    import os
+
+    from .checkpoint_import import _read
+
+    common = saved.get("optimizer")
+    if isinstance(common, list):
+        return None, "Megatron's chained optimizers are not read"
+    if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict):
+        return None, "Megatron's optimizer state is not a DistributedOptimizer's"
+    odo = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    if not os.path.isfile(odo):
+        return None, "Megatron's non-distributed optimizer state is not read"
+    state = _read(odo)
+    if not state.get("buckets_coalesced"):
+        return None, f"{odo} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
+    gbufs = sorted(k for k in state if isinstance(k, int))
+    if gbufs != list(range(len(chunks))) or any(len(state[g]) != 1 for g in gbufs):
+        return None, (f"{odo} holds gradient buffers {gbufs}, not one per model chunk ({len(chunks)}) of one dtype: "
+                      "not read")
+    mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
+            if torch.is_tensor(value) and not key.endswith("_extra_state")]
+    by_order = {(c, te): key for c, te, key in mine}
+    order = [(c, by_order[c, te]) for c, te in registration_order(mine, te_saved)]
+    trusted = order_is_known(mine)
+    weights = {(c, key): chunks[c][key] for c, _, key in mine}
+    out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+    for g in gbufs:
+        (world,) = state[g].values()
+        fields = {ours: world[theirs] for ours, theirs in _FIELDS}
+        expected = [p for p in reversed(order) if p[0] == g]
+        out.update(walk_buffer(fields, expected, weights, trusted, odo, f"gradient buffer {g}", coalesced=True))
+    check_all_placed(order, out, odo, "this position")
+    params = {}
+    for (c, key), entry in out.items():
+        name = prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"
+        shape = weights[c, key].shape
+        params[name] = {"shape": tuple(shape), "numel": shape.numel(), **{f: t.reshape(-1) for f, t in entry.items()}}
+    return {**canonical_header(common, path), "params": params}, ""
+
+
 class MegatronOptimizerState:
     """The DistributedOptimizer's Adam state of a torch_dist checkpoint, per TP rank shard (see the module note).
 
@@ -75,15 +140,7 @@ class MegatronOptimizerState:
         self._cache: Tuple[Optional[Tuple[int, int]], Dict[Tuple[int, str], Dict[str, torch.Tensor]]] = (None, {})
         groups = src.read_object("optimizer.distributed.dp_group_idx_0.optimizer") if layout == "dp_reshardable" \
             else saved["optimizer"]
-        groups = groups.get("optimizer", groups).get("param_groups") if isinstance(groups, dict) else None
-        if not groups:
-            raise CheckpointError(f"{src.ckpt}: Megatron's optimizer state without its param groups")
-        steps = {int(g["step"]) for g in groups if "step" in g}
-        if len(steps) != 1:
-            raise CheckpointError(f"{src.ckpt}: the optimizer's param groups give the steps {sorted(steps)}, not one")
-        self.header = {"format": CANONICAL_FORMAT, "optimizer": "AdamW", "step": steps.pop(),
-                       "param_groups": [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups],
-                       "grad_scaler": None}
+        self.header = canonical_header(groups, src.ckpt)
         self.scaler_dropped = bool(src.args.get("fp16"))   # (its state is not read: see the module note)
         self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
         if layout == "fully_reshardable":
@@ -126,33 +183,54 @@ class MegatronOptimizerState:
                                   f"model chunk ({len(chunks)}): parameters of several dtypes are not read; resume "
                                   "with --no-load-optim")
         out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+        where = f"TP rank {rank}, stage {stage}"
         for gbuf, _, prefix in buckets:
             fields = {ours: self.src.read_flat(f"{prefix}.{theirs}") for ours, theirs in _FIELDS}
-            main, end, offset = fields["master"], fields["master"].numel(), 0
             expected = [p for p in reversed(order) if p[0] == chunks[gbuf] and p not in out]
-            while True:
-                offset = -(-offset // _ALIGN) * _ALIGN
-                if offset >= end:
-                    break
-                found = _place(main, offset, end, expected, weights, trusted)
-                if isinstance(found, list):
-                    what = ("no parameter" if not found else
-                            f"{len(found)} parameters ({', '.join(k for _, k in found[:3])}) with equal weights")
-                    raise CheckpointError(
-                        f"{self.src.ckpt}: {prefix}: {what} of TP rank {rank}, stage {stage} fit the main weights at "
-                        f"element {offset} of {end} where megatron-core's order expects "
-                        f"{expected[0][1] if expected else 'none'} (not its bucket layout, or weights and optimizer "
-                        "from two saves): resume with --no-load-optim")
-                n = weights[found].numel()
-                shape = weights[found].shape
-                out[found] = {ours: t[offset:offset + n].reshape(shape).clone() for ours, t in fields.items()}
-                expected.remove(found)
-                offset += n
-        missing = [k for k in order if k not in out]
-        if missing:
-            raise CheckpointError(f"{self.src.ckpt}: no optimizer state for {missing[0][1]} (TP rank {rank}, stage "
-                                  f"{stage}) in its buckets: resume with --no-load-optim")
+            out.update(walk_buffer(fields, expected, weights, trusted, f"{self.src.ckpt}: {prefix}", where))
+        check_all_placed(order, out, self.src.ckpt, where)
         return out
+
+
+def check_all_placed(order: List[Tuple[int, str]], out: Dict[Tuple[int, str], Any], ckpt: str, where: str) -> None:
+    missing = [k for k in order if k not in out]
+    if missing:
+        raise CheckpointError(f"{ckpt}: no optimizer state for {missing[0][1]} ({where}) in its buffers: resume with "
+                              "--no-load-optim")
+
+
+def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]],
+                weights: Dict[Tuple[int, str], torch.Tensor], trusted: bool, what: str, where: str,
+                coalesced: bool = False) -> Dict[Tuple[int, str], Dict[str, torch.Tensor]]:
+    """Place the parameters ``expected`` (in the order they lie) in flat optimizer state ``fields`` (``master``,
+    ``exp_avg``, ``exp_avg_sq``) by the walk of the module note; returns each one's state in its weight's shape.
+    ``coalesced``: the buckets of a whole gradient buffer back to back, each cut at its unpadded end (the torch
+    format's ``distrib_optim.pt``), so a parameter starts either 64-aligned from its bucket's start or right where
+    the last one ended (a new bucket)."""
+    main, end = fields["master"], fields["master"].numel()
+    expected = list(expected)
+    out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+    offset = bucket_start = 0
+    while True:
+        aligned = bucket_start + -(-(offset - bucket_start) // _ALIGN) * _ALIGN
+        if aligned >= end and (not coalesced or offset >= end):
+            break
+        found = _place(main, aligned, end, expected, weights, trusted) if aligned < end else []
+        if coalesced and isinstance(found, list) and aligned != offset:
+            found = _place(main, offset, end, expected, weights, trusted)   # a new bucket starts here
+            aligned = bucket_start = offset
+        if isinstance(found, list):
+            fit = ("no parameter" if not found else
+                   f"{len(found)} parameters ({', '.join(k for _, k in found[:3])}) with equal weights")
+            raise CheckpointError(
+                f"{what}: {fit} of {where} fit the main weights at element {aligned} of {end} where megatron-core's "
+                f"order expects {expected[0][1] if expected else 'none'} (not its bucket layout, or weights and "
+                "optimizer from two saves): resume with --no-load-optim")
+        n, shape = weights[found].numel(), weights[found].shape
+        out[found] = {ours: t[aligned:aligned + n].reshape(shape).clone() for ours, t in fields.items()}
+        expected.remove(found)
+        offset = aligned + n
+    return out
 
 
 def _place(main: torch.Tensor, offset: int, end: int, expected: List[Tuple[int, str]],
