@@ -35,6 +35,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
                    help="the --transformer-impl of the run that will load it (default: the saving run's); local "
                         "renames Transformer Engine's fused layer-norm weights and drops its extra state")
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="import the weights alone, leaving the optimizer state (resume with --no-load-optim): for a "
+                        "state the import cannot carry")
     args = p.parse_args(argv)
     if args.ckpt_step is not None and args.ckpt_step < 0:
         p.error(f"--ckpt-step must be at least 0, got {args.ckpt_step}")
@@ -44,7 +47,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     try:
-        import_megatron_lm_checkpoint(args.load, args.save, args.transformer_impl, args.ckpt_step)
+        import_megatron_lm_checkpoint(args.load, args.save, args.transformer_impl, args.ckpt_step,
+                                      load_optim=not args.no_load_optim)
     except (CheckpointError, OSError) as e:   # nothing published: the tracker moves only after a complete write
         print(f"import_megatron_lm_checkpoint.py: error: {e}", file=sys.stderr)
         return 1

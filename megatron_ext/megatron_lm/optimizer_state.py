@@ -17,6 +17,7 @@ import torch
 
 from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
+from megatron_ext.optimizer.inner_optimizer import same_update_rule, update_rule
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
 
@@ -31,16 +32,16 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
 
         No collective: Megatron-LM calls this on DP rank 0 only."""
         steps = [int(s["step"]) for s in self.inner.state.values() if "step" in s]
-        return {"format": COMMON_FORMAT, "optimizer": type(self.inner).__name__, "step": max(steps, default=0),
+        return {"format": COMMON_FORMAT, "optimizer": update_rule(self.inner), "step": max(steps, default=0),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("format") != COMMON_FORMAT:
             return super().load_state_dict(state_dict)
-        if state_dict["optimizer"] != type(self.inner).__name__:
+        if not same_update_rule(state_dict["optimizer"], self.inner):
             raise ValueError(f"checkpoint optimizer is {state_dict['optimizer']}, this run's is "
-                             f"{type(self.inner).__name__} (--optimizer)")
+                             f"{update_rule(self.inner)} (--optimizer)")
         # Param groups and the loss scaler apply now; the parameter state arrives with load_parameter_state.
         self._common = state_dict
         self._load_groups_and_scaler(state_dict)

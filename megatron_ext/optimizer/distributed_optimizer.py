@@ -29,7 +29,7 @@ from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
 from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce_, collective_device,
                                 dataclass_fields, node_peers)
-from .inner_optimizer import build_inner_optimizer
+from .inner_optimizer import build_inner_optimizer, same_update_rule, update_rule
 from .model_parallel import counts_towards_norm, model_parallel_group
 from .overlapped_ddp import OverlappedDDP
 from .param_groups import build_param_groups, describe_groups, group_key_of_params, match_saved_groups
@@ -417,7 +417,7 @@ class OverlappedDistributedOptimizer:
         plan = self.chunks[0].plan
         return {"format": LOCAL_FORMAT, "dp_size": self.chunks[0].topology.size,
                 "dp_rank": self.chunks[0].topology.rank, "plan": plan.describe(), "replica": plan.replica_rank,
-                "optimizer": type(self.inner).__name__, "step": step,
+                "optimizer": update_rule(self.inner), "step": step,
                 "param_groups": groups, "all_params": all_names,
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
                 "params": params}
@@ -436,8 +436,8 @@ class OverlappedDistributedOptimizer:
             return ["a rank-local optimizer state saved at DP size "
                     f"{state_dict['dp_size']} cannot be loaded at DP size {self.chunks[0].topology.size}: "
                     "merge the shards first (megatron_ext.optimizer.checkpoint.merge_optimizer_shards)"]
-        ours = type(self.inner).__name__
-        if state_dict.get("optimizer") != ours:
+        ours = update_rule(self.inner)
+        if not same_update_rule(state_dict.get("optimizer"), self.inner):
             return [f"the optimizer state is for {state_dict.get('optimizer')}, this optimizer is {ours} "
                     "(OptimizerConfig.optimizer, --optimizer); load the model weights only "
                     "(reload_model_params) to start it afresh"]

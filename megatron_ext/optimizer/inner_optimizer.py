@@ -35,3 +35,20 @@ def _apex_fused_adam(param_groups: List[dict]):
     except Exception:
         return None
     return FusedAdam
+
+
+def update_rule(inner: torch.optim.Optimizer) -> str:
+    """The optimizer's update rule, as checkpoints record it: apex's FusedAdam (what a CUDA host with apex builds)
+    is AdamW or Adam by its ``adam_w_mode``, so a state saved with one resumes with the other implementation of the
+    same rule (GPU <-> CPU, an imported Megatron state)."""
+    name = type(inner).__name__
+    if name == "FusedAdam":
+        return "AdamW" if getattr(inner, "adam_w_mode", True) else "Adam"
+    return name
+
+
+def same_update_rule(saved: object, inner: torch.optim.Optimizer) -> bool:
+    """Whether a checkpoint's ``"optimizer"`` fits ``inner`` (checkpoints written before :func:`update_rule`
+    recorded apex's class name, which says Adam or AdamW only through its mode)."""
+    rule = update_rule(inner)
+    return saved == rule or (saved == "FusedAdam" and rule in ("Adam", "AdamW"))

@@ -229,13 +229,14 @@ def check_optimizer_state(saved: Dict[str, Any], optimizer) -> List[str]:
     """What the ODO's ``load_state_dict`` would reject (``state_dict_problems``: another optimizer type, a parameter
     or state missing, a size that differs), for a checkpoint's canonical state, worded for pretrain_gpt's flags."""
     from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT
+    from megatron_ext.optimizer.inner_optimizer import same_update_rule
 
     if not isinstance(saved, dict) or saved.get("format") != CANONICAL_FORMAT:
         fmt = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
         return [f"not a canonical optimizer state (format {fmt!r})"]
     problems = optimizer.state_dict_problems(saved)
     inner = getattr(optimizer, "inner", None)
-    if inner is not None and saved.get("optimizer") != type(inner).__name__:
+    if inner is not None and not same_update_rule(saved.get("optimizer"), inner):
         problems.append("resume with --no-load-optim to start a fresh optimizer from the saved weights")
     return problems
 

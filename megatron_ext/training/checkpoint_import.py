@@ -298,10 +298,12 @@ def _model_chunks(saved: Dict[str, Any], path: str, vp: int) -> List[Dict[str, A
 
 
 def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl: Optional[str] = None,
-                                  iteration: Optional[int] = None, log: Callable[[str], None] = print) -> str:
+                                  iteration: Optional[int] = None, log: Callable[[str], None] = print,
+                                  load_optim: bool = True) -> str:
     """Write Megatron-LM's checkpoint in ``load_dir`` (the tracker's, or ``iteration``) into ``save_dir`` as a
     pretrain_gpt checkpoint at the same TP/PP sizes; returns the new checkpoint directory. ``transformer_impl``: the
-    layer names the resuming run's ``--transformer-impl`` needs (default: the saving run's)."""
+    layer names the resuming run's ``--transformer-impl`` needs (default: the saving run's). ``load_optim=False``:
+    the weights alone, whatever optimizer state there is."""
     if transformer_impl is not None and transformer_impl not in _IMPLS:
         raise CheckpointError(f"--transformer-impl {transformer_impl}: choose one of {', '.join(_IMPLS)}")
     ckpt = megatron_lm_checkpoint_dir(load_dir, iteration)
@@ -309,7 +311,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
     if megatron_lm_format(ckpt) == "torch_dist":
         from .checkpoint_import_dist import import_torch_dist
 
-        return import_torch_dist(ckpt, save_dir, transformer_impl, log)
+        return import_torch_dist(ckpt, save_dir, transformer_impl, log, load_optim)
     files = _positions(ckpt)
     first = _read(files[min(files)])
     args = checked_args(first, files[min(files)])
@@ -348,9 +350,11 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             if unreadable:   # e.g. FP8 parameters of a Transformer Engine this environment lacks
                 raise CheckpointError(f"{path}: model entries of a type this environment cannot import: "
                                       f"{', '.join(unreadable[:4])}")
-            optim = _plugin_optimizer_state(saved, path, renames)
+            optim = _plugin_optimizer_state(saved, path, renames) if load_optim else None
             kind = "the megatron_ext plug-in's"
-            if optim is None:   # Megatron's own DistributedOptimizer's, placed against the weights as saved
+            if not load_optim:
+                why_not = "not read: --no-load-optim"
+            elif optim is None:   # Megatron's own DistributedOptimizer's, placed against the weights as saved
                 kind = "Megatron's DistributedOptimizer's"
                 optim, why_not = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix)
                 if optim is not None and renames is not None:

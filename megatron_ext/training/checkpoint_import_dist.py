@@ -214,9 +214,8 @@ class DistSource:
     def optim_header(self) -> Dict[str, Any]:
         return self._optim.header
 
-    @property
-    def optim_scaler_dropped(self) -> bool:
-        return self._optim is not None and self._optim.scaler_dropped
+    def has_object(self, key: str) -> bool:
+        return key in self._objects
 
     def optim_shard(self, stage: int, chunk: int, key: str, g: str, tp: int, rank: int, swiglu: bool
                     ) -> Dict[str, torch.Tensor]:
@@ -289,7 +288,7 @@ def _layer_order(g: str) -> Tuple[int, int]:
 
 
 def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
-                      log: Callable[[str], None] = print) -> str:
+                      log: Callable[[str], None] = print, load_optim: bool = True) -> str:
     """Write Megatron-LM's torch_dist checkpoint ``ckpt`` into ``save_dir`` as a pretrain_gpt checkpoint at the
     saving run's TP/PP sizes (the target already checked by the caller); returns the new checkpoint directory."""
     common_path = os.path.join(ckpt, "common.pt")
@@ -303,12 +302,11 @@ def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
         raise CheckpointError(f"--transformer-impl {target_impl}: choose one of {', '.join(_IMPLS)}")
     step = 0 if os.path.basename(ckpt) == "release" else int(saved.get("iteration", 0))
     common = imported_common(saved, args, step, False, ckpt, target_impl)
-    src = DistSource(ckpt, common, saved, source_impl)
+    src = DistSource(ckpt, common, saved if load_optim else {"optimizer": "--no-load-optim"}, source_impl)
     common["has_optim"] = src.has_optim
     layout = src.layout
     note = (f"; Megatron's DistributedOptimizer state ({saved['optimizer']['param_state_sharding_type']}) and LR "
-            "schedule carried" + ("; the fp16 loss scale is not: it starts again from --initial-loss-scale"
-                                  if src.optim_scaler_dropped else "") if src.has_optim else
+            "schedule carried" if src.has_optim else
             f"; no optimizer state ({src.optim_note}): resume with --no-load-optim, or --finetune")
     return write_layout(src, ckpt, save_dir, layout.tp, layout.pp, layout.vp, log=log,
                         transformer_impl=target_impl, origin="imported_from",

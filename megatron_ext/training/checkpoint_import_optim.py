@@ -28,10 +28,11 @@ Megatron-LM saves its distributed optimizer's Adam state with ``--ckpt-format to
 
 The step comes from the optimizer's param groups (the same on every position), and the groups' hyper-parameters
 (``lr``, ``weight_decay``, ``wd_mult``, ...) are kept as pretrain_gpt's loader matches them (by ``wd_mult`` and
-``lr_mult``). Only Adam is read, and an fp16 loss scaler's state is not (the tool says so: the resumed run's scaler
-starts from ``--initial-loss-scale``). Megatron's non-distributed optimizers, its chained ones
-(``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool says
-which: resume those with ``--no-load-optim``.
+``lr_mult``); an fp16 run's dynamic loss scale and its trackers carry over (megatron-core's ``DynamicGradScaler``
+state is the one pretrain_gpt's scaler keeps). Only Adam is read. Megatron's non-distributed optimizers, its chained
+ones (``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool
+says which: resume those with ``--no-load-optim``. A state that is there but cannot be placed stops the import,
+naming why; ``--no-load-optim`` then imports the weights alone.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ _ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a mul
 def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
     """(the layout of Megatron's optimizer state this import reads, or None; why not, for the log)."""
     optimizer = saved.get("optimizer")
+    if optimizer == "--no-load-optim":
+        return None, "not read: --no-load-optim"
     if not isinstance(optimizer, dict):
         return None, "saved without optimizer state"
     if optimizer and all(isinstance(k, int) for k in optimizer):
@@ -66,18 +69,24 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
     return layout, ""
 
 
-def canonical_header(saved: Any, where: str) -> Dict[str, Any]:
-    """The canonical state's header (type, step, param groups) from the DistributedOptimizer's ``state_dict()``
-    (``{"optimizer": {"param_groups": [...]}}``): the step is the one its param groups record."""
+def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, Any]:
+    """The canonical state's header (type, step, param groups, loss scaler) from the DistributedOptimizer's
+    ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
+    groups record. ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout)."""
+    scaler = scaler if scaler is not None else (saved.get("grad_scaler") if isinstance(saved, dict) else None)
     groups = saved.get("optimizer", saved).get("param_groups") if isinstance(saved, dict) else None
     if not groups:
-        raise CheckpointError(f"{where}: Megatron's optimizer state without its param groups")
+        raise CheckpointError(f"{where}: Megatron's optimizer state without its param groups: import with "
+                              "--no-load-optim")
     steps = {int(g["step"]) for g in groups if "step" in g}
     if len(steps) != 1:
-        raise CheckpointError(f"{where}: the optimizer's param groups give the steps {sorted(steps)}, not one")
+        raise CheckpointError(f"{where}: the optimizer's param groups give the steps {sorted(steps)}, not one: "
+                              "import with --no-load-optim")
+    dynamic = isinstance(scaler, dict) and "scale" in scaler   # (a constant scaler saves {}: the run's flag rules)
     return {"format": CANONICAL_FORMAT, "optimizer": "AdamW", "step": steps.pop(),
             "param_groups": [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups],
-            "grad_scaler": None}
+            "grad_scaler": {"scale": float(scaler["scale"]), "growth_tracker": int(scaler.get("growth_tracker", 0)),
+                            "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0))} if dynamic else None}
 
 
 def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]], te_names: Callable[[str], str],
@@ -92,10 +101,13 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     from .checkpoint_import import _read
 
     common = saved.get("optimizer")
+    if common is None:
+        return None, "saved without optimizer state"
     if isinstance(common, list):
-        return None, "Megatron's chained optimizers are not read"
-    if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict):
-        return None, "Megatron's optimizer state is not a DistributedOptimizer's"
+        return None, ("Megatron's chained optimizers (--overlap-param-gather-with-optimizer-step, or separate expert "
+                      "optimizers) are not read")
+    if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict) or "state" in common["optimizer"]:
+        return None, "Megatron's non-distributed optimizer state is not read"
     odo = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     if not os.path.isfile(odo):
         return None, "Megatron's non-distributed optimizer state is not read"
@@ -140,8 +152,10 @@ class MegatronOptimizerState:
         self._cache: Tuple[Optional[Tuple[int, int]], Dict[Tuple[int, str], Dict[str, torch.Tensor]]] = (None, {})
         groups = src.read_object("optimizer.distributed.dp_group_idx_0.optimizer") if layout == "dp_reshardable" \
             else saved["optimizer"]
-        self.header = canonical_header(groups, src.ckpt)
-        self.scaler_dropped = bool(src.args.get("fp16"))   # (its state is not read: see the module note)
+        scaler = (src.read_object("optimizer.distributed.dp_group_idx_0.grad_scaler")
+                  if layout == "dp_reshardable" and src.has_object("optimizer.distributed.dp_group_idx_0.grad_scaler")
+                  else None)
+        self.header = canonical_header(groups, src.ckpt, scaler)
         self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
         if layout == "fully_reshardable":
             missing = [f"optimizer.state.{theirs}.{key}" for key in src.model_stored_keys() for _, theirs in _FIELDS
@@ -172,7 +186,7 @@ class MegatronOptimizerState:
                          and int(m.group(1)) == group)
         if not buckets:
             raise CheckpointError(f"{self.src.ckpt}: no optimizer buckets for TP rank {rank}, stage {stage} "
-                                  f"(dp_group_idx_{group})")
+                                  f"(dp_group_idx_{group}): import with --no-load-optim")
         mine = [(c, key, g) for s, c, key, g in self._positions if s == stage]
         order, trusted = registration_order(mine, self._te_saved), order_is_known(mine)
         weights = {(c, key): self.src.model_shard(self.src.stored_name(g), tp, rank, swiglu) for c, key, g in mine}
@@ -180,7 +194,7 @@ class MegatronOptimizerState:
         gbufs = sorted({b[0] for b in buckets})
         if gbufs != list(range(len(chunks))):
             raise CheckpointError(f"{self.src.ckpt}: dp_group_idx_{group} has gradient buffers {gbufs}, not one per "
-                                  f"model chunk ({len(chunks)}): parameters of several dtypes are not read; resume "
+                                  f"model chunk ({len(chunks)}): parameters of several dtypes are not read; import "
                                   "with --no-load-optim")
         out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
         where = f"TP rank {rank}, stage {stage}"
@@ -195,7 +209,7 @@ class MegatronOptimizerState:
 def check_all_placed(order: List[Tuple[int, str]], out: Dict[Tuple[int, str], Any], ckpt: str, where: str) -> None:
     missing = [k for k in order if k not in out]
     if missing:
-        raise CheckpointError(f"{ckpt}: no optimizer state for {missing[0][1]} ({where}) in its buffers: resume with "
+        raise CheckpointError(f"{ckpt}: no optimizer state for {missing[0][1]} ({where}) in its buffers: import with "
                               "--no-load-optim")
 
 
@@ -206,31 +220,40 @@ def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]]
     ``exp_avg``, ``exp_avg_sq``) by the walk of the module note; returns each one's state in its weight's shape.
     ``coalesced``: the buckets of a whole gradient buffer back to back, each cut at its unpadded end (the torch
     format's ``distrib_optim.pt``), so a parameter starts either 64-aligned from its bucket's start or right where
-    the last one ended (a new bucket)."""
+    the last one ended (a new bucket). Where both fit, the aligned start is tried first and the other taken if the
+    rest of the buffer cannot be walked from it (equal weights, as layer norms at 1.0, can fit at both)."""
     main, end = fields["master"], fields["master"].numel()
-    expected = list(expected)
-    out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
-    offset = bucket_start = 0
-    while True:
+    # depth-first over (offset, bucket start, parameters left, placements so far as a linked list)
+    stack: List[Tuple[int, int, Tuple[Tuple[int, str], ...], Any]] = [(0, 0, tuple(expected), None)]
+    deepest: Tuple[int, Any, Tuple[Tuple[int, str], ...]] = (-1, [], tuple(expected))   # (element, fits, left)
+    while stack:
+        offset, bucket_start, left, placed = stack.pop()
         aligned = bucket_start + -(-(offset - bucket_start) // _ALIGN) * _ALIGN
         if aligned >= end and (not coalesced or offset >= end):
-            break
-        found = _place(main, aligned, end, expected, weights, trusted) if aligned < end else []
-        if coalesced and isinstance(found, list) and aligned != offset:
-            found = _place(main, offset, end, expected, weights, trusted)   # a new bucket starts here
-            aligned = bucket_start = offset
-        if isinstance(found, list):
-            fit = ("no parameter" if not found else
-                   f"{len(found)} parameters ({', '.join(k for _, k in found[:3])}) with equal weights")
-            raise CheckpointError(
-                f"{what}: {fit} of {where} fit the main weights at element {aligned} of {end} where megatron-core's "
-                f"order expects {expected[0][1] if expected else 'none'} (not its bucket layout, or weights and "
-                "optimizer from two saves): resume with --no-load-optim")
-        n, shape = weights[found].numel(), weights[found].shape
-        out[found] = {ours: t[aligned:aligned + n].reshape(shape).clone() for ours, t in fields.items()}
-        expected.remove(found)
-        offset = aligned + n
-    return out
+            out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+            while placed is not None:
+                (p, at), placed = placed
+                shape = weights[p].shape
+                out[p] = {ours: t[at:at + shape.numel()].reshape(shape).clone() for ours, t in fields.items()}
+            return out
+        starts = [(aligned, bucket_start)] if aligned < end else []
+        if coalesced and aligned != offset and offset < end:
+            starts.append((offset, offset))   # a new bucket starts where the last parameter ended
+        for at, bucket in reversed(starts):   # (the aligned start is popped first)
+            found = _place(main, at, end, list(left), weights, trusted)
+            if isinstance(found, list):
+                if at > deepest[0]:
+                    deepest = (at, found, left)
+                continue
+            rest = tuple(p for p in left if p != found)
+            stack.append((at + weights[found].numel(), bucket, rest, ((found, at), placed)))
+    at, found, left = deepest
+    fit = ("no parameter" if not found else
+           f"{len(found)} parameters ({', '.join(k for _, k in found[:3])}) with equal weights")
+    raise CheckpointError(
+        f"{what}: {fit} of {where} fit the main weights at element {at} of {end} where megatron-core's order "
+        f"expects {left[0][1] if left else 'none'} (not its bucket layout, or weights and optimizer from two saves): "
+        "import with --no-load-optim")
 
 
 def _place(main: torch.Tensor, offset: int, end: int, expected: List[Tuple[int, str]],

@@ -151,3 +151,24 @@ def test_load_state_dict_refuses_other_shapes_and_optimizers_on_every_rank(spawn
             shape_err) or "another rank" in shape_err, shape_err
         assert "the optimizer state is for Adam" in type_err and "SGD" in type_err, (rank, type_err)
         assert shape_kept and type_kept
+
+
+def test_checkpoints_record_the_update_rule_not_the_implementation():
+    """apex's FusedAdam (what a CUDA host with apex builds) is AdamW or Adam by its mode: a state saved by torch's
+    AdamW on a CPU host (or imported from Megatron-LM) loads into it and back; Adam and AdamW stay apart, and states
+    saved before the rule was recorded (apex's class name) load into either."""
+    from megatron_ext.optimizer.inner_optimizer import same_update_rule, update_rule
+
+    class FusedAdam(torch.optim.Optimizer):   # apex's name and mode flag, without apex
+        def __init__(self, adam_w_mode):
+            super().__init__([torch.zeros(1, requires_grad=True)], {})
+            self.adam_w_mode = adam_w_mode
+
+    params = [torch.zeros(1, requires_grad=True)]
+    adamw, adam, sgd = torch.optim.AdamW(params), torch.optim.Adam(params), torch.optim.SGD(params, lr=0.1)
+    assert [update_rule(o) for o in (FusedAdam(1), FusedAdam(0), adamw, adam, sgd)] == [
+        "AdamW", "Adam", "AdamW", "Adam", "SGD"]
+    assert same_update_rule("AdamW", FusedAdam(1)) and same_update_rule(update_rule(FusedAdam(1)), adamw)
+    assert not same_update_rule("AdamW", FusedAdam(0)) and not same_update_rule("Adam", adamw)
+    assert same_update_rule("FusedAdam", adamw) and same_update_rule("FusedAdam", adam)
+    assert not same_update_rule("FusedAdam", sgd) and not same_update_rule("SGD", adamw)

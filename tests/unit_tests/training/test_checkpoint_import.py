@@ -380,6 +380,13 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                 assert tuple(got["params"][param]["shape"]) == tuple(entry["shape"])
                 for field in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(got["params"][param][field], entry[field]), (kind, name, param, field)
+    # --no-load-optim: the weights alone, whatever optimizer state there is
+    for kind in ("dist", "dopt"):
+        assert _tool(["--load", str(tmp_path / f"mlm_{kind}"), "--save", str(tmp_path / f"weights_{kind}"),
+                      "--no-load-optim"]) == 0
+        ckpt = tmp_path / f"weights_{kind}" / "iter_0000002"
+        assert torch.load(ckpt / "common.pt", weights_only=False)["has_optim"] is False
+        assert not any(n == "optim.pt" for _, _, files in os.walk(ckpt) for n in files)
     # and tools/reshard_checkpoint.py takes it to other TP/PP sizes as it takes the original
     from .test_checkpoint_reshard import _reshard, _tensors
 
@@ -659,6 +666,29 @@ def test_coalesced_buckets_walk_across_unaligned_bucket_ends():
     assert all(torch.equal(out[k]["master"], t) and torch.equal(out[k]["exp_avg_sq"], 3 * t) for k, t in w.items())
     with pytest.raises(CheckpointError, match="no parameter of here fit the main weights at element 192"):
         walk_buffer(fields, [(0, "c"), (0, "b"), (0, "a")], w, True, "buffer", "here")   # one bucket: not aligned
+    # a bucket of 70 elements, then one of two all-ones weights: the first also fits 64-aligned (over both), which
+    # leaves no room for the second; the walk goes back and starts the bucket at 70
+    w = {(0, "a"): torch.arange(70.0) + 1, (0, "b"): torch.ones(64), (0, "c"): torch.ones(64)}
+    main = torch.cat([w[0, "a"], torch.ones(128)])
+    out = walk_buffer({"master": main, "exp_avg": torch.arange(198.0), "exp_avg_sq": main}, [(0, "a"), (0, "b"),
+                      (0, "c")], w, True, "buffer", "here", coalesced=True)
+    assert [out[0, k]["exp_avg"][0].item() for k in "abc"] == [0.0, 70.0, 134.0]
+
+
+def test_header_carries_step_groups_and_dynamic_loss_scale():
+    """The DistributedOptimizer's ``state_dict()``: the step its param groups record, the groups without it, and an
+    fp16 run's dynamic loss scale in pretrain_gpt's scaler's terms (a constant scaler's empty state gives none)."""
+    from megatron_ext.training.checkpoint_import_optim import canonical_header
+
+    groups = [{"wd_mult": 1.0, "lr_mult": 1.0, "lr": 0.1, "step": 7, "params": [0]}, {"wd_mult": 0.0, "step": 7}]
+    scaler = {"scale": torch.tensor([1024.0]), "growth_tracker": 3, "hysteresis_tracker": 1}
+    header = canonical_header({"optimizer": {"param_groups": groups}, "grad_scaler": scaler}, "here")
+    assert (header["optimizer"], header["step"]) == ("AdamW", 7)
+    assert header["param_groups"] == [{"wd_mult": 1.0, "lr_mult": 1.0, "lr": 0.1}, {"wd_mult": 0.0}]
+    assert header["grad_scaler"] == {"scale": 1024.0, "growth_tracker": 3, "hysteresis_tracker": 1}
+    assert canonical_header({"optimizer": {"param_groups": groups}, "grad_scaler": {}}, "here")["grad_scaler"] is None
+    with pytest.raises(CheckpointError, match="give the steps \\[6, 7\\], not one: import with --no-load-optim"):
+        canonical_header({"optimizer": {"param_groups": groups + [{"step": 6}]}}, "here")
 
 
 def test_registration_order_is_megatron_cores(spawn):
