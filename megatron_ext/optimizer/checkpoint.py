@@ -58,6 +58,13 @@ def merge_optimizer_shards(shards: List[dict]) -> dict:
             "param_groups": first["param_groups"], "grad_scaler": first["grad_scaler"], "params": params}
 
 
+def canonical_entry(state: Dict[str, torch.Tensor]) -> dict:
+    """One parameter's entry in the canonical layout from its state tensors in the parameter's shape (master, the
+    optimizer's per-element state): the shape, the element count and each tensor flattened."""
+    shape = next(iter(state.values())).shape
+    return {"shape": tuple(shape), "numel": shape.numel(), **{k: v.reshape(-1) for k, v in state.items()}}
+
+
 def to_cpu(obj: Any) -> Any:
     """A copy of a (nested) state with every tensor on the CPU."""
     if torch.is_tensor(obj):

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..optimizer.checkpoint import CANONICAL_FORMAT
+from ..optimizer.checkpoint import CANONICAL_FORMAT, canonical_entry
 from .checkpointing import CheckpointError
 
 LAYOUTS = ("dp_reshardable", "fully_reshardable")
@@ -108,15 +108,15 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
                       "optimizers) are not read")
     if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict) or "state" in common["optimizer"]:
         return None, "Megatron's non-distributed optimizer state is not read"
-    odo = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-    if not os.path.isfile(odo):
+    param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    if not os.path.isfile(param_state_path):
         return None, "Megatron's non-distributed optimizer state is not read"
-    state = _read(odo)
+    state = _read(param_state_path)
     if not state.get("buckets_coalesced"):
-        return None, f"{odo} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
+        return None, f"{param_state_path} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
     gbufs = sorted(k for k in state if isinstance(k, int))
     if gbufs != list(range(len(chunks))) or any(len(state[g]) != 1 for g in gbufs):
-        return None, (f"{odo} holds gradient buffers {gbufs}, not one per model chunk ({len(chunks)}) of one dtype: "
+        return None, (f"{param_state_path} holds gradient buffers {gbufs}, not one per model chunk ({len(chunks)}) of one dtype: "
                       "not read")
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
@@ -128,14 +128,16 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     for g in gbufs:
         (world,) = state[g].values()
         fields = {ours: world[theirs] for ours, theirs in _FIELDS}
+        if any(t.numel() != world.get("numel_unpadded", t.numel()) for t in fields.values()):
+            raise CheckpointError(f"{param_state_path}: gradient buffer {g}'s states are not of its unpadded size "
+                                  f"{world.get('numel_unpadded')}: import with --no-load-optim")
         expected = [p for p in reversed(order) if p[0] == g]
-        out.update(walk_buffer(fields, expected, weights, trusted, odo, f"gradient buffer {g}", coalesced=True))
-    check_all_placed(order, out, odo, "this position")
+        out.update(walk_buffer(fields, expected, weights, trusted, param_state_path, f"gradient buffer {g}",
+                               coalesced=True))
+    check_all_placed(order, out, param_state_path, "this position")
     params = {}
     for (c, key), entry in out.items():
-        name = prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"
-        shape = weights[c, key].shape
-        params[name] = {"shape": tuple(shape), "numel": shape.numel(), **{f: t.reshape(-1) for f, t in entry.items()}}
+        params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(entry)
     return {**canonical_header(common, path), "params": params}, ""
 
 

@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..optimizer.checkpoint import canonical_entry
 from .checkpointing import (CheckpointError, _load, check_offline_target, chunk_states, find_checkpoint,
                             iter_dir_name, mp_dir_name, offline_checkpoint, verify_checksums)
 from .model import padded_vocab_size
@@ -456,10 +457,7 @@ def write_layout(src: Any, ckpt: str, save_dir: str, tp: int, pp: int, vp: Optio
                             shard = src.optim_shard(s, c, key, g, tp, t, src.swiglu)
                         else:
                             shard = {f: split_tp(g, v, tp, t, src.swiglu) for f, v in full_optim(g, t).items()}
-                        shape = next(iter(shard.values())).shape
-                        name = key if target.vp == 1 else f"{c}.{key}"
-                        params[name] = {"shape": tuple(shape), "numel": shape.numel(),
-                                        **{f: v.reshape(-1) for f, v in shard.items()}}
+                        params[key if target.vp == 1 else f"{c}.{key}"] = canonical_entry(shard)
                     if renames is not None:
                         params = renames(params)
                     save({**copy.deepcopy(header), "params": params}, os.path.join(mp_dir, "optim.pt"))
