@@ -116,8 +116,8 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
         return None, f"{param_state_path} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
     gbufs = sorted(k for k in state if isinstance(k, int))
     if gbufs != list(range(len(chunks))) or any(len(state[g]) != 1 for g in gbufs):
-        return None, (f"{param_state_path} holds gradient buffers {gbufs}, not one per model chunk ({len(chunks)}) of one dtype: "
-                      "not read")
+        return None, (f"{param_state_path} holds gradient buffers {gbufs}, not one per model chunk ({len(chunks)}) "
+                      "of one dtype: not read")
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
     by_order = {(c, te): key for c, te, key in mine}
