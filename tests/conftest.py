@@ -19,6 +19,7 @@ def spawn():
 # end while the other worker idles.
 LONGEST_FIRST = ("kernels/test_compiled.py", "comm/test_progress_engine.py", "comm/test_convergence.py",
                  "optimizer/test_sharding_plans.py", "training/test_checkpoint_resume.py",
+                 "training/test_checkpoint_import.py",
                  "optimizer/test_param_sync_and_errors.py", "kernels/test_triton_interpreted.py",
                  "training/test_pretrain_gpt.py", "kernels/test_native.py", "optimizer/test_zero3.py",
                  "optimizer/test_gpt_megatron.py", "optimizer/test_speculative_step.py", "planner/test_cli.py",
