@@ -3,10 +3,9 @@
 
 Reads the iteration that Megatron-LM's tracker in ``--load`` names (or ``--ckpt-step``), offline, on a CPU host.
 Publishes it in ``--save`` at the same TP/PP sizes. It carries the weights, the iteration, the consumed samples (the
-data position) and the model flags, and the optimizer state of Megatron's DistributedOptimizer or of the
-megatron_ext plug-in: then resume as usual. Megatron's other optimizer states and the RNG states
-are not carried: after those, continue with ``--no-load-optim`` (fresh Adam moments), or start a fine-tune with
-``--finetune``::
+data position) and the model flags, and the Adam state of Megatron's optimizers (distributed or not) or of the
+megatron_ext plug-in: then resume as usual. Chained optimizers and the RNG states are not carried: after
+those, continue with ``--no-load-optim`` (fresh Adam moments), or start a fine-tune with ``--finetune``::
 
     python tools/import_megatron_lm_checkpoint.py --load mlm_ckpt --save ckpt --transformer-impl local
     torchrun --nproc-per-node 8 -m megatron_ext.training.pretrain_gpt ... --load ckpt --no-load-optim --save ckpt

@@ -2,7 +2,7 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e)) on every GPU of this machine and prints one verdict line per check.
+# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e) and (f)) on every GPU of this machine and prints one verdict line per check.
 # The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
 # it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
 # the check runs with or without them.
@@ -18,7 +18,10 @@
 #   (e) Megatron-LM's own distributed optimizer saving in its default --ckpt-format torch_dist at iteration HALF,
 #       that checkpoint imported (weights, data position, the DistributedOptimizer's state in its default
 #       dp_reshardable layout) and continued by pretrain_gpt: within the bf16 tolerance of the uninterrupted run of
-#       (a).
+#       (a);
+#   (f) Megatron-LM's default, non-distributed optimizer (no --use-distributed-optimizer), run uninterrupted and
+#       saving torch_dist at iteration HALF; that checkpoint imported (its Adam state, model space) and continued by
+#       pretrain_gpt: within the bf16 tolerance of its uninterrupted run.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -76,7 +79,8 @@ sed -e '0,/^from megatron.training import/s//import megatron_ext.megatron_lm as 
 grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-line edit did not apply: check $out/pretrain_gpt_two_lines.py)" >&2
 
 odo=(--use-overlapped-distributed-optimizer)
-rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported" "$out/ckpt_dist" "$out/ckpt_dist_imported"
+rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported" "$out/ckpt_dist" "$out/ckpt_dist_imported" \
+    "$out/ckpt_default" "$out/ckpt_default_imported"
 run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
 run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
@@ -105,6 +109,19 @@ run import_torch_dist python "$here/import_megatron_lm_checkpoint.py" --load "$o
     --save "$out/ckpt_dist_imported"
 run pretrain_gpt_imported_torch_dist "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
     --load "$out/ckpt_dist_imported"
+# (f): Megatron-LM's default optimizer (not distributed; --overlap-param-gather needs the distributed one)
+plain=()
+for a in "${ours[@]}"; do
+  case "$a" in --use-distributed-optimizer|--overlap-param-gather) ;; *) plain+=("$a") ;; esac
+done
+run megatron_default_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${plain[@]}" \
+    --ckpt-format torch_dist
+run megatron_default_opt_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${plain[@]}" --ckpt-format torch_dist --save "$out/ckpt_default" --save-interval "$half" --exit-interval "$half"
+run import_default_opt python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_default" \
+    --save "$out/ckpt_default_imported"
+run pretrain_gpt_imported_default_opt "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
+    --load "$out/ckpt_default_imported"
 
 [ "$dry" = 1 ] && exit 0
 status=0
@@ -121,5 +138,7 @@ verdict "(d) pretrain_gpt continues the imported ODO checkpoint vs uninterrupted
     "$out/pretrain_gpt_imported.log" --first $((half + 1))
 verdict "(e) pretrain_gpt continues Megatron-LM's torch_dist checkpoint (its optimizer's state) vs uninterrupted" \
     "$out/megatron_dist_opt.log" "$out/pretrain_gpt_imported_torch_dist.log" --first $((half + 1))
+verdict "(f) pretrain_gpt continues Megatron-LM's default (non-distributed) optimizer's torch_dist checkpoint vs \
+uninterrupted" "$out/megatron_default_opt.log" "$out/pretrain_gpt_imported_default_opt.log" --first $((half + 1))
 echo "logs: $out" >&2
 exit $status

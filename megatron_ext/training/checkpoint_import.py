@@ -17,10 +17,11 @@ its ``distrib_optim.pt`` is the ODO's canonical per-parameter state, the layout 
 same writer, ``write_canonical_optimizer_state``), and the parameter names agree because both wrap the same modules
 (``Float16Module`` for bf16/fp16, one wrapper per model chunk); the resume then continues exactly, LR schedule
 included. So does Megatron's own ``DistributedOptimizer``'s: its ``distrib_optim.pt`` holds each gradient buffer's
-buckets back to back, placed parameter by parameter and proved against the weights (``checkpoint_import_optim.py``).
-Megatron's other optimizers (``Float16Optimizer``, ``FP32Optimizer``: state inside ``model_optim_rng.pt`` by
-param-group order), chained ones and older bucket layouts are not carried: the checkpoint is marked as saved without
-one and a resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights; as with Megatron-LM's own
+buckets back to back, placed parameter by parameter and proved against the weights (``checkpoint_import_optim.py``);
+and its non-distributed optimizers' (``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``: torch Adam's state
+inside ``model_optim_rng.pt`` by param-group order, placed by megatron-core's grouping rule and proved the same way).
+Chained optimizers and older bucket layouts are not carried: the checkpoint is marked as saved without one and a
+resume passes ``--no-load-optim`` (fresh Adam moments from the loaded weights; as with Megatron-LM's own
 flag, the LR schedule is not loaded either and starts again from its warm-up, which suits fresh moments) or
 ``--finetune``. RNG states are never carried (re-seeded from ``--seed``, as after a reshard). Expert-parallel (MoE)
 checkpoints and the legacy (non-megatron-core) GPT model are refused.
@@ -354,9 +355,9 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             kind = "the megatron_ext plug-in's"
             if not load_optim:
                 why_not = "not read: --no-load-optim"
-            elif optim is None:   # Megatron's own DistributedOptimizer's, placed against the weights as saved
-                kind = "Megatron's DistributedOptimizer's"
-                optim, why_not = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix)
+            elif optim is None:   # Megatron's own optimizers', placed against the weights as saved
+                optim, text = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix)
+                kind, why_not = (text, why_not) if optim is not None else (kind, text)
                 if optim is not None and renames is not None:
                     optim["params"] = rename_for_local(optim["params"], renames)
             if renames is not None:

@@ -19,10 +19,11 @@ So the import is the reshard tool's writer (``write_layout``) reading from :clas
 and PP sizes and pipeline split, each position's tensors are read as one layer's slice through DCP's load planner,
 which reads only the stored chunks that slice overlaps (memory holds one position's state and one layer's tensor).
 
-Megatron's DistributedOptimizer state (``optimizer.*``) is carried, with the LR schedule, in both of its torch_dist
-layouts (``checkpoint_import_optim.py``); other optimizer states are not (resume with ``--no-load-optim`` or
-``--finetune``). Not carried either: the RNG states, and Transformer Engine's extra states (byte objects with FP8
-scaling metadata: each module keeps its own, as when a checkpoint saved without Transformer Engine loads with it).
+Megatron's optimizer state (``optimizer.*``) is carried, with the LR schedule: the DistributedOptimizer's in both of
+its torch_dist layouts, the non-distributed optimizers' (model space, as ``fully_reshardable``) too
+(``checkpoint_import_optim.py``); chained optimizers' are not (resume with ``--no-load-optim`` or ``--finetune``).
+Not carried either: the RNG states, and Transformer Engine's extra states (byte objects with FP8 scaling metadata:
+each module keeps its own, as when a checkpoint saved without Transformer Engine loads with it).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .checkpoint_import import _IMPLS, _lenient_pickle, _read, checked_args, imported_common
-from .checkpoint_import_optim import MODEL_GROUPS, MegatronOptimizerState, saved_layout
+from .checkpoint_import_optim import MODEL_GROUPS, MegatronOptimizerState, optimizer_label, saved_layout
 from .checkpoint_reshard import _gated, _target_keys, layout_of, tp_split_dim, write_layout
 from .checkpointing import CheckpointError
 
@@ -145,6 +146,7 @@ class DistSource:
         self.optim_keys: Dict[str, Tuple[int, int]] = {}
         self.has_optim, self.optim_note, self._optim = False, "", None
         optim_layout, self.optim_note = saved_layout(saved or {})
+        self.optim_layout = optim_layout
         if optim_layout is not None:
             positions = list(_target_keys(self.model_keys, self.layout, self.tied))
             self._optim = MegatronOptimizerState(self, saved, optim_layout, positions)
@@ -181,6 +183,13 @@ class DistSource:
 
     def has_stored(self, key: str) -> bool:
         return key in self._saved
+
+    def stored_dtype(self, key: str) -> torch.dtype:
+        return self._saved[key][1]
+
+    def stored_key(self, g: str) -> str:
+        """The stored tensor global key ``g`` is read from (a layer's: the tensor stacked over the layers)."""
+        return self._stored(g)[0]
 
     def stored_name(self, g: str) -> str:
         """The stored name of global key ``g``: a tied model's output layer is stored as its embedding."""
@@ -305,8 +314,7 @@ def import_torch_dist(ckpt: str, save_dir: str, transformer_impl: Optional[str],
     src = DistSource(ckpt, common, saved if load_optim else {"optimizer": "--no-load-optim"}, source_impl)
     common["has_optim"] = src.has_optim
     layout = src.layout
-    note = (f"; Megatron's DistributedOptimizer state ({saved['optimizer']['param_state_sharding_type']}) and LR "
-            "schedule carried" if src.has_optim else
+    note = (f"; {optimizer_label(src.optim_layout)} state and LR schedule carried" if src.has_optim else
             f"; no optimizer state ({src.optim_note}): resume with --no-load-optim, or --finetune")
     return write_layout(src, ckpt, save_dir, layout.tp, layout.pp, layout.vp, log=log,
                         transformer_impl=target_impl, origin="imported_from",

@@ -1,4 +1,4 @@
-"""Megatron's DistributedOptimizer state in a Megatron-LM checkpoint, read as pretrain_gpt's canonical optimizer state.
+"""Megatron's optimizer state in a Megatron-LM checkpoint, read as pretrain_gpt's canonical optimizer state.
 
 [Note: the layouts]
 Megatron-LM saves its distributed optimizer's Adam state with ``--ckpt-format torch_dist`` in one of two layouts
@@ -26,12 +26,19 @@ Megatron-LM saves its distributed optimizer's Adam state with ``--ckpt-format to
   its unpadded end. The same walk places the parameters; at a bucket's end, which need not be 64-aligned, the next
   parameter starts right there.
 
-The step comes from the optimizer's param groups (the same on every position), and the groups' hyper-parameters
+Megatron-LM's default optimizer, without ``--use-distributed-optimizer``, is not distributed
+(``Float16OptimizerWithFloat16Params`` for bf16/fp16 with fp32 main weights, ``FP32Optimizer`` for fp32, whose main
+weights are the weights). With torch_dist it saves in model space like ``fully_reshardable``
+(``optimizer.state.fp32_param.<key>`` for the main weight, the moments as above, the step once as ``common_step``);
+with the torch format, torch Adam's ``state_dict()`` by param-group index (:func:`non_distributed_state`).
+
+The step comes from the optimizer's param groups (the same on every position; the non-distributed optimizers':
+Adam's own), and the groups' hyper-parameters
 (``lr``, ``weight_decay``, ``wd_mult``, ...) are kept as pretrain_gpt's loader matches them (by ``wd_mult`` and
 ``lr_mult``); an fp16 run's dynamic loss scale and its trackers carry over (megatron-core's ``DynamicGradScaler``
-state is the one pretrain_gpt's scaler keeps). Only Adam is read. Megatron's non-distributed optimizers, its chained
-ones (``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool
-says which: resume those with ``--no-load-optim``. A state that is there but cannot be placed stops the import,
+state is the one pretrain_gpt's scaler keeps). Only Adam is read. Megatron's chained optimizers
+(``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool says
+which: resume those with ``--no-load-optim``. A state that is there but cannot be placed stops the import,
 naming why; ``--no-load-optim`` then imports the weights alone.
 """
 from __future__ import annotations
@@ -45,7 +52,11 @@ from ..optimizer.checkpoint import CANONICAL_FORMAT, canonical_entry
 from .checkpointing import CheckpointError
 
 LAYOUTS = ("dp_reshardable", "fully_reshardable")
+NON_DISTRIBUTED = "non-distributed"
 _FIELDS = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))   # (ours, Megatron's)
+# the non-distributed optimizers' model-space names: a bf16/fp16 run's main weight is its fp32_param; an fp32 run's,
+# the weight itself
+_FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
 _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                      r"\.param$")
 _ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
@@ -63,10 +74,25 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
                       "expert optimizers) are not read")
     layout = optimizer.get("param_state_sharding_type")
     if layout is None:
-        return None, "Megatron's non-distributed optimizer state is not read"
+        if isinstance(_adam_state(optimizer).get("param_groups"), list):
+            return NON_DISTRIBUTED, ""
+        return None, "an optimizer state of no layout this import knows"
     if layout not in LAYOUTS:
         return None, f"Megatron's {layout} optimizer layout is not read (only {' and '.join(LAYOUTS)})"
     return layout, ""
+
+
+def optimizer_label(layout: str) -> str:
+    """How the log names the optimizer state of ``layout``."""
+    return ("Megatron's non-distributed" if layout == NON_DISTRIBUTED else
+            f"Megatron's DistributedOptimizer's ({layout})")
+
+
+def _adam_state(optimizer: Dict[str, Any]) -> Dict[str, Any]:
+    """The torch optimizer's ``state_dict()`` inside Megatron's: a mixed-precision optimizer's ``optimizer`` entry
+    (beside ``grad_scaler`` and its fp32 main weights), an fp32 one's whole state."""
+    inner = optimizer.get("optimizer")
+    return inner if isinstance(inner, dict) else optimizer
 
 
 def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, Any]:
@@ -74,11 +100,16 @@ def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, An
     ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
     groups record. ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout)."""
     scaler = scaler if scaler is not None else (saved.get("grad_scaler") if isinstance(saved, dict) else None)
-    groups = saved.get("optimizer", saved).get("param_groups") if isinstance(saved, dict) else None
+    adam = _adam_state(saved) if isinstance(saved, dict) else {}
+    groups = adam.get("param_groups")
     if not groups:
         raise CheckpointError(f"{where}: Megatron's optimizer state without its param groups: import with "
                               "--no-load-optim")
     steps = {int(g["step"]) for g in groups if "step" in g}
+    state = adam.get("state")
+    if not steps and isinstance(state, dict):   # the non-distributed optimizers: Adam's own per-parameter steps
+        steps = ({int(state["common_step"])} if "common_step" in state else   # (torch_dist: shared, saved once)
+                 {int(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s})
     if len(steps) != 1:
         raise CheckpointError(f"{where}: the optimizer's param groups give the steps {sorted(steps)}, not one: "
                               "import with --no-load-optim")
@@ -91,11 +122,12 @@ def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, An
 
 def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]], te_names: Callable[[str], str],
                        te_saved: bool, prefix: str) -> Tuple[Optional[Dict[str, Any]], str]:
-    """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint that Megatron's
-    DistributedOptimizer saved (its ``state_dict()`` in ``model_optim_rng.pt`` at ``path``, its parameter state
-    gathered in ``distrib_optim.pt`` beside it: each gradient buffer's buckets coalesced), placed by the walk of the
-    module note against the position's weights ``chunks``; or (None, why not). ``te_names``: a saved name's
-    Transformer Engine name (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16)."""
+    """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint and whose it is (for the
+    log), or (None, why not). Megatron's DistributedOptimizer saves its ``state_dict()`` in ``model_optim_rng.pt`` at
+    ``path`` and its parameter state gathered in ``distrib_optim.pt`` beside it (each gradient buffer's buckets
+    coalesced), placed by the walk of the module note against the position's weights ``chunks``; its non-distributed
+    optimizer's state is read by :func:`non_distributed_state`. ``te_names``: a saved name's Transformer Engine name
+    (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16)."""
     import os
 
     from .checkpoint_import import _read
@@ -106,11 +138,11 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     if isinstance(common, list):
         return None, ("Megatron's chained optimizers (--overlap-param-gather-with-optimizer-step, or separate expert "
                       "optimizers) are not read")
-    if not isinstance(common, dict) or not isinstance(common.get("optimizer"), dict) or "state" in common["optimizer"]:
-        return None, "Megatron's non-distributed optimizer state is not read"
+    if not isinstance(common, dict):
+        return None, "an optimizer state of no layout this import knows"
     param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-    if not os.path.isfile(param_state_path):
-        return None, "Megatron's non-distributed optimizer state is not read"
+    if "state" in _adam_state(common) or not os.path.isfile(param_state_path):
+        return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix)
     state = _read(param_state_path)
     if not state.get("buckets_coalesced"):
         return None, f"{param_state_path} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
@@ -138,7 +170,70 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     params = {}
     for (c, key), entry in out.items():
         params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(entry)
-    return {**canonical_header(common, path), "params": params}, ""
+    return {**canonical_header(common, path), "params": params}, "Megatron's DistributedOptimizer's"
+
+
+def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]],
+                          te_names: Callable[[str], str], te_saved: bool, prefix: str
+                          ) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint that Megatron's
+    non-distributed optimizer saved (its ``state_dict()``: torch Adam's, whose per-parameter state is keyed by the
+    parameter's index in its param groups, and a bf16/fp16 run's fp32 main weights group by group), or (None, why not).
+
+    The groups do not name their parameters. megatron-core fills them walking the model chunks' parameters in
+    registration order (:func:`registration_order`), each into the group of its weight decay: none for biases and
+    1-D tensors (``wd_mult`` 0, as the saving run's ``--apply-wd-to-qk-layernorm`` excepts q/k layer norms), full
+    for the rest. So the j-th index of a group is the j-th parameter of that kind in that order; it is proved, for
+    every parameter, by the state's shape and, where a main weight is saved, by the main weight cast to the weight's
+    dtype equalling the weight. Groups with other learning rates (decoupled, scaled) or expert-parallel ones are not
+    read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
+    common = saved["optimizer"]
+    adam = _adam_state(common)
+    groups, state = adam.get("param_groups"), adam.get("state")
+    if not groups or not state:
+        return None, "Megatron's non-distributed optimizer saved no Adam state"
+    odd = [g for g in groups if g.get("is_decoupled_lr") or float(g.get("lr_mult", 1.0)) != 1.0
+           or g.get("is_expert_parallel")]
+    if odd:
+        return None, ("Megatron's non-distributed optimizer has param groups with their own learning rate or expert "
+                      "parallelism: not read")
+    wd_groups = {float(g.get("wd_mult", 1.0)): i for i, g in enumerate(groups)}
+    if len(wd_groups) != len(groups) or not set(wd_groups) <= {0.0, 1.0}:
+        return None, (f"Megatron's non-distributed optimizer's param groups (weight decay multipliers "
+                      f"{[g.get('wd_mult') for g in groups]}) are not the standard two: not read")
+    masters = common.get("fp32_from_fp16_params") if adam is not common else None
+    apply_wd_qk = bool(getattr(saved.get("args"), "apply_wd_to_qk_layernorm", False))
+    mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
+            if torch.is_tensor(value) and not key.endswith("_extra_state")]
+    by_order = {(c, te): key for c, te, key in mine}
+    members: List[List[Tuple[int, str]]] = [[] for _ in groups]
+    for c, te in registration_order(mine, te_saved):
+        key = by_order[c, te]
+        no_wd = (chunks[c][key].dim() == 1 or key.endswith(".bias")) and not (
+            apply_wd_qk and ("q_layernorm." in key or "k_layernorm." in key))
+        if (0.0 if no_wd else 1.0) not in wd_groups:
+            raise CheckpointError(f"{path}: {key} has no param group of its weight decay in Megatron's optimizer "
+                                  "state: import with --no-load-optim")
+        members[wd_groups[0.0 if no_wd else 1.0]].append((c, key))
+    params = {}
+    for i, (group, names) in enumerate(zip(groups, members)):
+        ids = list(group.get("params", []))
+        if len(ids) != len(names):
+            raise CheckpointError(f"{path}: the optimizer's param group {i} holds {len(ids)} parameters, the model "
+                                  f"{len(names)} of its weight decay: import with --no-load-optim")
+        # (the fp32 main weights of the group's bf16/fp16 weights in its order; an fp32 weight is its own)
+        mains = iter(masters[i] if masters and i < len(masters) else [])
+        for index, (c, key) in zip(ids, names):
+            weight, entry = chunks[c][key], state.get(index, {})
+            fields = {"master": weight if weight.dtype == torch.float32 else next(mains, None),
+                      "exp_avg": entry.get("exp_avg"), "exp_avg_sq": entry.get("exp_avg_sq")}
+            if not all(torch.is_tensor(t) and t.shape == weight.shape for t in fields.values()) or not torch.equal(
+                    fields["master"].to(weight.dtype), weight):
+                raise CheckpointError(f"{path}: the optimizer's parameter {index} (param group {i}) is not {key}'s "
+                                      "state (shape or main weight): import with --no-load-optim")
+            params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(
+                {ours: t.float() for ours, t in fields.items()})
+    return {**canonical_header(common, path), "params": params}, optimizer_label(NON_DISTRIBUTED)
 
 
 class MegatronOptimizerState:
@@ -159,20 +254,30 @@ class MegatronOptimizerState:
                   else None)
         self.header = canonical_header(groups, src.ckpt, scaler)
         self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
-        if layout == "fully_reshardable":
-            missing = [f"optimizer.state.{theirs}.{key}" for key in src.model_stored_keys() for _, theirs in _FIELDS
-                       if not src.has_stored(f"optimizer.state.{theirs}.{key}")]
+        self._fields = _FIELDS_NON_DISTRIBUTED if layout == NON_DISTRIBUTED else _FIELDS
+        # model space: every model tensor's state under its name; but an fp32 weight in the non-distributed
+        # optimizers is its own main weight (no fp32_param of it is saved)
+        self._own_master = {key for key in src.model_stored_keys() if layout == NON_DISTRIBUTED
+                            and not src.has_stored(f"optimizer.state.fp32_param.{key}")
+                            and src.stored_dtype(key) == torch.float32}
+        if layout != "dp_reshardable":
+            missing = [f"optimizer.state.{theirs}.{key}" for key in src.model_stored_keys()
+                       for ours, theirs in self._fields
+                       if not (src.has_stored(f"optimizer.state.{theirs}.{key}")
+                               or (ours == "master" and key in self._own_master))]
             if missing:
-                raise CheckpointError(f"{src.ckpt}: fully_reshardable optimizer state without {missing[0]} (only "
-                                      "Adam's state is read)")
+                raise CheckpointError(f"{src.ckpt}: {layout} optimizer state without {missing[0]} (only Adam's "
+                                      "state is read): import with --no-load-optim")
 
     def shard(self, stage: int, chunk: int, key: str, stored: str, tp: int, rank: int, swiglu: bool
               ) -> Dict[str, torch.Tensor]:
         """TP rank ``rank``'s (master, exp_avg, exp_avg_sq) of the parameter ``key`` of (stage, chunk), in its
         shape; ``stored``: its name in the checkpoint (a tied output layer's is the embedding's)."""
-        if self.layout == "fully_reshardable":
-            return {ours: self.src.model_shard(stored, tp, rank, swiglu, prefix=f"optimizer.state.{theirs}.")
-                    for ours, theirs in _FIELDS}
+        if self.layout != "dp_reshardable":
+            own = self.src.stored_key(stored) in self._own_master
+            return {ours: self.src.model_shard(stored, tp, rank, swiglu, prefix="" if ours == "master" and own
+                                               else f"optimizer.state.{theirs}.")
+                    for ours, theirs in self._fields}
         where, state = self._cache
         if where != (stage, rank):
             state = self._read_position(stage, rank, tp, swiglu)

@@ -73,11 +73,25 @@ def test_check_script_commands(tmp_path):
     runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
                           "odo_resume_bucket", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
-                          "import_torch_dist", "pretrain_gpt_imported_torch_dist"]
+                          "import_torch_dist", "pretrain_gpt_imported_torch_dist", "megatron_default_opt",
+                          "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt"]
+    # (f): Megatron-LM's default optimizer (not distributed, no --overlap-param-gather) uninterrupted and saving
+    # torch_dist at 20; pretrain_gpt continues the import with (e)'s flags
+    default, default_save = runs.pop("megatron_default_opt"), runs.pop("megatron_default_opt_save")
+    default_import, default_ours = runs.pop("import_default_opt"), runs.pop("pretrain_gpt_imported_default_opt")
+    for argv in (default, default_save):
+        assert not {"--use-distributed-optimizer", "--overlap-param-gather",
+                    "--use-overlapped-distributed-optimizer"} & set(argv) and "--overlap-grad-reduce" in argv
+        assert _value(argv, "--ckpt-format") == "torch_dist" and _value(argv, "--train-iters") == "40"
+    assert default_save[:default_save.index("--save")] == default
+    assert _value(default_save, "--save-interval") == _value(default_save, "--exit-interval") == "20"
+    assert _value(default_save, "--save") == _value(default_import, "--load")
+    assert _value(default_ours, "--load") == _value(default_import, "--save") and "--no-load-optim" not in default_ours
     # (e): Megatron-LM's own optimizer saves torch_dist at 20; pretrain_gpt continues the import with its optimizer
     # state and the same flags (less --ckpt-format)
     dist_save, dist_import = runs.pop("megatron_torch_dist_save"), runs.pop("import_torch_dist")
     dist_ours = runs.pop("pretrain_gpt_imported_torch_dist")
+    assert default_ours[:default_ours.index("--load")] == dist_ours[:dist_ours.index("--load")]
     assert _value(dist_save, "--ckpt-format") == "torch_dist" and "--ckpt-format" not in dist_ours
     assert "--use-overlapped-distributed-optimizer" not in dist_save and "--use-distributed-optimizer" in dist_save
     assert _value(dist_save, "--save-interval") == _value(dist_save, "--exit-interval") == "20"

@@ -115,8 +115,9 @@ def test_check_script_runs_parse_and_build_in_the_checkout(tmp_path):
     but no --save-interval; the local transformer's fused LayerNorm and softmax, which need Apex) cost no GPU time."""
     from .check_script import dry_runs
 
-    # (checks (d) and (e)'s import and pretrain_gpt runs are this package's: test_check_verdicts parses them)
-    ours = ("import_ckpt", "pretrain_gpt_imported", "import_torch_dist", "pretrain_gpt_imported_torch_dist")
+    # (checks (d), (e) and (f)'s import and pretrain_gpt runs are this package's: test_check_verdicts parses them)
+    ours = ("import_ckpt", "pretrain_gpt_imported", "import_torch_dist", "pretrain_gpt_imported_torch_dist",
+            "import_default_opt", "pretrain_gpt_imported_default_opt")
     runs = [r for r in dry_runs(CHECKOUT, tmp_path / "out") if r[0] not in ours]
     env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     proc = subprocess.run([sys.executable, "-c", _RUNS_SCRIPT, CHECKOUT], input=json.dumps(runs),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_ext.training.checkpoint_import import import_megatron_lm_checkpoint, rename_for_local, te_to_local_names
+from megatron_ext.training.checkpoint_import_optim import NON_DISTRIBUTED
 from megatron_ext.training.checkpointing import TRACKER, CheckpointError, verify_checksums
 
 from .conftest import REPO
@@ -119,13 +120,7 @@ def _megatron_distributed_optimizer(modules, canonical: dict, argv):
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, use_distributed_optimizer=True),
         ddps)
     (dist_opt,) = optimizer.chained_optimizers
-    current = {g["wd_mult"]: g for g in canonical["param_groups"]}   # the schedule's lr and weight decay now
-    for group in dist_opt.optimizer.param_groups:
-        group.update(lr=current[group["wd_mult"]]["lr"], weight_decay=current[group["wd_mult"]]["weight_decay"])
-    for group in dist_opt.optimizer.param_groups:   # the state Adam builds at its first step
-        for p in group["params"]:
-            dist_opt.optimizer.state[p].update(step=torch.tensor(float(canonical["step"])),
-                                               exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    _adam_at(dist_opt.optimizer, canonical)
     with torch.no_grad():   # (the canonical state names them as the optimizer sees them: Float16Module's, by chunk)
         for chunk, module in enumerate(modules):
             for name, p in module.named_parameters():
@@ -139,13 +134,56 @@ def _megatron_distributed_optimizer(modules, canonical: dict, argv):
     return optimizer
 
 
+def _adam_at(adam, canonical: dict) -> None:
+    """torch's Adam ``adam`` at the canonical state's step, learning rate and weight decay, with the state it builds
+    at its first step (the moments zero, to be filled)."""
+    current = {g["wd_mult"]: g for g in canonical["param_groups"]}   # the schedule's lr and weight decay now
+    for group in adam.param_groups:
+        group.update(lr=current[group["wd_mult"]]["lr"], weight_decay=current[group["wd_mult"]]["weight_decay"])
+        for p in group["params"]:
+            adam.state[p].update(step=torch.tensor(float(canonical["step"])), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+
+
+def _megatron_non_distributed_optimizer(modules, canonical: dict, argv):
+    """megatron-core's own DDP + its non-distributed optimizer (Megatron-LM's default without
+    ``--use-distributed-optimizer``: fp32 main weights beside bf16/fp16 ones, Adam on those; on fp32 weights, Adam on
+    the weights) around ``modules``, holding the canonical state ``canonical`` (under :func:`_megatron_core_on_cpu`)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.training.arguments import parse_args
+
+    config = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
+    ddps = [DistributedDataParallel(m.config, config, m) for m in modules]
+    args = parse_args(argv)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+        use_distributed_optimizer=False), ddps)
+    (inner,) = optimizer.chained_optimizers
+    _adam_at(inner.optimizer, canonical)
+    main_of = {id(p): main for model, mains in zip(getattr(inner, "float16_groups", []),
+                                                   getattr(inner, "fp32_from_float16_groups", []))
+               for p, main in zip(model, mains)}
+    with torch.no_grad():
+        for chunk, module in enumerate(modules):
+            for name, p in module.named_parameters():
+                main = main_of.get(id(p), p)   # (an fp32 weight is its own main weight)
+                entry = canonical["params"][name if len(modules) == 1 else f"{chunk}.{name}"]
+                main.copy_(entry["master"].view_as(main))
+                for field in ("exp_avg", "exp_avg_sq"):
+                    inner.optimizer.state[main][field].copy_(entry[field].view_as(main))
+    return optimizer
+
+
 def _write_torch_dist(argv, ours: str, saves: dict) -> None:
     """pretrain_gpt's checkpoint ``ours`` saved as Megatron-LM saves ``--ckpt-format torch_dist`` (every rank):
     the same megatron-core model chunks built at the run's TP/PP and loaded from ``ours``; their
     ``sharded_state_dict`` with the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's
     ``dist_checkpointing.save`` (under :func:`_megatron_core_on_cpu`). ``saves``: checkpoint directory -> None, or
     also Megatron's DistributedOptimizer's state in that ``distrib_optim_sharding_type`` (Megatron-LM's default:
-    ``dp_reshardable``)."""
+    ``dp_reshardable``), or ``NON_DISTRIBUTED``: its non-distributed optimizer's (Megatron-LM's default optimizer)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -174,7 +212,8 @@ def _write_torch_dist(argv, ours: str, saves: dict) -> None:
             for mlm in saves:
                 os.makedirs(os.path.join(mlm, f"iter_{iteration:07d}"))
         dist.barrier()
-        optimizer = None
+        optimizers = {}
+        canonical = torch.load(os.path.join(src, position, "optim.pt"), weights_only=False)
         with _megatron_core_on_cpu():
             for mlm, sharding in saves.items():
                 state_dict = {"args": argparse.Namespace(**saved), "checkpoint_version": 3.0, "iteration": iteration,
@@ -182,11 +221,14 @@ def _write_torch_dist(argv, ours: str, saves: dict) -> None:
                 for i, module in enumerate(modules):
                     state_dict["model" if len(modules) == 1 else f"model{i}"] = module.sharded_state_dict(
                         metadata=metadata)
-                if sharding is not None:
-                    if optimizer is None:
-                        canonical = torch.load(os.path.join(src, position, "optim.pt"), weights_only=False)
-                        optimizer = _megatron_distributed_optimizer(modules, canonical, argv)
-                    state_dict["optimizer"] = optimizer.sharded_state_dict(
+                if sharding == NON_DISTRIBUTED:
+                    optimizer = _megatron_non_distributed_optimizer(modules, canonical, argv)
+                    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
+                    state_dict["args"].use_distributed_optimizer = False
+                elif sharding is not None:
+                    if "dist" not in optimizers:
+                        optimizers["dist"] = _megatron_distributed_optimizer(modules, canonical, argv)
+                    state_dict["optimizer"] = optimizers["dist"].sharded_state_dict(
                         state_dict, metadata=dict(metadata, distrib_optim_sharding_type=sharding))
                 dist_checkpointing.save(state_dict, os.path.join(mlm, f"iter_{iteration:07d}"))
                 if dist.get_rank() == 0:
@@ -232,11 +274,12 @@ def _write_megatron_lm(ours: str, mlm: str, unknown_value, plugin: bool, te: boo
         f.write(str(iteration))
 
 
-def _add_distributed_optimizer_state(argv, ours: str, mlm: str) -> None:
-    """Every rank: Megatron's DistributedOptimizer (megatron-core's, :func:`_megatron_distributed_optimizer`) holding
-    ``ours``'s state replaces the optimizer of its position of the torch-format checkpoint ``mlm`` as Megatron-LM
-    saves it there: its ``state_dict()`` in ``model_optim_rng.pt``, its ``save_parameter_state`` (gathered on DP
-    rank 0) in ``distrib_optim.pt``."""
+def _add_megatron_optimizer_state(argv, ours: str, mlms: dict) -> None:
+    """Every rank: Megatron's own optimizer holding ``ours``'s state replaces the optimizer of its position of each
+    torch-format checkpoint in ``mlms`` (directory -> distributed or not) as Megatron-LM saves it there: the
+    DistributedOptimizer (megatron-core's, :func:`_megatron_distributed_optimizer`) its ``state_dict()`` in
+    ``model_optim_rng.pt`` and its ``save_parameter_state`` (gathered on DP rank 0) in ``distrib_optim.pt``; the
+    non-distributed one (:func:`_megatron_non_distributed_optimizer`) its ``state_dict()`` alone."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -256,15 +299,20 @@ def _add_distributed_optimizer_state(argv, ours: str, mlm: str) -> None:
         state = torch.load(os.path.join(src, f"mp_rank_{t:02d}_{p:03d}", "model.pt"), weights_only=False)
         gpt.load_state_dict(fit_extra_states(state, gpt), strict=True)
         canonical = torch.load(os.path.join(src, f"mp_rank_{t:02d}_{p:03d}", "optim.pt"), weights_only=False)
-        out = os.path.join(mlm, f"iter_{iteration:07d}", f"mp_rank_{t:02d}")
-        with _megatron_core_on_cpu():
-            optimizer = _megatron_distributed_optimizer([module], canonical, argv)
+        for mlm, distributed in mlms.items():
+            out = os.path.join(mlm, f"iter_{iteration:07d}", f"mp_rank_{t:02d}")
             saved = torch.load(os.path.join(out, "model_optim_rng.pt"), weights_only=False)
-            saved["optimizer"] = optimizer.state_dict()
-            optimizer.save_parameter_state(os.path.join(out, "distrib_optim.pt"))
-        if ps.get_data_parallel_rank() == 0:
-            torch.save(saved, os.path.join(out, "model_optim_rng.pt"))
-        dist.barrier()
+            with _megatron_core_on_cpu():
+                optimizer = (_megatron_distributed_optimizer if distributed else _megatron_non_distributed_optimizer)(
+                    [module], canonical, argv)
+                saved["optimizer"] = optimizer.state_dict()
+                if distributed:
+                    optimizer.save_parameter_state(os.path.join(out, "distrib_optim.pt"))
+                else:
+                    saved["args"].use_distributed_optimizer = False
+            if ps.get_data_parallel_rank() == 0:
+                torch.save(saved, os.path.join(out, "model_optim_rng.pt"))
+            dist.barrier()
     finally:
         ps.destroy_model_parallel()
 
@@ -295,7 +343,8 @@ def _save_import_resume(base, ours, tmp):
 
     pretrain(base + ["--train-iters", "4", "--exit-interval", "2", "--save", ours])   # the 4-iteration schedule
     _write_torch_dist(base + ["--train-iters", "4"], ours, {os.path.join(tmp, "mlm_dist"): "dp_reshardable",
-                                                             os.path.join(tmp, "mlm_dist_full"): "fully_reshardable"})
+                                                             os.path.join(tmp, "mlm_dist_full"): "fully_reshardable",
+                                                             os.path.join(tmp, "mlm_dist_nd"): NON_DISTRIBUTED})
     if dist.get_rank() == 0:
         from pathlib import Path
 
@@ -304,14 +353,19 @@ def _save_import_resume(base, ours, tmp):
             _write_megatron_lm(ours, mlm, _unimportable(Path(tmp)), plugin)
             _forget(Path(tmp))
             assert _tool(["--load", mlm, "--save", imported, "--transformer-impl", "local"]) == 0
-        _write_megatron_lm(ours, os.path.join(tmp, "mlm_dopt"), "sdpa", plugin=False, te=False)
+        for mlm in ("mlm_dopt", "mlm_ndopt"):
+            _write_megatron_lm(ours, os.path.join(tmp, mlm), "sdpa", plugin=False, te=False)
     dist.barrier()
-    _add_distributed_optimizer_state(base + ["--train-iters", "4"], ours, os.path.join(tmp, "mlm_dopt"))
+    _add_megatron_optimizer_state(base + ["--train-iters", "4"], ours, {os.path.join(tmp, "mlm_dopt"): True,
+                                                                        os.path.join(tmp, "mlm_ndopt"): False})
     if dist.get_rank() == 0:
-        assert _tool(["--load", os.path.join(tmp, "mlm_dopt"), "--save", os.path.join(tmp, "imported_dopt")]) == 0
+        for kind in ("dopt", "ndopt"):
+            assert _tool(["--load", os.path.join(tmp, f"mlm_{kind}"), "--save", os.path.join(tmp, f"imported_{kind}")
+                          ]) == 0
         mlm_dist = os.path.join(tmp, "mlm_dist")
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist")]) == 0
         assert _tool(["--load", mlm_dist + "_full", "--save", os.path.join(tmp, "imported_dist_full")]) == 0
+        assert _tool(["--load", mlm_dist + "_nd", "--save", os.path.join(tmp, "imported_dist_nd")]) == 0
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist_te"),
                       "--transformer-impl", "transformer_engine"]) == 0
     dist.barrier()
@@ -333,7 +387,9 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     test_what_cannot_be_imported_is_refused_by_name.) The same model saved as ``--ckpt-format torch_dist``, with
     megatron-core's own DistributedOptimizer holding the run's Adam state (megatron-core's ``sharded_state_dict``,
     ``dist_checkpointing.save``, as Megatron-LM saves it; buckets small enough that parameters fill several), in its
-    default bucket-space layout (dp_reshardable) and in model space (fully_reshardable): imported, the weights (for
+    default bucket-space layout (dp_reshardable) and in model space (fully_reshardable), and with its non-distributed
+    optimizer (Megatron-LM's default; bf16 weights with fp32 main weights, model space; also in the torch format, by
+    param-group order): imported, the weights (for
     local layers, the saving run's, or Transformer Engine's names) and each position's optimizer state (main weights,
     moments, step) equal the original's bit for bit, and the resume continues with the original's losses."""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
@@ -371,9 +427,9 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                 same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
                 assert same, k
             assert os.path.exists(os.path.join(ckpt, name, "optim.pt")) == has_optim
-    # Megatron's DistributedOptimizer state, torch_dist's two layouts and the torch format's distrib_optim.pt: each
-    # position's equals the original's, bit for bit
-    for kind in ("dist", "dist_full", "dopt"):
+    # Megatron's DistributedOptimizer state, torch_dist's two layouts and the torch format's distrib_optim.pt, and its
+    # non-distributed optimizer's in both formats: each position's equals the original's, bit for bit
+    for kind in ("dist", "dist_full", "dopt", "dist_nd", "ndopt"):
         for name in ("mp_rank_00_000", "mp_rank_01_000"):
             want = torch.load(os.path.join(ours, "iter_0000002", name, "optim.pt"), weights_only=False)
             got = torch.load(tmp_path / f"imported_{kind}" / "iter_0000002" / name / "optim.pt", weights_only=False)
@@ -541,16 +597,19 @@ def _save_pipeline_as_torch_dist(base, ours, mlm, imported):
     from megatron_ext.training.pretrain_gpt import pretrain
 
     pretrain(base + ["--train-iters", "2", "--exit-interval", "1", "--save", ours])   # one step: Adam moments
-    _write_torch_dist(base + ["--train-iters", "2"], ours, {mlm: "dp_reshardable"})
+    _write_torch_dist(base + ["--train-iters", "2"], ours, {mlm: "dp_reshardable", mlm + "_nd": NON_DISTRIBUTED})
     if dist.get_rank() == 0:
         assert _tool(["--load", mlm, "--save", imported]) == 0
+        assert _tool(["--load", mlm + "_nd", "--save", imported + "_nd"]) == 0
     dist.barrier()
 
 
 def test_pipeline_chunks_optimizer_state_imports_bit_for_bit(spawn, text_dataset, tiny_model_flags, tmp_path):
     """The bucket-space layout at PP 2 with 2 model chunks per stage and tied embeddings: each stage's optimizer
     keeps one gradient buffer per chunk (gbuf_idx), and the last stage the output layer's own copy of the embedding
-    in a bucket of its own. Imported, every stage's model and optimizer state equals the original's bit for bit."""
+    in a bucket of its own. Imported, every stage's model and optimizer state equals the original's bit for bit; so
+    does the non-distributed optimizer's (fp32 weights: each its own main weight; the output layer's state saved as the
+    embedding's)."""
     base = tiny_model_flags + _data_flags(text_dataset) + [
         "--global-batch-size", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
         "1"]
@@ -559,10 +618,12 @@ def test_pipeline_chunks_optimizer_state_imports_bit_for_bit(spawn, text_dataset
     spawn(_save_pipeline_as_torch_dist, 2, base, ours, mlm, imported, timeout=240)
     from .test_checkpoint_reshard import _tensors
 
-    want, got = (_tensors(os.path.join(d, "iter_0000001")) for d in (ours, imported))
+    want = _tensors(os.path.join(ours, "iter_0000001"))
     want = {k: t for k, t in want.items() if "_extra_state" not in k}
-    assert got.keys() == want.keys() and "mp_rank_00_001/optim.pt/params/1.output_layer.weight/exp_avg" in got
-    assert all(torch.equal(t, got[k]) for k, t in want.items())
+    for d in (imported, imported + "_nd"):
+        got = _tensors(os.path.join(d, "iter_0000001"))
+        assert got.keys() == want.keys() and "mp_rank_00_001/optim.pt/params/1.output_layer.weight/exp_avg" in got
+        assert all(torch.equal(t, got[k]) for k, t in want.items()), d
 
 
 def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tmp_path, capsys):
@@ -601,6 +662,27 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
                                     "decoder.layers.0.mlp.linear_fc2.bias", "decoder.layers.1.mlp.linear_fc2.weight",
                                     "decoder.layers.1.mlp.linear_fc2.bias"]
     assert torch.equal(src.model_tensor("decoder.layers.1.mlp.linear_fc2.bias"), torch.tensor([3.0, 4.0, 5.0]))
+    # the non-distributed optimizer's model-space state: every model tensor's moments, and a bf16 weight's fp32 main
+    # weight (an fp32 weight is its own); the step is the one megatron-core saved for all (common_step)
+    adam = {"optimizer": {"state": {"common_step": torch.tensor(3.0)}, "param_groups": [{"wd_mult": 1.0}]}}
+    state = {f"optimizer.state.{f}.{k}": t for k, t in layers.items() if not k.startswith("optimizer.")
+             for f in ("exp_avg", "exp_avg_sq")}
+    nd = _fake_torch_dist(tmp_path / "nd", {**layers, **state})
+    src = DistSource(os.path.join(nd, "iter_0000003"), common, adam)
+    assert src.optim_header()["step"] == 3
+    entry = src.optim_shard(0, 0, "decoder.layers.1.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight",
+                            1, 0, False)
+    assert all(torch.equal(t, torch.ones(4, 4)) for t in entry.values())   # (the fake's tensors are all ones)
+    del state["optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"]
+    nd = _fake_torch_dist(tmp_path / "nd_short", {**layers, **state})
+    with pytest.raises(CheckpointError, match="non-distributed optimizer state without optimizer.state.exp_avg_sq."
+                                              "embedding.word_embeddings.weight"):
+        DistSource(os.path.join(nd, "iter_0000003"), common, adam)
+    bf16 = {k: t.bfloat16() for k, t in layers.items() if not k.startswith("optimizer.")}
+    nd = _fake_torch_dist(tmp_path / "nd_bf16", {**bf16, **state, "optimizer.state.exp_avg_sq.embedding."
+                                                 "word_embeddings.weight": torch.ones(8, 4)})
+    with pytest.raises(CheckpointError, match="without optimizer.state.fp32_param.decoder.layers.mlp.linear_fc2"):
+        DistSource(os.path.join(nd, "iter_0000003"), common, adam)
     # a TP rank's shard, read as a slice, is the reshard rules' split of the whole tensor (a fused SwiGLU fc1's gate
     # and up rows; a row-parallel weight's columns)
     from megatron_ext.training.checkpoint_reshard import split_tp
@@ -692,6 +774,89 @@ def test_header_carries_step_groups_and_dynamic_loss_scale():
     assert canonical_header({"optimizer": {"param_groups": groups}, "grad_scaler": {}}, "here")["grad_scaler"] is None
     with pytest.raises(CheckpointError, match="give the steps \\[6, 7\\], not one: import with --no-load-optim"):
         canonical_header({"optimizer": {"param_groups": groups + [{"step": 6}]}}, "here")
+
+
+def _main(weight: torch.Tensor, mixed: bool) -> torch.Tensor:
+    return weight.float() * (1 + 2 ** -12) if mixed else weight
+
+
+def _non_distributed_saved(chunk: dict, groups: list, mixed: bool, **args) -> dict:
+    """``model_optim_rng.pt`` as Megatron's non-distributed optimizer saves it (torch format) for the weights
+    ``chunk``: torch Adam's ``state_dict()`` over the param groups ``groups`` ((wd_mult, names) in order: indices
+    counted across the groups), exp_avg = 2 x and exp_avg_sq = 3 x the fp32 main weight; ``mixed``: a bf16 run's
+    Float16Optimizer (main weights saved group by group, off the weights by a 4096th of them, which casts back to
+    the bf16 weights), else FP32Optimizer (the weights are the main weights)."""
+    state, param_groups, masters, index = {}, [], [], 0
+    for wd_mult, names in groups:
+        mains = [_main(chunk[n], mixed) for n in names]
+        for main in mains:
+            state[index] = {"step": torch.tensor(5.0), "exp_avg": 2 * main, "exp_avg_sq": 3 * main}
+            index += 1
+        param_groups.append({"wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False, "lr": 0.1,
+                             "params": list(range(index - len(names), index))})
+        masters.append(mains)
+    adam = {"state": state, "param_groups": param_groups}
+    optimizer = {"optimizer": adam, "grad_scaler": {}, "fp32_from_fp16_params": masters} if mixed else adam
+    return {"args": argparse.Namespace(**args), "optimizer": optimizer}
+
+
+def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_path):
+    """Megatron's non-distributed optimizers (torch format): a param group's j-th index is the j-th parameter of its
+    weight decay in registration order (biases, 1-D tensors without; with --apply-wd-to-qk-layernorm q/k layer norms
+    with), each proved by its shape and, in bf16, by its fp32 main weight cast back; groups of other learning rates
+    are not read, and a state that does not fit is refused, naming the parameter."""
+    from megatron_ext.training.checkpoint_import import _local_to_te_name
+    from megatron_ext.training.checkpoint_import_optim import torch_format_state
+
+    layer = "decoder.layers.0."
+    shapes = {"embedding.word_embeddings.weight": (8, 4), layer + "input_layernorm.weight": (4,),
+              layer + "self_attention.linear_proj.weight": (4, 4), layer + "self_attention.linear_qkv.weight": (12, 4),
+              layer + "self_attention.linear_qkv.bias": (12,), layer + "self_attention.q_layernorm.weight": (4,),
+              "decoder.final_layernorm.weight": (4,)}
+    g = torch.Generator().manual_seed(0)
+    names = list(shapes)   # (registration order)
+    wd = [names[0], names[2], names[3]]
+    no_wd = [names[1], names[4], names[5], names[6]]
+    path = str(tmp_path / "model_optim_rng.pt")
+    for mixed, prefix in ((True, "module."), (False, "")):
+        chunk = {n: torch.randn(shape, generator=g).to(torch.bfloat16 if mixed else torch.float32)
+                 for n, shape in shapes.items()}
+
+        def read(saved, chunks=(chunk,)):
+            return torch_format_state(saved, path, list(chunks), _local_to_te_name, False, prefix)
+
+        for apply, groups in ((False, [(1.0, wd), (0.0, no_wd)]),
+                              (True, [(1.0, wd + [names[5]]), (0.0, [n for n in no_wd if n != names[5]])])):
+            state, whose = read(_non_distributed_saved(chunk, groups, mixed, apply_wd_to_qk_layernorm=apply))
+            assert whose == "Megatron's non-distributed" and (state["step"], state["optimizer"]) == (5, "AdamW")
+            assert [grp["wd_mult"] for grp in state["param_groups"]] == [1.0, 0.0]
+            assert state["params"].keys() == {prefix + n for n in names}
+            for n, w in chunk.items():
+                main = _main(w, mixed)
+                entry = state["params"][prefix + n]
+                assert entry["shape"] == w.shape and torch.equal(entry["master"], main.reshape(-1))
+                assert torch.equal(entry["exp_avg_sq"], 3 * main.reshape(-1))
+        # the groups in the other order (megatron-core sorts them by their overrides; older versions did not)
+        state, _ = read(_non_distributed_saved(chunk, [(0.0, no_wd), (1.0, wd)], mixed))
+        assert torch.equal(state["params"][prefix + names[3]]["exp_avg"], 2 * _main(chunk[names[3]], mixed).reshape(-1))
+        # a parameter in the other group than the rule puts it: the counts differ
+        with pytest.raises(CheckpointError, match="param group 0 holds 4 parameters, the model 3 of its weight decay"):
+            read(_non_distributed_saved(chunk, [(1.0, wd + [names[6]]), (0.0, no_wd[:-1])], mixed))
+        # two [4]-shaped layer norms swapped in their group: the main weights (bf16) tell; fp32 carries the weights
+        swapped = _non_distributed_saved(chunk, [(1.0, wd), (0.0, [no_wd[0], no_wd[1], no_wd[3], no_wd[2]])], mixed)
+        if mixed:
+            with pytest.raises(CheckpointError, match="parameter 5 \\(param group 1\\) is not "
+                                                      "decoder.layers.0.self_attention.q_layernorm.weight's state"):
+                read(swapped)
+        with pytest.raises(CheckpointError, match="parameter 1 \\(param group 0\\) is not "
+                                                  "decoder.layers.0.self_attention.linear_proj.weight's state"):
+            read(_non_distributed_saved(chunk, [(1.0, [wd[0], wd[2], wd[1]]), (0.0, no_wd)], mixed))   # shapes
+        decoupled = _non_distributed_saved(chunk, [(1.0, wd), (0.0, no_wd)], mixed)
+        (decoupled["optimizer"]["optimizer"] if mixed else decoupled["optimizer"])["param_groups"][0][
+            "is_decoupled_lr"] = True
+        assert read(decoupled) == (None, "Megatron's non-distributed optimizer has param groups with their own "
+                                         "learning rate or expert parallelism: not read")
+        assert read({"optimizer": {"optimizer": {"state": {}}}})[0] is None
 
 
 def test_registration_order_is_megatron_cores(spawn):
