@@ -74,9 +74,9 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
                       "expert optimizers) are not read")
     layout = optimizer.get("param_state_sharding_type")
     if layout is None:
-        if isinstance(_adam_state(optimizer).get("param_groups"), list):
-            return NON_DISTRIBUTED, ""
-        return None, "an optimizer state of no layout this import knows"
+        if not isinstance(_adam_state(optimizer).get("param_groups"), list):
+            return None, "an optimizer state of no layout this import knows"
+        return non_distributed_adam(optimizer)
     if layout not in LAYOUTS:
         return None, f"Megatron's {layout} optimizer layout is not read (only {' and '.join(LAYOUTS)})"
     return layout, ""
@@ -86,6 +86,16 @@ def optimizer_label(layout: str) -> str:
     """How the log names the optimizer state of ``layout``."""
     return ("Megatron's non-distributed" if layout == NON_DISTRIBUTED else
             f"Megatron's DistributedOptimizer's ({layout})")
+
+
+def non_distributed_adam(optimizer: Dict[str, Any]) -> Tuple[Optional[str], str]:
+    """(NON_DISTRIBUTED, "") where Megatron's non-distributed optimizer saved Adam's state, else (None, why not)."""
+    adam = _adam_state(optimizer)
+    if not adam.get("state"):   # (torch_dist keeps only the shared step there, megatron-core's common_step)
+        return None, "Megatron's non-distributed optimizer saved no Adam state (saved before its first step?)"
+    if not all(isinstance(g, dict) and "betas" in g for g in adam["param_groups"]):
+        return None, "Megatron's non-distributed optimizer is not Adam (only Adam's state is read)"
+    return NON_DISTRIBUTED, ""
 
 
 def _adam_state(optimizer: Dict[str, Any]) -> Dict[str, Any]:
@@ -140,9 +150,11 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
                       "optimizers) are not read")
     if not isinstance(common, dict):
         return None, "an optimizer state of no layout this import knows"
-    param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
-    if "state" in _adam_state(common) or not os.path.isfile(param_state_path):
+    if "state" in _adam_state(common):   # (the DistributedOptimizer keeps its state apart, in distrib_optim.pt)
         return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix)
+    param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
+    if not os.path.isfile(param_state_path):
+        return None, f"no {param_state_path}: the DistributedOptimizer's parameter state is missing"
     state = _read(param_state_path)
     if not state.get("buckets_coalesced"):
         return None, f"{param_state_path} is in an older DistributedOptimizer layout (buckets not coalesced), not read"
@@ -183,15 +195,21 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     The groups do not name their parameters. megatron-core fills them walking the model chunks' parameters in
     registration order (:func:`registration_order`), each into the group of its weight decay: none for biases and
     1-D tensors (``wd_mult`` 0, as the saving run's ``--apply-wd-to-qk-layernorm`` excepts q/k layer norms), full
-    for the rest. So the j-th index of a group is the j-th parameter of that kind in that order; it is proved, for
-    every parameter, by the state's shape and, where a main weight is saved, by the main weight cast to the weight's
-    dtype equalling the weight. Groups with other learning rates (decoupled, scaled) or expert-parallel ones are not
-    read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
+    for the rest. So the j-th index of a group is the j-th parameter of that kind in that order; it is checked, for
+    every parameter, by the state's shape and, where a main weight is saved (bf16/fp16), by the main weight cast to
+    the weight's dtype equalling the weight. Equal shapes with equal weights (layer norms at 1.0 early in training)
+    and fp32 runs' weights (their own main weights) rest on the order itself, which is megatron-core's wherever every
+    name is in the layer tables (tested against megatron-core's own model and optimizer), and refused otherwise.
+    Groups with other learning rates (decoupled, scaled) or expert-parallel ones, and optimizers other than Adam,
+    are not read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
     common = saved["optimizer"]
     adam = _adam_state(common)
     groups, state = adam.get("param_groups"), adam.get("state")
-    if not groups or not state:
-        return None, "Megatron's non-distributed optimizer saved no Adam state"
+    if not isinstance(groups, list):
+        return None, "an optimizer state of no layout this import knows"
+    layout, why_not = non_distributed_adam(common)
+    if layout is None:
+        return None, why_not
     odd = [g for g in groups if g.get("is_decoupled_lr") or float(g.get("lr_mult", 1.0)) != 1.0
            or g.get("is_expert_parallel")]
     if odd:
@@ -205,6 +223,11 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     apply_wd_qk = bool(getattr(saved.get("args"), "apply_wd_to_qk_layernorm", False))
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
+    unknown = [key for _, te, key in mine if not order_is_known([(0, te, key)])]
+    if unknown:   # (equal shapes in a group are told apart by the order alone where no main weight is saved)
+        raise CheckpointError(f"{path}: {unknown[0]} is not in megatron-core's registration order as this import "
+                              "knows it, which places the non-distributed optimizer's state: import with "
+                              "--no-load-optim")
     by_order = {(c, te): key for c, te, key in mine}
     members: List[List[Tuple[int, str]]] = [[] for _ in groups]
     for c, te in registration_order(mine, te_saved):

@@ -664,12 +664,16 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
     assert torch.equal(src.model_tensor("decoder.layers.1.mlp.linear_fc2.bias"), torch.tensor([3.0, 4.0, 5.0]))
     # the non-distributed optimizer's model-space state: every model tensor's moments, and a bf16 weight's fp32 main
     # weight (an fp32 weight is its own); the step is the one megatron-core saved for all (common_step)
-    adam = {"optimizer": {"state": {"common_step": torch.tensor(3.0)}, "param_groups": [{"wd_mult": 1.0}]}}
+    adam = {"optimizer": {"state": {"common_step": torch.tensor(3.0)}, "param_groups": [{"wd_mult": 1.0,
+                                                                                          "betas": (0.9, 0.95)}]}}
     state = {f"optimizer.state.{f}.{k}": t for k, t in layers.items() if not k.startswith("optimizer.")
              for f in ("exp_avg", "exp_avg_sq")}
     nd = _fake_torch_dist(tmp_path / "nd", {**layers, **state})
     src = DistSource(os.path.join(nd, "iter_0000003"), common, adam)
     assert src.optim_header()["step"] == 3
+    before_first_step = {"optimizer": {"state": {}, "param_groups": adam["optimizer"]["param_groups"]}}   # no step
+    stepless = DistSource(os.path.join(nd, "iter_0000003"), common, {"optimizer": before_first_step})
+    assert not stepless.has_optim and "non-distributed optimizer saved no Adam state" in stepless.optim_note
     entry = src.optim_shard(0, 0, "decoder.layers.1.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight",
                             1, 0, False)
     assert all(torch.equal(t, torch.ones(4, 4)) for t in entry.values())   # (the fake's tensors are all ones)
@@ -793,7 +797,7 @@ def _non_distributed_saved(chunk: dict, groups: list, mixed: bool, **args) -> di
             state[index] = {"step": torch.tensor(5.0), "exp_avg": 2 * main, "exp_avg_sq": 3 * main}
             index += 1
         param_groups.append({"wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False, "lr": 0.1,
-                             "params": list(range(index - len(names), index))})
+                             "betas": (0.9, 0.95), "params": list(range(index - len(names), index))})
         masters.append(mains)
     adam = {"state": state, "param_groups": param_groups}
     optimizer = {"optimizer": adam, "grad_scaler": {}, "fp32_from_fp16_params": masters} if mixed else adam
@@ -856,7 +860,87 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
             "is_decoupled_lr"] = True
         assert read(decoupled) == (None, "Megatron's non-distributed optimizer has param groups with their own "
                                          "learning rate or expert parallelism: not read")
-        assert read({"optimizer": {"optimizer": {"state": {}}}})[0] is None
+        sgd = _non_distributed_saved(chunk, [(1.0, wd), (0.0, no_wd)], mixed)
+        for grp in (sgd["optimizer"]["optimizer"] if mixed else sgd["optimizer"])["param_groups"]:
+            del grp["betas"]
+        assert read(sgd) == (None, "Megatron's non-distributed optimizer is not Adam (only Adam's state is read)")
+        with pytest.raises(CheckpointError, match="decoder.layers.0.self_attention.new.weight is not in "
+                                                  "megatron-core's registration order"):   # (where is its state?)
+            read(_non_distributed_saved(chunk, groups, mixed), [{**chunk, layer + "self_attention.new.weight":
+                                                                 chunk[names[3]]}])
+        groups = [{"wd_mult": 1.0, "betas": (0.9, 0.95), "params": []}]
+        assert read({"optimizer": {"optimizer": {"state": {}, "param_groups": groups}}})[1] == (
+            "Megatron's non-distributed optimizer saved no Adam state (saved before its first step?)")
+        assert read({"optimizer": {"optimizer": {"param_groups": groups}}})[1] == (   # (a DistributedOptimizer's)
+            f"no {tmp_path / 'distrib_optim.pt'}: the DistributedOptimizer's parameter state is missing")
+
+
+def _megatron_core_non_distributed_saves(cases):
+    """Rank body (world of 1): for each (bf16, --apply-wd-to-qk-layernorm), megatron-core's GPT (local spec, biases,
+    q/k layer norms; every weight random, so each is told apart) under its own DDP and non-distributed optimizer,
+    Adam's state set to exp_avg = 2 x and exp_avg_sq = 3 x each fp32 main weight; returns what Megatron-LM's torch
+    format saves of it: the model's state dict and ``model_optim_rng.pt``'s ``args`` and ``optimizer``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.models.gpt import make_gpt_config
+
+    from ..test_utilities import Utils
+
+    enable_cpu_compat()
+    out = []
+    for bf16, apply_wd_qk in cases:
+        Utils.initialize_model_parallel(1, 1)
+        try:
+            torch.manual_seed(1)
+            gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=bf16),
+                           transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                           max_sequence_length=16)
+            with torch.no_grad():
+                for p in gpt.parameters():
+                    p.copy_(torch.randn_like(p))
+            module = Float16Module(gpt.config, gpt) if bf16 else gpt
+            with _megatron_core_on_cpu():
+                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), module)
+                optimizer = get_megatron_optimizer(OptimizerConfig(
+                    optimizer="adam", lr=1e-3, bf16=bf16, apply_wd_to_qk_layernorm=apply_wd_qk), [ddp])
+                (inner,) = optimizer.chained_optimizers
+                for group in inner.optimizer.param_groups:
+                    for main in group["params"]:
+                        inner.optimizer.state[main].update(step=torch.tensor(3.0), exp_avg=2 * main.detach(),
+                                                           exp_avg_sq=3 * main.detach())
+                out.append((gpt.state_dict(), {"args": argparse.Namespace(apply_wd_to_qk_layernorm=apply_wd_qk),
+                                               "optimizer": optimizer.state_dict()}))
+        finally:
+            Utils.destroy_model_parallel()
+    return out
+
+
+def test_non_distributed_state_follows_megatron_cores_param_groups(spawn, tmp_path):
+    """megatron-core's own non-distributed optimizers (FP32Optimizer; Float16OptimizerWithFloat16Params with
+    --apply-wd-to-qk-layernorm) on a GPT with biases and q/k layer norms, every weight distinct: the torch format's
+    state, read by param-group index, gives each parameter its own moments (2 x and 3 x its main weight)."""
+    from megatron_ext.training.checkpoint_import import _local_to_te_name
+    from megatron_ext.training.checkpoint_import_optim import torch_format_state
+
+    cases = [(False, False), (True, True)]
+    for (bf16, _), (chunk, saved) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1, cases)[0]):
+        prefix = "module." if bf16 else ""
+        state, whose = torch_format_state(saved, str(tmp_path / "model_optim_rng.pt"), [chunk], _local_to_te_name,
+                                          False, prefix)
+        assert whose == "Megatron's non-distributed" and state["step"] == 3
+        weights = {k: t for k, t in chunk.items() if torch.is_tensor(t) and not k.endswith("_extra_state")}
+        assert state["params"].keys() == {prefix + k for k in weights} and any("q_layernorm" in k for k in weights)
+        for key, weight in weights.items():
+            entry = state["params"][prefix + key]
+            main = entry["master"].view(weight.shape)
+            assert torch.equal(main.to(weight.dtype), weight), key
+            assert torch.equal(entry["exp_avg"], 2 * entry["master"]) and torch.equal(entry["exp_avg_sq"],
+                                                                                      3 * entry["master"]), key
 
 
 def test_registration_order_is_megatron_cores(spawn):
