@@ -356,7 +356,7 @@ def import_megatron_lm_checkpoint(load_dir: str, save_dir: str, transformer_impl
             if not load_optim:
                 why_not = "not read: --no-load-optim"
             elif optim is None:   # Megatron's own optimizers', placed against the weights as saved
-                optim, text = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix)
+                optim, text = torch_format_state(saved, path, chunks, te_names, source_impl != "local", prefix, args)
                 kind, why_not = (text, why_not) if optim is not None else (kind, text)
                 if optim is not None and renames is not None:
                     optim["params"] = rename_for_local(optim["params"], renames)

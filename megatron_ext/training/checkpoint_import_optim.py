@@ -60,6 +60,7 @@ _FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("e
 _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                      r"\.param$")
 _ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
+_EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")   # is_embedding_or_output_parameter
 
 
 def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
@@ -105,10 +106,46 @@ def _adam_state(optimizer: Dict[str, Any]) -> Dict[str, Any]:
     return inner if isinstance(inner, dict) else optimizer
 
 
-def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, Any]:
+def group_key(group: Dict[str, Any], args: Dict[str, Any]) -> Optional[tuple]:
+    """A saved param group's key as megatron-core's standard overrides give it (``param_group_override_to_tuple``:
+    no weight decay, ``--decoupled-lr``), the key the ODO records (``param_groups.py``); a group with a learning-rate
+    multiplier has none (its scale_lr_cond is not known here)."""
+    items: Dict[str, Any] = {}
+    if float(group.get("wd_mult", 1.0)) != 1.0:
+        items["wd_mult"] = float(group["wd_mult"])
+    decoupled_lr = args.get("decoupled_lr")
+    # (megatron-core before 0.16 marks the group; 0.16 knows it by its override: its own max_lr, off the default)
+    if group.get("is_decoupled_lr") or (decoupled_lr is not None and group.get("default_config") is False
+                                        and group.get("max_lr") == decoupled_lr):
+        items["max_lr"] = decoupled_lr
+        if args.get("decoupled_min_lr") is not None:
+            items["min_lr"] = args["decoupled_min_lr"]
+    return tuple(sorted(items.items())) or None
+
+
+def param_key(name: str, weight: torch.Tensor, args: Dict[str, Any]) -> Optional[tuple]:
+    """The key megatron-core's standard overrides give the parameter ``name`` (a local or Transformer Engine name):
+    no weight decay for biases and 1-D tensors (q/k layer norms keep it under ``--apply-wd-to-qk-layernorm``), the
+    decoupled learning rate for the word embeddings and the output layer under ``--decoupled-lr``."""
+    items: Dict[str, Any] = {}
+    if (weight.dim() == 1 or name.endswith(".bias")) and not (
+            args.get("apply_wd_to_qk_layernorm") and ("q_layernorm." in name or "k_layernorm." in name)):
+        items["wd_mult"] = 0.0
+    if args.get("decoupled_lr") is not None and name.endswith(_EMBEDDING_OR_OUTPUT):
+        items["max_lr"] = args["decoupled_lr"]
+        if args.get("decoupled_min_lr") is not None:
+            items["min_lr"] = args["decoupled_min_lr"]
+    return tuple(sorted(items.items())) or None
+
+
+def canonical_header(saved: Any, where: str, scaler: Any = None, args: Optional[Dict[str, Any]] = None
+                     ) -> Dict[str, Any]:
     """The canonical state's header (type, step, param groups, loss scaler) from the DistributedOptimizer's
     ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
-    groups record. ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout)."""
+    groups record. ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout).
+    ``args``: the saving run's; with them each group records its key (:func:`group_key`), which the loader matches
+    the resuming run's groups by (else by ``wd_mult`` and ``lr_mult``, or position: a decoupled-LR group shares
+    those with the default one)."""
     scaler = scaler if scaler is not None else (saved.get("grad_scaler") if isinstance(saved, dict) else None)
     adam = _adam_state(saved) if isinstance(saved, dict) else {}
     groups = adam.get("param_groups")
@@ -124,20 +161,24 @@ def canonical_header(saved: Any, where: str, scaler: Any = None) -> Dict[str, An
         raise CheckpointError(f"{where}: the optimizer's param groups give the steps {sorted(steps)}, not one: "
                               "import with --no-load-optim")
     dynamic = isinstance(scaler, dict) and "scale" in scaler   # (a constant scaler saves {}: the run's flag rules)
+    keys = [group_key(g, args) for g in groups] if args is not None else []
+    keyed = len(set(keys)) == len(groups) and all(float(g.get("lr_mult", 1.0)) == 1.0 for g in groups)
     return {"format": CANONICAL_FORMAT, "optimizer": "AdamW", "step": steps.pop(),
-            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups],
+            "param_groups": [{**{k: v for k, v in g.items() if k not in ("params", "step")},
+                              **({"overrides": keys[i]} if keyed else {})} for i, g in enumerate(groups)],
             "grad_scaler": {"scale": float(scaler["scale"]), "growth_tracker": int(scaler.get("growth_tracker", 0)),
                             "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0))} if dynamic else None}
 
 
 def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]], te_names: Callable[[str], str],
-                       te_saved: bool, prefix: str) -> Tuple[Optional[Dict[str, Any]], str]:
+                       te_saved: bool, prefix: str, args: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
     """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint and whose it is (for the
     log), or (None, why not). Megatron's DistributedOptimizer saves its ``state_dict()`` in ``model_optim_rng.pt`` at
     ``path`` and its parameter state gathered in ``distrib_optim.pt`` beside it (each gradient buffer's buckets
     coalesced), placed by the walk of the module note against the position's weights ``chunks``; its non-distributed
     optimizer's state is read by :func:`non_distributed_state`. ``te_names``: a saved name's Transformer Engine name
-    (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16)."""
+    (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16); ``args``: the saving run's
+    (``imported_args``)."""
     import os
 
     from .checkpoint_import import _read
@@ -151,7 +192,7 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     if not isinstance(common, dict):
         return None, "an optimizer state of no layout this import knows"
     if "state" in _adam_state(common):   # (the DistributedOptimizer keeps its state apart, in distrib_optim.pt)
-        return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix)
+        return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix, args)
     param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     if not os.path.isfile(param_state_path):
         return None, f"no {param_state_path}: the DistributedOptimizer's parameter state is missing"
@@ -182,26 +223,27 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     params = {}
     for (c, key), entry in out.items():
         params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(entry)
-    return {**canonical_header(common, path), "params": params}, "Megatron's DistributedOptimizer's"
+    return {**canonical_header(common, path, args=args), "params": params}, "Megatron's DistributedOptimizer's"
 
 
 def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]],
-                          te_names: Callable[[str], str], te_saved: bool, prefix: str
+                          te_names: Callable[[str], str], te_saved: bool, prefix: str, args: Dict[str, Any]
                           ) -> Tuple[Optional[Dict[str, Any]], str]:
     """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint that Megatron's
     non-distributed optimizer saved (its ``state_dict()``: torch Adam's, whose per-parameter state is keyed by the
     parameter's index in its param groups, and a bf16/fp16 run's fp32 main weights group by group), or (None, why not).
 
     The groups do not name their parameters. megatron-core fills them walking the model chunks' parameters in
-    registration order (:func:`registration_order`), each into the group of its weight decay: none for biases and
-    1-D tensors (``wd_mult`` 0, as the saving run's ``--apply-wd-to-qk-layernorm`` excepts q/k layer norms), full
-    for the rest. So the j-th index of a group is the j-th parameter of that kind in that order; it is checked, for
+    registration order (:func:`registration_order`), each into the group of its standard overrides
+    (:func:`param_key`: no weight decay for biases and 1-D tensors, as the saving run's
+    ``--apply-wd-to-qk-layernorm`` excepts q/k layer norms; ``--decoupled-lr`` for the word embeddings and the output
+    layer), which the saved groups show (:func:`group_key`). So the j-th index of a group is the j-th parameter of
+    that kind in that order; it is checked, for
     every parameter, by the state's shape and, where a main weight is saved (bf16/fp16), by the main weight cast to
     the weight's dtype equalling the weight. Equal shapes with equal weights (layer norms at 1.0 early in training)
     and fp32 runs' weights (their own main weights) rest on the order itself, which is megatron-core's wherever every
     name is in the layer tables (tested against megatron-core's own model and optimizer), and refused otherwise.
-    Groups with other learning rates (decoupled, scaled) or expert-parallel ones, and optimizers other than Adam,
-    are not read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
+    Groups with a learning-rate multiplier or expert-parallel ones, and optimizers other than Adam, are not read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
     common = saved["optimizer"]
     adam = _adam_state(common)
     groups, state = adam.get("param_groups"), adam.get("state")
@@ -210,17 +252,14 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     layout, why_not = non_distributed_adam(common)
     if layout is None:
         return None, why_not
-    odd = [g for g in groups if g.get("is_decoupled_lr") or float(g.get("lr_mult", 1.0)) != 1.0
-           or g.get("is_expert_parallel")]
-    if odd:
-        return None, ("Megatron's non-distributed optimizer has param groups with their own learning rate or expert "
-                      "parallelism: not read")
-    wd_groups = {float(g.get("wd_mult", 1.0)): i for i, g in enumerate(groups)}
-    if len(wd_groups) != len(groups) or not set(wd_groups) <= {0.0, 1.0}:
-        return None, (f"Megatron's non-distributed optimizer's param groups (weight decay multipliers "
-                      f"{[g.get('wd_mult') for g in groups]}) are not the standard two: not read")
+    if any(float(g.get("lr_mult", 1.0)) != 1.0 or g.get("is_expert_parallel") for g in groups):
+        return None, ("Megatron's non-distributed optimizer has param groups with a learning-rate multiplier or "
+                      "expert parallelism: not read")
+    keys = [group_key(g, args) for g in groups]
+    if len(set(keys)) != len(keys):
+        return None, (f"Megatron's non-distributed optimizer's param groups are not told apart by megatron-core's "
+                      f"standard overrides ({keys}): not read")
     masters = common.get("fp32_from_fp16_params") if adam is not common else None
-    apply_wd_qk = bool(getattr(saved.get("args"), "apply_wd_to_qk_layernorm", False))
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
     unknown = [key for _, te, key in mine if not order_is_known([(0, te, key)])]
@@ -232,18 +271,17 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     members: List[List[Tuple[int, str]]] = [[] for _ in groups]
     for c, te in registration_order(mine, te_saved):
         key = by_order[c, te]
-        no_wd = (chunks[c][key].dim() == 1 or key.endswith(".bias")) and not (
-            apply_wd_qk and ("q_layernorm." in key or "k_layernorm." in key))
-        if (0.0 if no_wd else 1.0) not in wd_groups:
-            raise CheckpointError(f"{path}: {key} has no param group of its weight decay in Megatron's optimizer "
-                                  "state: import with --no-load-optim")
-        members[wd_groups[0.0 if no_wd else 1.0]].append((c, key))
+        wanted = param_key(key, chunks[c][key], args)
+        if wanted not in keys:
+            raise CheckpointError(f"{path}: {key} has no param group of its overrides {wanted} in Megatron's "
+                                  "optimizer state: import with --no-load-optim")
+        members[keys.index(wanted)].append((c, key))
     params = {}
     for i, (group, names) in enumerate(zip(groups, members)):
         ids = list(group.get("params", []))
         if len(ids) != len(names):
             raise CheckpointError(f"{path}: the optimizer's param group {i} holds {len(ids)} parameters, the model "
-                                  f"{len(names)} of its weight decay: import with --no-load-optim")
+                                  f"{len(names)} of its overrides {keys[i]}: import with --no-load-optim")
         # (the fp32 main weights of the group's bf16/fp16 weights in its order; an fp32 weight is its own)
         mains = iter(masters[i] if masters and i < len(masters) else [])
         for index, (c, key) in zip(ids, names):
@@ -256,7 +294,7 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
                                       "state (shape or main weight): import with --no-load-optim")
             params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(
                 {ours: t.float() for ours, t in fields.items()})
-    return {**canonical_header(common, path), "params": params}, optimizer_label(NON_DISTRIBUTED)
+    return {**canonical_header(common, path, args=args), "params": params}, optimizer_label(NON_DISTRIBUTED)
 
 
 class MegatronOptimizerState:
@@ -275,7 +313,7 @@ class MegatronOptimizerState:
         scaler = (src.read_object("optimizer.distributed.dp_group_idx_0.grad_scaler")
                   if layout == "dp_reshardable" and src.has_object("optimizer.distributed.dp_group_idx_0.grad_scaler")
                   else None)
-        self.header = canonical_header(groups, src.ckpt, scaler)
+        self.header = canonical_header(groups, src.ckpt, scaler, src.args)
         self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
         self._fields = _FIELDS_NON_DISTRIBUTED if layout == NON_DISTRIBUTED else _FIELDS
         # model space: every model tensor's state under its name; but an fp32 weight in the non-distributed

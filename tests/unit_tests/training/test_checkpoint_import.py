@@ -434,6 +434,8 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
             want = torch.load(os.path.join(ours, "iter_0000002", name, "optim.pt"), weights_only=False)
             got = torch.load(tmp_path / f"imported_{kind}" / "iter_0000002" / name / "optim.pt", weights_only=False)
             assert (got["format"], got["optimizer"], got["step"]) == (want["format"], want["optimizer"], 2)
+            # the groups' keys are the ODO's (the resume matches groups by them)
+            assert [g["overrides"] for g in got["param_groups"]] == [g["overrides"] for g in want["param_groups"]]
             assert got["params"].keys() == want["params"].keys()
             for param, entry in want["params"].items():
                 assert tuple(got["params"][param]["shape"]) == tuple(entry["shape"])
@@ -827,7 +829,8 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
                  for n, shape in shapes.items()}
 
         def read(saved, chunks=(chunk,)):
-            return torch_format_state(saved, path, list(chunks), _local_to_te_name, False, prefix)
+            args = vars(saved["args"]) if "args" in saved else {}
+            return torch_format_state(saved, path, list(chunks), _local_to_te_name, False, prefix, args)
 
         for apply, groups in ((False, [(1.0, wd), (0.0, no_wd)]),
                               (True, [(1.0, wd + [names[5]]), (0.0, [n for n in no_wd if n != names[5]])])):
@@ -844,7 +847,7 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
         state, _ = read(_non_distributed_saved(chunk, [(0.0, no_wd), (1.0, wd)], mixed))
         assert torch.equal(state["params"][prefix + names[3]]["exp_avg"], 2 * _main(chunk[names[3]], mixed).reshape(-1))
         # a parameter in the other group than the rule puts it: the counts differ
-        with pytest.raises(CheckpointError, match="param group 0 holds 4 parameters, the model 3 of its weight decay"):
+        with pytest.raises(CheckpointError, match="param group 0 holds 4 parameters, the model 3 of its overrides"):
             read(_non_distributed_saved(chunk, [(1.0, wd + [names[6]]), (0.0, no_wd[:-1])], mixed))
         # two [4]-shaped layer norms swapped in their group: the main weights (bf16) tell; fp32 carries the weights
         swapped = _non_distributed_saved(chunk, [(1.0, wd), (0.0, [no_wd[0], no_wd[1], no_wd[3], no_wd[2]])], mixed)
@@ -855,11 +858,21 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
         with pytest.raises(CheckpointError, match="parameter 1 \\(param group 0\\) is not "
                                                   "decoder.layers.0.self_attention.linear_proj.weight's state"):
             read(_non_distributed_saved(chunk, [(1.0, [wd[0], wd[2], wd[1]]), (0.0, no_wd)], mixed))   # shapes
-        decoupled = _non_distributed_saved(chunk, [(1.0, wd), (0.0, no_wd)], mixed)
-        (decoupled["optimizer"]["optimizer"] if mixed else decoupled["optimizer"])["param_groups"][0][
+        # --decoupled-lr: the word embeddings in a group of their own (megatron-core before 0.16 marks it)
+        decoupled = _non_distributed_saved(chunk, [(1.0, wd[1:]), (0.0, no_wd), (1.0, wd[:1])], mixed,
+                                           decoupled_lr=0.01)
+        (decoupled["optimizer"]["optimizer"] if mixed else decoupled["optimizer"])["param_groups"][2][
             "is_decoupled_lr"] = True
-        assert read(decoupled) == (None, "Megatron's non-distributed optimizer has param groups with their own "
-                                         "learning rate or expert parallelism: not read")
+        state, _ = read(decoupled)
+        assert [grp["overrides"] for grp in state["param_groups"]] == [None, (("wd_mult", 0.0),), (("max_lr", 0.01),)]
+        assert torch.equal(state["params"][prefix + names[0]]["exp_avg"], 2 * _main(chunk[names[0]], mixed).reshape(-1))
+        del decoupled["args"].decoupled_lr   # (the run's flags say no group of its own: where would its state be?)
+        with pytest.raises(CheckpointError, match="param group 0 holds 2 parameters, the model 3 of its overrides"):
+            read(decoupled)
+        scaled = _non_distributed_saved(chunk, [(1.0, wd), (0.0, no_wd)], mixed)
+        (scaled["optimizer"]["optimizer"] if mixed else scaled["optimizer"])["param_groups"][0]["lr_mult"] = 2.0
+        assert read(scaled) == (None, "Megatron's non-distributed optimizer has param groups with a learning-rate "
+                                      "multiplier or expert parallelism: not read")
         sgd = _non_distributed_saved(chunk, [(1.0, wd), (0.0, no_wd)], mixed)
         for grp in (sgd["optimizer"]["optimizer"] if mixed else sgd["optimizer"])["param_groups"]:
             del grp["betas"]
@@ -876,14 +889,17 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
 
 
 def _megatron_core_non_distributed_saves(cases):
-    """Rank body (world of 1): for each (bf16, --apply-wd-to-qk-layernorm), megatron-core's GPT (local spec, biases,
-    q/k layer norms; every weight random, so each is told apart) under its own DDP and non-distributed optimizer,
-    Adam's state set to exp_avg = 2 x and exp_avg_sq = 3 x each fp32 main weight; returns what Megatron-LM's torch
-    format saves of it: the model's state dict and ``model_optim_rng.pt``'s ``args`` and ``optimizer``."""
+    """Rank body (world of 1): for each (bf16, saving run's args), megatron-core's GPT (local spec, biases, q/k layer
+    norms, untied output layer; every weight random, so each is told apart) under its own DDP and non-distributed
+    optimizer, Adam's state set to exp_avg = 2 x and exp_avg_sq = 3 x each fp32 main weight; returns what Megatron-LM's
+    torch format saves of it (the model's state dict; ``model_optim_rng.pt``'s ``args`` and ``optimizer``) and each
+    param group's key as megatron-core's standard overrides give its parameters."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (OptimizerConfig, combine_param_group_overrides, get_megatron_optimizer,
+                                         get_standard_config_overrides)
+    from megatron.core.optimizer_param_scheduler import param_group_override_to_tuple
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.compat import enable_cpu_compat
@@ -893,28 +909,40 @@ def _megatron_core_non_distributed_saves(cases):
 
     enable_cpu_compat()
     out = []
-    for bf16, apply_wd_qk in cases:
+    for bf16, args in cases:
         Utils.initialize_model_parallel(1, 1)
         try:
             torch.manual_seed(1)
             gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=bf16),
                            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
-                           max_sequence_length=16)
+                           max_sequence_length=16, share_embeddings_and_output_weights=False)
             with torch.no_grad():
                 for p in gpt.parameters():
                     p.copy_(torch.randn_like(p))
             module = Float16Module(gpt.config, gpt) if bf16 else gpt
             with _megatron_core_on_cpu():
                 ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), module)
-                optimizer = get_megatron_optimizer(OptimizerConfig(
-                    optimizer="adam", lr=1e-3, bf16=bf16, apply_wd_to_qk_layernorm=apply_wd_qk), [ddp])
+                config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, bf16=bf16, **args)
+                optimizer = get_megatron_optimizer(config, [ddp])
                 (inner,) = optimizer.chained_optimizers
                 for group in inner.optimizer.param_groups:
                     for main in group["params"]:
                         inner.optimizer.state[main].update(step=torch.tensor(3.0), exp_avg=2 * main.detach(),
                                                            exp_avg_sq=3 * main.detach())
-                out.append((gpt.state_dict(), {"args": argparse.Namespace(apply_wd_to_qk_layernorm=apply_wd_qk),
-                                               "optimizer": optimizer.state_dict()}))
+                # each group's key, from its first parameter's name (megatron-core's own matching)
+                model_of = {id(main): p for mains, model in zip(getattr(inner, "fp32_from_float16_groups", []),
+                                                                 getattr(inner, "float16_groups", []))
+                            for main, p in zip(mains, model)}
+                name_of = {id(p): n for n, p in ddp.module.named_parameters()}
+                overrides = get_standard_config_overrides(config)
+                keys = []
+                for group in inner.optimizer.param_groups:
+                    p = model_of.get(id(group["params"][0]), group["params"][0])
+                    matched = [o for k, o in overrides.items() if k.matches(p, name_of[id(p)])]
+                    keys.append(param_group_override_to_tuple(combine_param_group_overrides(matched))
+                                if matched else None)
+                out.append((gpt.state_dict(), {"args": argparse.Namespace(**args),
+                                               "optimizer": optimizer.state_dict()}, keys))
         finally:
             Utils.destroy_model_parallel()
     return out
@@ -922,17 +950,22 @@ def _megatron_core_non_distributed_saves(cases):
 
 def test_non_distributed_state_follows_megatron_cores_param_groups(spawn, tmp_path):
     """megatron-core's own non-distributed optimizers (FP32Optimizer; Float16OptimizerWithFloat16Params with
-    --apply-wd-to-qk-layernorm) on a GPT with biases and q/k layer norms, every weight distinct: the torch format's
-    state, read by param-group index, gives each parameter its own moments (2 x and 3 x its main weight)."""
+    --apply-wd-to-qk-layernorm, and with --decoupled-lr) on a GPT with biases, q/k layer norms and an untied output
+    layer, every weight distinct: the torch format's state, read by param-group index, gives each parameter its own
+    moments (2 x and 3 x its main weight), and each group the key megatron-core's overrides give its parameters (the
+    one the resume matches groups by)."""
     from megatron_ext.training.checkpoint_import import _local_to_te_name
     from megatron_ext.training.checkpoint_import_optim import torch_format_state
 
-    cases = [(False, False), (True, True)]
-    for (bf16, _), (chunk, saved) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1, cases)[0]):
+    cases = [(False, {}), (True, {"apply_wd_to_qk_layernorm": True}),
+             (True, {"decoupled_lr": 0.01, "decoupled_min_lr": 0.001})]
+    for (bf16, args), (chunk, saved, keys) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1, cases)[0]):
         prefix = "module." if bf16 else ""
         state, whose = torch_format_state(saved, str(tmp_path / "model_optim_rng.pt"), [chunk], _local_to_te_name,
-                                          False, prefix)
+                                          False, prefix, args)
         assert whose == "Megatron's non-distributed" and state["step"] == 3
+        assert [g["overrides"] for g in state["param_groups"]] == keys and len(set(keys)) == len(keys) >= 2
+        assert ((("max_lr", 0.01), ("min_lr", 0.001)) in keys) == ("decoupled_lr" in args)
         weights = {k: t for k, t in chunk.items() if torch.is_tensor(t) and not k.endswith("_extra_state")}
         assert state["params"].keys() == {prefix + k for k in weights} and any("q_layernorm" in k for k in weights)
         for key, weight in weights.items():
