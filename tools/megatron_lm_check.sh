@@ -102,26 +102,27 @@ done
 run import_ckpt python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_bucket" --save "$out/ckpt_imported" \
     --transformer-impl local
 run pretrain_gpt_imported "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" --load "$out/ckpt_imported"
-# (e): Megatron-LM's default checkpoint format, its own optimizer
-run megatron_torch_dist_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
-    "${ours[@]}" --ckpt-format torch_dist --save "$out/ckpt_dist" --save-interval "$half" --exit-interval "$half"
-run import_torch_dist python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_dist" \
-    --save "$out/ckpt_dist_imported"
-run pretrain_gpt_imported_torch_dist "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
-    --load "$out/ckpt_dist_imported"
-# (f): Megatron-LM's default optimizer (not distributed; --overlap-param-gather needs the distributed one)
+# (e), (f): a Megatron-LM run with its own optimizer saves its default --ckpt-format torch_dist at $half; imported
+# (weights, data position, optimizer state) and continued by pretrain_gpt with (d)'s flags
+save_import_continue() {  # save_import_continue CHECK CKPT MEGATRON_LM_FLAGS...
+  local check=$1 ckpt=$2; shift 2
+  run "megatron_${check}_save" "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "$@" \
+      --ckpt-format torch_dist --save "$ckpt" --save-interval "$half" --exit-interval "$half"
+  run "import_${check}" python "$here/import_megatron_lm_checkpoint.py" --load "$ckpt" --save "${ckpt}_imported"
+  run "pretrain_gpt_imported_${check}" "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
+      --load "${ckpt}_imported"
+}
+# (e): the distributed optimizer, in its default dp_reshardable layout
+save_import_continue torch_dist "$out/ckpt_dist" "${ours[@]}"
+# (f): Megatron-LM's default optimizer (not distributed; --overlap-param-gather needs the distributed one), also run
+# uninterrupted
 plain=()
 for a in "${ours[@]}"; do
   case "$a" in --use-distributed-optimizer|--overlap-param-gather) ;; *) plain+=("$a") ;; esac
 done
 run megatron_default_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${plain[@]}" \
     --ckpt-format torch_dist
-run megatron_default_opt_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
-    "${plain[@]}" --ckpt-format torch_dist --save "$out/ckpt_default" --save-interval "$half" --exit-interval "$half"
-run import_default_opt python "$here/import_megatron_lm_checkpoint.py" --load "$out/ckpt_default" \
-    --save "$out/ckpt_default_imported"
-run pretrain_gpt_imported_default_opt "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
-    --load "$out/ckpt_default_imported"
+save_import_continue default_opt "$out/ckpt_default" "${plain[@]}"
 
 [ "$dry" = 1 ] && exit 0
 status=0
