@@ -889,10 +889,11 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
 
 
 def _megatron_core_non_distributed_saves(cases):
-    """Rank body (world of 1): for each (bf16, saving run's args), megatron-core's GPT (local spec, biases, q/k layer
-    norms, untied output layer; every weight random, so each is told apart) under its own DDP and non-distributed
+    """Rank body (world of 1): for each (bf16, saving run's args, model chunks), megatron-core's GPT (local spec,
+    biases, q/k layer norms, untied output layer; every weight random, so each is told apart; as several model chunks,
+    whole models here, which the optimizer takes in order all the same) under its own DDP and non-distributed
     optimizer, Adam's state set to exp_avg = 2 x and exp_avg_sq = 3 x each fp32 main weight; returns what Megatron-LM's
-    torch format saves of it (the model's state dict; ``model_optim_rng.pt``'s ``args`` and ``optimizer``) and each
+    torch format saves of it (the chunks' state dicts; ``model_optim_rng.pt``'s ``args`` and ``optimizer``) and each
     param group's key as megatron-core's standard overrides give its parameters."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -909,21 +910,22 @@ def _megatron_core_non_distributed_saves(cases):
 
     enable_cpu_compat()
     out = []
-    for bf16, args in cases:
+    for bf16, args, n_chunks in cases:
         Utils.initialize_model_parallel(1, 1)
         try:
             torch.manual_seed(1)
-            gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=bf16),
-                           transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
-                           max_sequence_length=16, share_embeddings_and_output_weights=False)
+            gpts = [GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=bf16),
+                             transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                             max_sequence_length=16, share_embeddings_and_output_weights=False)
+                    for _ in range(n_chunks)]
             with torch.no_grad():
-                for p in gpt.parameters():
+                for p in (p for gpt in gpts for p in gpt.parameters()):
                     p.copy_(torch.randn_like(p))
-            module = Float16Module(gpt.config, gpt) if bf16 else gpt
             with _megatron_core_on_cpu():
-                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), module)
+                ddps = [DistributedDataParallel(gpt.config, DistributedDataParallelConfig(),
+                                                Float16Module(gpt.config, gpt) if bf16 else gpt) for gpt in gpts]
                 config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, bf16=bf16, **args)
-                optimizer = get_megatron_optimizer(config, [ddp])
+                optimizer = get_megatron_optimizer(config, ddps)
                 (inner,) = optimizer.chained_optimizers
                 for group in inner.optimizer.param_groups:
                     for main in group["params"]:
@@ -933,7 +935,7 @@ def _megatron_core_non_distributed_saves(cases):
                 model_of = {id(main): p for mains, model in zip(getattr(inner, "fp32_from_float16_groups", []),
                                                                  getattr(inner, "float16_groups", []))
                             for main, p in zip(mains, model)}
-                name_of = {id(p): n for n, p in ddp.module.named_parameters()}
+                name_of = {id(p): n for ddp in ddps for n, p in ddp.module.named_parameters()}
                 overrides = get_standard_config_overrides(config)
                 keys = []
                 for group in inner.optimizer.param_groups:
@@ -941,8 +943,8 @@ def _megatron_core_non_distributed_saves(cases):
                     matched = [o for k, o in overrides.items() if k.matches(p, name_of[id(p)])]
                     keys.append(param_group_override_to_tuple(combine_param_group_overrides(matched))
                                 if matched else None)
-                out.append((gpt.state_dict(), {"args": argparse.Namespace(**args),
-                                               "optimizer": optimizer.state_dict()}, keys))
+                out.append(([gpt.state_dict() for gpt in gpts], {"args": argparse.Namespace(**args),
+                                                                 "optimizer": optimizer.state_dict()}, keys))
         finally:
             Utils.destroy_model_parallel()
     return out
@@ -950,26 +952,29 @@ def _megatron_core_non_distributed_saves(cases):
 
 def test_non_distributed_state_follows_megatron_cores_param_groups(spawn, tmp_path):
     """megatron-core's own non-distributed optimizers (FP32Optimizer; Float16OptimizerWithFloat16Params with
-    --apply-wd-to-qk-layernorm, and with --decoupled-lr) on a GPT with biases, q/k layer norms and an untied output
-    layer, every weight distinct: the torch format's state, read by param-group index, gives each parameter its own
+    --apply-wd-to-qk-layernorm, with --decoupled-lr, and over two model chunks) on a GPT with biases, q/k layer norms
+    and an untied output layer, every weight distinct: the torch format's state, read by param-group index, gives each
+    parameter its own
     moments (2 x and 3 x its main weight), and each group the key megatron-core's overrides give its parameters (the
     one the resume matches groups by)."""
     from megatron_ext.training.checkpoint_import import _local_to_te_name
     from megatron_ext.training.checkpoint_import_optim import torch_format_state
 
-    cases = [(False, {}), (True, {"apply_wd_to_qk_layernorm": True}),
-             (True, {"decoupled_lr": 0.01, "decoupled_min_lr": 0.001})]
-    for (bf16, args), (chunk, saved, keys) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1, cases)[0]):
+    cases = [(False, {}, 1), (True, {"apply_wd_to_qk_layernorm": True}, 1),
+             (True, {"decoupled_lr": 0.01, "decoupled_min_lr": 0.001}, 1), (True, {}, 2)]
+    for (bf16, args, _), (chunks, saved, keys) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1,
+                                                                    cases)[0]):
         prefix = "module." if bf16 else ""
-        state, whose = torch_format_state(saved, str(tmp_path / "model_optim_rng.pt"), [chunk], _local_to_te_name,
+        state, whose = torch_format_state(saved, str(tmp_path / "model_optim_rng.pt"), chunks, _local_to_te_name,
                                           False, prefix, args)
         assert whose == "Megatron's non-distributed" and state["step"] == 3
         assert [g["overrides"] for g in state["param_groups"]] == keys and len(set(keys)) == len(keys) >= 2
         assert ((("max_lr", 0.01), ("min_lr", 0.001)) in keys) == ("decoupled_lr" in args)
-        weights = {k: t for k, t in chunk.items() if torch.is_tensor(t) and not k.endswith("_extra_state")}
-        assert state["params"].keys() == {prefix + k for k in weights} and any("q_layernorm" in k for k in weights)
+        weights = {prefix + k if len(chunks) == 1 else f"{c}.{prefix}{k}": t for c, chunk in enumerate(chunks)
+                   for k, t in chunk.items() if torch.is_tensor(t) and not k.endswith("_extra_state")}
+        assert state["params"].keys() == weights.keys() and any("q_layernorm" in k for k in weights)
         for key, weight in weights.items():
-            entry = state["params"][prefix + key]
+            entry = state["params"][key]
             main = entry["master"].view(weight.shape)
             assert torch.equal(main.to(weight.dtype), weight), key
             assert torch.equal(entry["exp_avg"], 2 * entry["master"]) and torch.equal(entry["exp_avg_sq"],
