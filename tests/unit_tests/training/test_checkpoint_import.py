@@ -954,9 +954,8 @@ def test_non_distributed_state_follows_megatron_cores_param_groups(spawn, tmp_pa
     """megatron-core's own non-distributed optimizers (FP32Optimizer; Float16OptimizerWithFloat16Params with
     --apply-wd-to-qk-layernorm, with --decoupled-lr, and over two model chunks) on a GPT with biases, q/k layer norms
     and an untied output layer, every weight distinct: the torch format's state, read by param-group index, gives each
-    parameter its own
-    moments (2 x and 3 x its main weight), and each group the key megatron-core's overrides give its parameters (the
-    one the resume matches groups by)."""
+    parameter its own moments (2 x and 3 x its main weight), and each group the key megatron-core's overrides give its
+    parameters (the one the resume matches groups by)."""
     from megatron_ext.training.checkpoint_import import _local_to_te_name
     from megatron_ext.training.checkpoint_import_optim import torch_format_state
 
