@@ -33,10 +33,10 @@ weights are the weights). With torch_dist it saves in model space like ``fully_r
 with the torch format, torch Adam's ``state_dict()`` by param-group index (:func:`non_distributed_state`).
 
 The step comes from the optimizer's param groups (the same on every position; the non-distributed optimizers':
-Adam's own), and the groups' hyper-parameters
-(``lr``, ``weight_decay``, ``wd_mult``, ...) are kept as pretrain_gpt's loader matches them (by ``wd_mult`` and
-``lr_mult``); an fp16 run's dynamic loss scale and its trackers carry over (megatron-core's ``DynamicGradScaler``
-state is the one pretrain_gpt's scaler keeps). Only Adam is read. Megatron's chained optimizers
+Adam's own), and the groups' hyper-parameters (``lr``, ``weight_decay``, ``wd_mult``, ...) are kept, each group
+with the key megatron-core's standard overrides give it (:func:`group_key`), which pretrain_gpt's loader matches the
+resuming run's groups by; an fp16 run's dynamic loss scale and its trackers carry over (megatron-core's
+``DynamicGradScaler`` state is the one pretrain_gpt's scaler keeps). Only Adam is read. Megatron's chained optimizers
 (``--overlap-param-gather-with-optimizer-step``) and the other (deprecated) layouts are not read, and the tool says
 which: resume those with ``--no-load-optim``. A state that is there but cannot be placed stops the import,
 naming why; ``--no-load-optim`` then imports the weights alone.
@@ -140,9 +140,9 @@ def param_key(name: str, weight: torch.Tensor, args: Dict[str, Any]) -> Optional
 
 def canonical_header(saved: Any, where: str, scaler: Any = None, args: Optional[Dict[str, Any]] = None
                      ) -> Dict[str, Any]:
-    """The canonical state's header (type, step, param groups, loss scaler) from the DistributedOptimizer's
+    """The canonical state's header (type, step, param groups, loss scaler) from Megatron's optimizer's
     ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
-    groups record. ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout).
+    groups record (the non-distributed optimizers': Adam's own, per parameter or megatron-core's ``common_step``). ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout).
     ``args``: the saving run's; with them each group records its key (:func:`group_key`), which the loader matches
     the resuming run's groups by (else by ``wd_mult`` and ``lr_mult``, or position: a decoupled-LR group shares
     those with the default one)."""
@@ -238,12 +238,13 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     (:func:`param_key`: no weight decay for biases and 1-D tensors, as the saving run's
     ``--apply-wd-to-qk-layernorm`` excepts q/k layer norms; ``--decoupled-lr`` for the word embeddings and the output
     layer), which the saved groups show (:func:`group_key`). So the j-th index of a group is the j-th parameter of
-    that kind in that order; it is checked, for
-    every parameter, by the state's shape and, where a main weight is saved (bf16/fp16), by the main weight cast to
-    the weight's dtype equalling the weight. Equal shapes with equal weights (layer norms at 1.0 early in training)
-    and fp32 runs' weights (their own main weights) rest on the order itself, which is megatron-core's wherever every
-    name is in the layer tables (tested against megatron-core's own model and optimizer), and refused otherwise.
-    Groups with a learning-rate multiplier or expert-parallel ones, and optimizers other than Adam, are not read. ``saved``: the position's ``model_optim_rng.pt``; the rest as :func:`torch_format_state`'s."""
+    that kind in that order. Every parameter is checked by its state's shape and, where a main weight is saved
+    (bf16/fp16), by the main weight cast to the weight's dtype equalling the weight. Equal shapes with equal weights
+    (layer norms at 1.0 early in training) and fp32 runs' weights (their own main weights) rest on the order itself,
+    which is megatron-core's wherever every name is in the layer tables (tested against megatron-core's own model and
+    optimizer), and refused otherwise. Groups with a learning-rate multiplier or expert-parallel ones, and optimizers
+    other than Adam, are not read. ``saved``: the position's ``model_optim_rng.pt``; the rest as
+    :func:`torch_format_state`'s."""
     common = saved["optimizer"]
     adam = _adam_state(common)
     groups, state = adam.get("param_groups"), adam.get("state")
