@@ -142,10 +142,11 @@ def canonical_header(saved: Any, where: str, scaler: Any = None, args: Optional[
                      ) -> Dict[str, Any]:
     """The canonical state's header (type, step, param groups, loss scaler) from Megatron's optimizer's
     ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
-    groups record (the non-distributed optimizers': Adam's own, per parameter or megatron-core's ``common_step``). ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout).
-    ``args``: the saving run's; with them each group records its key (:func:`group_key`), which the loader matches
-    the resuming run's groups by (else by ``wd_mult`` and ``lr_mult``, or position: a decoupled-LR group shares
-    those with the default one)."""
+    groups record (the non-distributed optimizers': Adam's own, per parameter or megatron-core's ``common_step``).
+    ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout). ``args``: the saving
+    run's; with them each group records its key (:func:`group_key`), which the loader matches the resuming run's
+    groups by (else by ``wd_mult`` and ``lr_mult``, or position: a decoupled-LR group shares those with the default
+    one)."""
     scaler = scaler if scaler is not None else (saved.get("grad_scaler") if isinstance(saved, dict) else None)
     adam = _adam_state(saved) if isinstance(saved, dict) else {}
     groups = adam.get("param_groups")
