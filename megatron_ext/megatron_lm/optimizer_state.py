@@ -8,10 +8,20 @@ rank for the sharded part; loading calls ``load_state_dict`` with DP rank 0's di
 that flow unchanged every other DP rank's slices would be lost. Here ``state_dict()`` holds only what all DP ranks
 share (param groups, loss scaler, step) and the parameter state goes through ``save_parameter_state`` in the
 canonical per-parameter layout: DP rank 0 writes one file, any DP size, bucket size or backend loads it.
+
+[Note: switching a Megatron-LM run to the ODO]
+A checkpoint Megatron's own optimizers saved loads too, Adam state and LR schedule included, so a run switches to the
+ODO without ``--no-load-optim``: the DistributedOptimizer's common dict waits for its ``distrib_optim.pt`` (read in
+``load_parameter_state``, memory-mapped), the non-distributed optimizer's dict holds its state itself (its checkpoint
+has no ``distrib_optim.pt``). Both are placed as the import tool places them (``checkpoint_import_optim.py``:
+bucket walk, param-group order, proved against the weights Megatron-LM has just loaded), in the live model's own
+registration order, and their param groups matched to the ODO's by megatron-core's override keys. A state that
+cannot be placed fails every rank's load together, naming why.
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,6 +47,14 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._megatron_common, self._megatron_loaded = None, False
+        kind = _megatron_own_kind(state_dict)
+        if kind == "distributed":   # its parameter state arrives with load_parameter_state
+            self._megatron_common = state_dict
+            return None
+        if kind == "non-distributed":
+            self._megatron_loaded = True
+            return super().load_state_dict(self._from_megatron(state_dict, None))
         if state_dict.get("format") != COMMON_FORMAT:
             return super().load_state_dict(state_dict)
         if not same_update_rule(state_dict["optimizer"], self.inner):
@@ -52,6 +70,12 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
         """Every rank reads its slices of the canonical file (memory-mapped: only those pages are read)."""
+        common = getattr(self, "_megatron_common", None)
+        if common is not None:   # Megatron's DistributedOptimizer saved it (see the module note)
+            self._megatron_common = None
+            return super().load_state_dict(self._from_megatron(common, filename))
+        if getattr(self, "_megatron_loaded", False) and not os.path.exists(filename):
+            return None   # Megatron's non-distributed optimizer's state, loaded with its dict
         state = torch.load(filename, map_location="cpu", mmap=True, weights_only=False)
         if state.get("format") != CANONICAL_FORMAT:
             raise ValueError(f"{filename} is not an overlapped-distributed-optimizer parameter state "
@@ -60,3 +84,48 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         if common is not None:  # this run's loaded common dict wins over the copy inside the file
             state = dict(state, param_groups=common["param_groups"], grad_scaler=common["grad_scaler"])
         super().load_state_dict(state)
+
+    def _from_megatron(self, common: dict, param_state_path: Optional[str]) -> Dict[str, Any]:
+        """Megatron's own optimizer state as the ODO's canonical one, placed against this rank's model (see the
+        module note). Collective (DP, then model parallel): where any rank cannot place its state, every rank
+        raises, before anything is loaded."""
+        from megatron_ext.training.checkpoint_import_optim import torch_format_state
+        from megatron_ext.training.checkpointing import CheckpointError
+
+        chunks, order, prefix = self._saved_names()
+        args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
+                                                             "apply_wd_to_qk_layernorm")}
+        where = param_state_path or "Megatron's optimizer state dict"
+        try:
+            state, text = torch_format_state({"optimizer": common}, where, chunks, lambda key: key, True, prefix,
+                                             args, order=order, copy=False)
+        except CheckpointError as e:
+            state, text = None, str(e)
+        failed = self._all_reduce(torch.tensor([float(state is None)], dtype=torch.float64, device=self.grad_device),
+                                  torch.distributed.ReduceOp.MAX)
+        if failed.item() > 0:
+            raise ValueError("Megatron's own optimizer state does not fit this model: " + (
+                text if state is None else "not on another rank (nothing was loaded)") + " (Megatron-LM: "
+                "--no-load-optim loads the weights alone)")
+        return state
+
+    def _saved_names(self) -> Tuple[List[Dict[str, torch.Tensor]], List[Tuple[int, str]], str]:
+        """Per chunk, its weights under the names Megatron-LM saves them (``Float16Module``'s ``module.`` left
+        off, as ``state_dict_for_save_checkpoint``), their registration order, and the prefix left off."""
+        named = [[(c.param_names[id(p)], p) for p in c.module.parameters() if id(p) in c.param_names]
+                 for c in self.chunks]
+        prefix = "module." if all(n.startswith("module.") for ps in named for n, _ in ps) else ""
+        chunks = [{n[len(prefix):]: p.detach() for n, p in ps} for ps in named]
+        return chunks, [(c, n[len(prefix):]) for c, ps in enumerate(named) for n, _ in ps], prefix
+
+
+def _megatron_own_kind(state_dict: Any) -> Optional[str]:
+    """Whose ``state_dict()`` Megatron-LM hands the optimizer: its DistributedOptimizer's common part (param groups
+    under ``optimizer``, the state apart), its non-distributed optimizer's (torch Adam's state inside), or neither."""
+    if not isinstance(state_dict, dict) or "format" in state_dict:
+        return None
+    inner = state_dict.get("optimizer")
+    adam = inner if isinstance(inner, dict) else state_dict
+    if not isinstance(adam.get("param_groups"), list):
+        return None
+    return "non-distributed" if "state" in adam else "distributed"

@@ -172,14 +172,18 @@ def canonical_header(saved: Any, where: str, scaler: Any = None, args: Optional[
 
 
 def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]], te_names: Callable[[str], str],
-                       te_saved: bool, prefix: str, args: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
+                       te_saved: bool, prefix: str, args: Dict[str, Any],
+                       order: Optional[List[Tuple[int, str]]] = None, copy: bool = True
+                       ) -> Tuple[Optional[Dict[str, Any]], str]:
     """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint and whose it is (for the
     log), or (None, why not). Megatron's DistributedOptimizer saves its ``state_dict()`` in ``model_optim_rng.pt`` at
     ``path`` and its parameter state gathered in ``distrib_optim.pt`` beside it (each gradient buffer's buckets
     coalesced), placed by the walk of the module note against the position's weights ``chunks``; its non-distributed
     optimizer's state is read by :func:`non_distributed_state`. ``te_names``: a saved name's Transformer Engine name
     (the layer table's); ``prefix``: the canonical names' (``module.`` under bf16/fp16); ``args``: the saving run's
-    (``imported_args``)."""
+    (``imported_args``); ``order``: the (chunk, name) registration order where the live model gives it (the
+    Megatron-LM plug-in), instead of the layer tables'; ``copy=False``: the distributed optimizer's states as views
+    of the memory-mapped ``distrib_optim.pt`` (a loader that takes its slices), not copies (a writer)."""
     import os
 
     from .checkpoint_import import _read
@@ -193,7 +197,7 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
     if not isinstance(common, dict):
         return None, "an optimizer state of no layout this import knows"
     if "state" in _adam_state(common):   # (the DistributedOptimizer keeps its state apart, in distrib_optim.pt)
-        return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix, args)
+        return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix, args, order)
     param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     if not os.path.isfile(param_state_path):
         return None, f"no {param_state_path}: the DistributedOptimizer's parameter state is missing"
@@ -206,9 +210,8 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
                       "of one dtype: not read")
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
-    by_order = {(c, te): key for c, te, key in mine}
-    order = [(c, by_order[c, te]) for c, te in registration_order(mine, te_saved)]
-    trusted = order_is_known(mine)
+    trusted = order is not None or order_is_known(mine)
+    order = order if order is not None else _tables_order(mine, te_saved)
     weights = {(c, key): chunks[c][key] for c, _, key in mine}
     out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
     for g in gbufs:
@@ -219,7 +222,7 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
                                   f"{world.get('numel_unpadded')}: import with --no-load-optim")
         expected = [p for p in reversed(order) if p[0] == g]
         out.update(walk_buffer(fields, expected, weights, trusted, param_state_path, f"gradient buffer {g}",
-                               coalesced=True))
+                               coalesced=True, copy=copy))
     check_all_placed(order, out, param_state_path, "this position")
     params = {}
     for (c, key), entry in out.items():
@@ -228,8 +231,8 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
 
 
 def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, Any]],
-                          te_names: Callable[[str], str], te_saved: bool, prefix: str, args: Dict[str, Any]
-                          ) -> Tuple[Optional[Dict[str, Any]], str]:
+                          te_names: Callable[[str], str], te_saved: bool, prefix: str, args: Dict[str, Any],
+                          order: Optional[List[Tuple[int, str]]] = None) -> Tuple[Optional[Dict[str, Any]], str]:
     """The canonical optimizer state of one position of a ``--ckpt-format torch`` checkpoint that Megatron's
     non-distributed optimizer saved (its ``state_dict()``: torch Adam's, whose per-parameter state is keyed by the
     parameter's index in its param groups, and a bf16/fp16 run's fp32 main weights group by group), or (None, why not).
@@ -265,14 +268,12 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     mine = [(c, te_names(key), key) for c, chunk in enumerate(chunks) for key, value in chunk.items()
             if torch.is_tensor(value) and not key.endswith("_extra_state")]
     unknown = [key for _, te, key in mine if not order_is_known([(0, te, key)])]
-    if unknown:   # (equal shapes in a group are told apart by the order alone where no main weight is saved)
-        raise CheckpointError(f"{path}: {unknown[0]} is not in megatron-core's registration order as this import "
-                              "knows it, which places the non-distributed optimizer's state: import with "
-                              "--no-load-optim")
-    by_order = {(c, te): key for c, te, key in mine}
+    if unknown and order is None:   # (equal shapes in a group are told apart by the order alone where no main weight
+        raise CheckpointError(     # is saved)
+            f"{path}: {unknown[0]} is not in megatron-core's registration order as this import knows it, which places "
+            "the non-distributed optimizer's state: import with --no-load-optim")
     members: List[List[Tuple[int, str]]] = [[] for _ in groups]
-    for c, te in registration_order(mine, te_saved):
-        key = by_order[c, te]
+    for c, key in order if order is not None else _tables_order(mine, te_saved):
         wanted = param_key(key, chunks[c][key], args)
         if wanted not in keys:
             raise CheckpointError(f"{path}: {key} has no param group of its overrides {wanted} in Megatron's "
@@ -385,7 +386,7 @@ def check_all_placed(order: List[Tuple[int, str]], out: Dict[Tuple[int, str], An
 
 def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]],
                 weights: Dict[Tuple[int, str], torch.Tensor], trusted: bool, what: str, where: str,
-                coalesced: bool = False) -> Dict[Tuple[int, str], Dict[str, torch.Tensor]]:
+                coalesced: bool = False, copy: bool = True) -> Dict[Tuple[int, str], Dict[str, torch.Tensor]]:
     """Place the parameters ``expected`` (in the order they lie) in flat optimizer state ``fields`` (``master``,
     ``exp_avg``, ``exp_avg_sq``) by the walk of the module note; returns each one's state in its weight's shape.
     ``coalesced``: the buckets of a whole gradient buffer back to back, each cut at its unpadded end (the torch
@@ -404,7 +405,9 @@ def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]]
             while placed is not None:
                 (p, at), placed = placed
                 shape = weights[p].shape
-                out[p] = {ours: t[at:at + shape.numel()].reshape(shape).clone() for ours, t in fields.items()}
+                out[p] = {ours: t[at:at + shape.numel()].reshape(shape) for ours, t in fields.items()}
+                if copy:
+                    out[p] = {ours: t.clone() for ours, t in out[p].items()}
             return out
         starts = [(aligned, bucket_start)] if aligned < end else []
         if coalesced and aligned != offset and offset < end:
@@ -484,6 +487,12 @@ def registration_order(params: List[Tuple[int, str, str]], te_saved: bool) -> Li
 
     ranked = sorted(((i, c, key, g) for i, (c, key, g) in enumerate(params)), key=rank)
     return [(c, key) for _, c, key, _ in ranked]
+
+
+def _tables_order(mine: List[Tuple[int, str, str]], te_saved: bool) -> List[Tuple[int, str]]:
+    """(chunk, saved name) of ``mine`` ((chunk, table name, saved name)) in :func:`registration_order`."""
+    by_order = {(c, te): key for c, te, key in mine}
+    return [(c, by_order[c, te]) for c, te in registration_order(mine, te_saved)]
 
 
 def order_is_known(params: List[Tuple[int, str, str]]) -> bool:

@@ -390,3 +390,95 @@ def test_old_optimizer_factory_arguments_are_refused_by_name():
             _config_overrides(old_factory, None, [], (), kwargs)
     with pytest.raises(ValueError, match="scale_lr_cond"):
         _config_overrides(old_factory, None, [], (None, lambda n, p: True), {})
+
+
+def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False):
+    """Rank body: a bf16 megatron-core GPT (local spec, biases, q/k layer norms; every weight distinct). ``save``:
+    Megatron's own optimizer (the DistributedOptimizer, or the non-distributed one) holds a known Adam state and
+    Megatron-LM's legacy flow saves it (``state_dict()`` from DP rank 0; ``save_parameter_state`` on every rank for
+    the distributed one). Else the plug-in's ODO loads it as Megatron-LM's flow loads (``load_state_dict`` with rank
+    0's dict, then ``load_parameter_state``); returns the ODO's merged canonical state, the known one and the ODO's
+    group keys. ``other``: one weight differs from the saving run's (a checkpoint of another model)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    import megatron_ext as mx
+    from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
+    from megatron_ext.models.gpt import make_gpt_config
+    from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+
+    from ..training.test_checkpoint_import import _fill_megatron_optimizer, _megatron_core_on_cpu
+
+    enable_cpu_compat()
+    ps.initialize_model_parallel(1, 1)
+    try:
+        gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
+                       transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                       max_sequence_length=16)
+        module = Float16Module(gpt.config, gpt)
+        known = {"step": 3, "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "weight_decay": 0.01},
+                                             {"wd_mult": 0.0, "lr": 1e-3, "weight_decay": 0.0}], "params": {}}
+        with torch.no_grad():
+            for i, (name, p) in enumerate(module.named_parameters()):
+                g = torch.Generator().manual_seed(i)
+                p.copy_(torch.randn(p.shape, generator=g))
+                known["params"][name] = {"master": p.float().reshape(-1), "exp_avg": torch.randn(p.numel(), generator=g),
+                                         "exp_avg_sq": torch.rand(p.numel(), generator=g)}
+        config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=True,
+                                 use_distributed_optimizer=distributed)
+        if save:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import get_megatron_optimizer
+
+            with _megatron_core_on_cpu():
+                ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+                    use_distributed_optimizer=distributed, bucket_size=3000), module)
+                optimizer = get_megatron_optimizer(config, [ddp])
+                _fill_megatron_optimizer(optimizer, [module], known)
+                if torch.distributed.get_rank() == 0:
+                    torch.save(optimizer.state_dict(), f"{path}/common.pt")
+                if distributed:
+                    optimizer.save_parameter_state(f"{path}/distrib_optim.pt")
+            torch.distributed.barrier()
+            return None
+        if other:
+            with torch.no_grad():
+                gpt.decoder.final_layernorm.weight.add_(1.0)
+        ddp = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=bucket_size))
+        opt = MegatronLMOverlappedOptimizer(config, ddp)
+        opt.load_state_dict(torch.load(f"{path}/common.pt", weights_only=False))
+        opt.load_parameter_state(f"{path}/distrib_optim.pt")
+        shards = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(shards, super(MegatronLMOverlappedOptimizer, opt).state_dict())
+        return merge_optimizer_shards(shards), known, [g["overrides"] for g in opt.param_groups]
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "non_distributed"])
+def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_path, distributed):
+    """Megatron-LM's own optimizer's checkpoint (its DistributedOptimizer's, saved at DP 2 with buckets small enough
+    that parameters fill several; or its non-distributed one's) loads into the plug-in's ODO through Megatron-LM's
+    legacy load flow, at DP 1 and 2 and other buckets: every parameter's main weight and moments, and the step,
+    equal the saved ones bit for bit, the param groups keep the ODO's keys."""
+    import torch
+
+    spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, distributed, 0, timeout=120)
+    assert (tmp_path / "distrib_optim.pt").exists() == distributed
+    for world, bucket in ((1, 1000), (2, 700)):
+        for merged, known, keys in spawn(_megatron_own_optimizer_world, world, str(tmp_path), False, distributed,
+                                         bucket, timeout=120):
+            assert merged["step"] == 3 and keys == [None, (("wd_mult", 0.0),)]
+            assert merged["params"].keys() == known["params"].keys()
+            for name, entry in known["params"].items():
+                for field in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(merged["params"][name][field], entry[field]), (world, name, field)
+    # a state that does not fit this model's weights: every rank's load refuses it together, naming why
+    with pytest.raises(Exception, match="Megatron's own optimizer state does not fit this model: .*"
+                       + ("final_layernorm" if not distributed else "fit the main weights")):
+        spawn(_megatron_own_optimizer_world, 2, str(tmp_path), False, distributed, 700, True, timeout=120)

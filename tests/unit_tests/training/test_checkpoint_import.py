@@ -119,19 +119,38 @@ def _megatron_distributed_optimizer(modules, canonical: dict, argv):
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, use_distributed_optimizer=True),
         ddps)
-    (dist_opt,) = optimizer.chained_optimizers
-    _adam_at(dist_opt.optimizer, canonical)
-    with torch.no_grad():   # (the canonical state names them as the optimizer sees them: Float16Module's, by chunk)
+    _fill_megatron_optimizer(optimizer, modules, canonical)
+    return optimizer
+
+
+def _fill_megatron_optimizer(optimizer, modules, canonical: dict) -> None:
+    """megatron-core's own optimizer (one, chained) over ``modules`` set to the canonical state ``canonical``
+    (pretrain_gpt's ``optim.pt`` of this position; entries named as the optimizer sees the parameters: Float16Module's,
+    by chunk): Adam's step, lr and weight decay, each main weight and moment. The DistributedOptimizer's through its
+    own parameter ranges (this DP rank's shard); the non-distributed one's main weights (fp32 copies of bf16/fp16
+    weights; an fp32 weight is its own)."""
+    (inner,) = optimizer.chained_optimizers
+    _adam_at(inner.optimizer, canonical)
+    distributed = hasattr(inner, "model_param_group_index_map")
+    main_of = {id(p): main for model, mains in zip(getattr(inner, "float16_groups", []),
+                                                   getattr(inner, "fp32_from_float16_groups", []))
+               for p, main in zip(model, mains)}
+    with torch.no_grad():
         for chunk, module in enumerate(modules):
             for name, p in module.named_parameters():
-                if p not in dist_opt.model_param_group_index_map:   # no element of it in this DP rank's shard
-                    continue
-                piece = dist_opt._get_model_param_range_map(p)["param"]
-                tensors = dist_opt._get_main_param_and_optimizer_states(p)
                 entry = canonical["params"][name if len(modules) == 1 else f"{chunk}.{name}"]
-                for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-                    tensors[theirs].copy_(entry[ours][piece.start:piece.end])
-    return optimizer
+                if distributed:
+                    if p not in inner.model_param_group_index_map:   # no element of it in this DP rank's shard
+                        continue
+                    piece = inner._get_model_param_range_map(p)["param"]
+                    tensors = inner._get_main_param_and_optimizer_states(p)
+                    for ours, theirs in (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                        tensors[theirs].copy_(entry[ours][piece.start:piece.end])
+                    continue
+                main = main_of.get(id(p), p)
+                main.copy_(entry["master"].view_as(main))
+                for field in ("exp_avg", "exp_avg_sq"):
+                    inner.optimizer.state[main][field].copy_(entry[field].view_as(main))
 
 
 def _adam_at(adam, canonical: dict) -> None:
@@ -161,19 +180,7 @@ def _megatron_non_distributed_optimizer(modules, canonical: dict, argv):
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
         use_distributed_optimizer=False), ddps)
-    (inner,) = optimizer.chained_optimizers
-    _adam_at(inner.optimizer, canonical)
-    main_of = {id(p): main for model, mains in zip(getattr(inner, "float16_groups", []),
-                                                   getattr(inner, "fp32_from_float16_groups", []))
-               for p, main in zip(model, mains)}
-    with torch.no_grad():
-        for chunk, module in enumerate(modules):
-            for name, p in module.named_parameters():
-                main = main_of.get(id(p), p)   # (an fp32 weight is its own main weight)
-                entry = canonical["params"][name if len(modules) == 1 else f"{chunk}.{name}"]
-                main.copy_(entry["master"].view_as(main))
-                for field in ("exp_avg", "exp_avg_sq"):
-                    inner.optimizer.state[main][field].copy_(entry[field].view_as(main))
+    _fill_megatron_optimizer(optimizer, modules, canonical)
     return optimizer
 
 
