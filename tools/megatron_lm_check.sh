@@ -21,7 +21,10 @@
 #       (a);
 #   (f) Megatron-LM's default, non-distributed optimizer (no --use-distributed-optimizer), run uninterrupted and
 #       saving torch_dist at iteration HALF; that checkpoint imported (its Adam state, model space) and continued by
-#       pretrain_gpt: within the bf16 tolerance of its uninterrupted run.
+#       pretrain_gpt: within the bf16 tolerance of its uninterrupted run;
+#   (g) Megatron-LM's own distributed optimizer saving (--ckpt-format torch) at iteration HALF and the ODO (launch
+#       module) resuming from that checkpoint, its Adam state included: within the bf16 tolerance of (a)'s
+#       uninterrupted run of Megatron-LM's optimizer.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -80,7 +83,7 @@ grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-l
 
 odo=(--use-overlapped-distributed-optimizer)
 rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported" "$out/ckpt_dist" "$out/ckpt_dist_imported" \
-    "$out/ckpt_default" "$out/ckpt_default_imported"
+    "$out/ckpt_default" "$out/ckpt_default_imported" "$out/ckpt_megatron"
 run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
 run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
@@ -91,6 +94,11 @@ run odo_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pret
     --load "$out/ckpt" --save "$out/ckpt" --save-interval "$iters"
 run odo_resume_bucket "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
     "${odo[@]}" --load "$out/ckpt_bucket" --ddp-bucket-size 100000
+# (g): a Megatron-LM run switches to the ODO at a checkpoint its own optimizer saved
+run megatron_dist_opt_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
+    --save "$out/ckpt_megatron" --save-interval "$half" --exit-interval "$half"
+run odo_resume_from_megatron "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${common[@]}" "${odo[@]}" --load "$out/ckpt_megatron"
 # (d): pretrain_gpt takes Megatron-LM's flags but not --ckpt-format (its checkpoints have one layout)
 ours=()
 skip=0
@@ -135,6 +143,8 @@ verdict "(b) ODO save at $half and resume vs uninterrupted" "$out/odo_launch.log
     --first $((half + 1)) --skip $((half + 2))
 verdict "(c) ODO resume at another bucket size vs uninterrupted" "$out/odo_launch.log" "$out/odo_resume_bucket.log" \
     --first $((half + 1)) --skip $((half + 2))
+verdict "(g) the ODO resumes Megatron-LM's own optimizer's checkpoint vs Megatron-LM uninterrupted" \
+    "$out/megatron_dist_opt.log" "$out/odo_resume_from_megatron.log" --first $((half + 1)) --skip $((half + 2))
 verdict "(d) pretrain_gpt continues the imported ODO checkpoint vs uninterrupted" "$out/odo_launch.log" \
     "$out/pretrain_gpt_imported.log" --first $((half + 1))
 verdict "(e) pretrain_gpt continues Megatron-LM's torch_dist checkpoint (its optimizer's state) vs uninterrupted" \

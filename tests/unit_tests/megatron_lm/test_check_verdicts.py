@@ -72,7 +72,7 @@ def test_check_script_commands(tmp_path):
         "pretrain(extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None)\n")
     runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
-                          "odo_resume_bucket", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
+                          "odo_resume_bucket", "megatron_dist_opt_save", "odo_resume_from_megatron", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
                           "import_torch_dist", "pretrain_gpt_imported_torch_dist", "megatron_default_opt",
                           "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt"]
     # (f): Megatron-LM's default optimizer (not distributed, no --overlap-param-gather) uninterrupted and saving
@@ -113,7 +113,7 @@ def test_check_script_commands(tmp_path):
     assert parse_args(ours, world_size=1).train_iters == 40   # pretrain_gpt takes every flag of that run
     for name, argv in runs.items():
         odo = "--use-overlapped-distributed-optimizer" in argv
-        assert odo == (name != "megatron_dist_opt"), name
+        assert odo == (name not in ("megatron_dist_opt", "megatron_dist_opt_save")), name
         assert "--use-distributed-optimizer" in argv and _value(argv, "--ckpt-format") == "torch", name
         assert _value(argv, "--train-iters") == "40", name
         if "--save" in argv:
@@ -121,6 +121,11 @@ def test_check_script_commands(tmp_path):
     assert _value(runs["odo_save"], "--save-interval") == _value(runs["odo_save"], "--exit-interval") == "20"
     assert _value(runs["odo_resume"], "--load") == _value(runs["odo_save"], "--save")
     assert _value(runs["odo_resume_bucket"], "--ddp-bucket-size") == "100000"
+    # (g): Megatron-LM's own optimizer saves at 20 (its uninterrupted run's flags); the ODO resumes from it
+    assert runs["megatron_dist_opt_save"][:runs["megatron_dist_opt_save"].index("--save")] == runs["megatron_dist_opt"]
+    assert _value(runs["megatron_dist_opt_save"], "--exit-interval") == "20"
+    assert _value(runs["odo_resume_from_megatron"], "--load") == _value(runs["megatron_dist_opt_save"], "--save")
+    assert "--no-load-optim" not in runs["odo_resume_from_megatron"]
     assert "--load" in runs["odo_resume_bucket"]
     two_lines = (tmp_path / "out" / "pretrain_gpt_two_lines.py").read_text()
     assert "mxlm.install()" in two_lines and "extra_args_provider=mxlm.chain(" in two_lines
