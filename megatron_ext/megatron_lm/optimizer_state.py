@@ -20,7 +20,6 @@ cannot be placed fails every rank's load together, naming why.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -47,6 +46,10 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if isinstance(state_dict, list):   # (the same on every rank: all raise alike)
+            raise ValueError("Megatron's chained optimizers' state (--overlap-param-gather-with-optimizer-step, or "
+                             "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
+                             "weights alone")
         self._megatron_common, self._megatron_loaded = None, False
         kind = _megatron_own_kind(state_dict)
         if kind == "distributed":   # its parameter state arrives with load_parameter_state
@@ -74,8 +77,8 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         if common is not None:   # Megatron's DistributedOptimizer saved it (see the module note)
             self._megatron_common = None
             return super().load_state_dict(self._from_megatron(common, filename))
-        if getattr(self, "_megatron_loaded", False) and not os.path.exists(filename):
-            return None   # Megatron's non-distributed optimizer's state, loaded with its dict
+        if getattr(self, "_megatron_loaded", False):
+            return None   # Megatron's non-distributed optimizer's state, loaded with its dict (no such file)
         state = torch.load(filename, map_location="cpu", mmap=True, weights_only=False)
         if state.get("format") != CANONICAL_FORMAT:
             raise ValueError(f"{filename} is not an overlapped-distributed-optimizer parameter state "
@@ -101,6 +104,8 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                                              args, order=order, copy=False)
         except CheckpointError as e:
             state, text = None, str(e)
+        except Exception as e:   # noqa: BLE001 - on this rank only, perhaps: every rank must reach the agreement
+            state, text = None, f"{type(e).__name__}: {e}"
         failed = self._all_reduce(torch.tensor([float(state is None)], dtype=torch.float64, device=self.grad_device),
                                   torch.distributed.ReduceOp.MAX)
         if failed.item() > 0:

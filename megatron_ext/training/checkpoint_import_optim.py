@@ -292,7 +292,7 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
             fields = {"master": weight if weight.dtype == torch.float32 else next(mains, None),
                       "exp_avg": entry.get("exp_avg"), "exp_avg_sq": entry.get("exp_avg_sq")}
             if not all(torch.is_tensor(t) and t.shape == weight.shape for t in fields.values()) or not torch.equal(
-                    fields["master"].to(weight.dtype), weight):
+                    fields["master"].to(weight.device, weight.dtype), weight):
                 raise CheckpointError(f"{path}: the optimizer's parameter {index} (param group {i}) is not {key}'s "
                                       "state (shape or main weight): import with --no-load-optim")
             params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(
@@ -431,19 +431,21 @@ def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]]
 
 def _place(main: torch.Tensor, offset: int, end: int, expected: List[Tuple[int, str]],
            weights: Dict[Tuple[int, str], torch.Tensor], trusted: bool = True) -> Any:
-    """The parameter whose weight is the main weights at ``offset`` (cast to its dtype): the next one in
+    """The parameter whose weight is the main weights at ``offset`` (cast to its dtype, compared where the weight
+    lies: a live model's may be on the GPU, the checkpoint's state on the host): the next one in
     ``expected`` order if it is and the order is ``trusted``, else the only one that is; otherwise the list of those
     that are (empty: none; several: equal weights nothing here tells apart)."""
     def fits(p: Tuple[int, str]) -> bool:
         w = weights[p].reshape(-1)
         n = w.numel()
-        return offset + n <= end and torch.equal(main[offset:offset + n].to(w.dtype), w)
+        return offset + n <= end and torch.equal(main[offset:offset + n].to(w.device, w.dtype), w)
 
     if trusted and expected and fits(expected[0]):
         return expected[0]
     head = main[offset:offset + 8]
     found = [p for p in expected[1 if trusted else 0:]   # the first elements rule most out before a whole comparison
-             if torch.equal(head[:weights[p].numel()].to(weights[p].dtype), weights[p].reshape(-1)[:head.numel()])
+             if torch.equal(head[:weights[p].numel()].to(weights[p].device, weights[p].dtype),
+                            weights[p].reshape(-1)[:head.numel()])
              and fits(p)]
     return found[0] if len(found) == 1 else found
 

@@ -426,7 +426,9 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
         with torch.no_grad():
             for i, (name, p) in enumerate(module.named_parameters()):
                 g = torch.Generator().manual_seed(i)
-                p.copy_(torch.randn(p.shape, generator=g))
+                # the layer norms at 1.0, as early in training: equal weights only the registration order tells apart
+                ones = name.endswith("layernorm.weight")
+                p.copy_(torch.ones(p.shape) if ones else torch.randn(p.shape, generator=g))
                 known["params"][name] = {"master": p.float().reshape(-1), "exp_avg": torch.randn(p.numel(), generator=g),
                                          "exp_avg_sq": torch.rand(p.numel(), generator=g)}
         config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=True,
@@ -465,8 +467,11 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
     """Megatron-LM's own optimizer's checkpoint (its DistributedOptimizer's, saved at DP 2 with buckets small enough
     that parameters fill several; or its non-distributed one's) loads into the plug-in's ODO through Megatron-LM's
     legacy load flow, at DP 1 and 2 and other buckets: every parameter's main weight and moments, and the step,
-    equal the saved ones bit for bit, the param groups keep the ODO's keys."""
+    equal the saved ones bit for bit (the layer norms' too, all at 1.0: placed by the registration order), the param
+    groups keep the ODO's keys; a chained optimizer's state is refused by name."""
     import torch
+
+    from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
 
     spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, distributed, 0, timeout=120)
     assert (tmp_path / "distrib_optim.pt").exists() == distributed
@@ -478,6 +483,8 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
             for name, entry in known["params"].items():
                 for field in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(merged["params"][name][field], entry[field]), (world, name, field)
+    with pytest.raises(ValueError, match="Megatron's chained optimizers' state .* is not read"):
+        MegatronLMOverlappedOptimizer.load_state_dict(None, [{}, {}])
     # a state that does not fit this model's weights: every rank's load refuses it together, naming why
     with pytest.raises(Exception, match="Megatron's own optimizer state does not fit this model: .*"
                        + ("final_layernorm" if not distributed else "fit the main weights")):
