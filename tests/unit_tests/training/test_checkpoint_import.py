@@ -959,15 +959,15 @@ def _megatron_core_non_distributed_saves(cases):
 
 def test_non_distributed_state_follows_megatron_cores_param_groups(spawn, tmp_path):
     """megatron-core's own non-distributed optimizers (FP32Optimizer; Float16OptimizerWithFloat16Params with
-    --apply-wd-to-qk-layernorm, with --decoupled-lr, and over two model chunks) on a GPT with biases, q/k layer norms
+    --apply-wd-to-qk-layernorm and --decoupled-lr, over two model chunks) on a GPT with biases, q/k layer norms
     and an untied output layer, every weight distinct: the torch format's state, read by param-group index, gives each
     parameter its own moments (2 x and 3 x its main weight), and each group the key megatron-core's overrides give its
     parameters (the one the resume matches groups by)."""
     from megatron_ext.training.checkpoint_import import _local_to_te_name
     from megatron_ext.training.checkpoint_import_optim import torch_format_state
 
-    cases = [(False, {}, 1), (True, {"apply_wd_to_qk_layernorm": True}, 1),
-             (True, {"decoupled_lr": 0.01, "decoupled_min_lr": 0.001}, 1), (True, {}, 2)]
+    cases = [(False, {}, 1), (True, {"apply_wd_to_qk_layernorm": True, "decoupled_lr": 0.01,
+                                     "decoupled_min_lr": 0.001}, 2)]
     for (bf16, args, _), (chunks, saved, keys) in zip(cases, spawn(_megatron_core_non_distributed_saves, 1,
                                                                     cases)[0]):
         prefix = "module." if bf16 else ""
