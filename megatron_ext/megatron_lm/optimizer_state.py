@@ -27,6 +27,8 @@ import torch
 from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 from megatron_ext.optimizer.inner_optimizer import same_update_rule, update_rule
+from megatron_ext.training.checkpoint_import_optim import NON_DISTRIBUTED, torch_format_kind, torch_format_state
+from megatron_ext.training.checkpointing import CheckpointError
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
 
@@ -51,11 +53,11 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                              "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
                              "weights alone")
         self._megatron_common, self._megatron_loaded = None, False
-        kind = _megatron_own_kind(state_dict)
+        kind = torch_format_kind(state_dict)
         if kind == "distributed":   # its parameter state arrives with load_parameter_state
             self._megatron_common = state_dict
             return None
-        if kind == "non-distributed":
+        if kind == NON_DISTRIBUTED:
             self._megatron_loaded = True
             return super().load_state_dict(self._from_megatron(state_dict, None))
         if state_dict.get("format") != COMMON_FORMAT:
@@ -92,9 +94,6 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         """Megatron's own optimizer state as the ODO's canonical one, placed against this rank's model (see the
         module note). Collective (DP, then model parallel): where any rank cannot place its state, every rank
         raises, before anything is loaded."""
-        from megatron_ext.training.checkpoint_import_optim import torch_format_state
-        from megatron_ext.training.checkpointing import CheckpointError
-
         chunks, order, prefix = self._saved_names()
         args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
                                                              "apply_wd_to_qk_layernorm")}
@@ -123,14 +122,3 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         chunks = [{n[len(prefix):]: p.detach() for n, p in ps} for ps in named]
         return chunks, [(c, n[len(prefix):]) for c, ps in enumerate(named) for n, _ in ps], prefix
 
-
-def _megatron_own_kind(state_dict: Any) -> Optional[str]:
-    """Whose ``state_dict()`` Megatron-LM hands the optimizer: its DistributedOptimizer's common part (param groups
-    under ``optimizer``, the state apart), its non-distributed optimizer's (torch Adam's state inside), or neither."""
-    if not isinstance(state_dict, dict) or "format" in state_dict:
-        return None
-    inner = state_dict.get("optimizer")
-    adam = inner if isinstance(inner, dict) else state_dict
-    if not isinstance(adam.get("param_groups"), list):
-        return None
-    return "non-distributed" if "state" in adam else "distributed"

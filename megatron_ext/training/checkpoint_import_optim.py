@@ -99,6 +99,18 @@ def non_distributed_adam(optimizer: Dict[str, Any]) -> Tuple[Optional[str], str]
     return NON_DISTRIBUTED, ""
 
 
+def torch_format_kind(optimizer: Any) -> Optional[str]:
+    """Whose ``state_dict()`` Megatron-LM saved as ``optimizer`` (torch format): the DistributedOptimizer's common
+    part (param groups, the state apart in ``distrib_optim.pt``), the non-distributed optimizer's (torch Adam's state
+    inside), or neither (None)."""
+    if not isinstance(optimizer, dict) or "format" in optimizer:
+        return None
+    adam = _adam_state(optimizer)
+    if not isinstance(adam.get("param_groups"), list):
+        return None
+    return NON_DISTRIBUTED if "state" in adam else "distributed"
+
+
 def _adam_state(optimizer: Dict[str, Any]) -> Dict[str, Any]:
     """The torch optimizer's ``state_dict()`` inside Megatron's: a mixed-precision optimizer's ``optimizer`` entry
     (beside ``grad_scaler`` and its fp32 main weights), an fp32 one's whole state."""
@@ -196,7 +208,7 @@ def torch_format_state(saved: Dict[str, Any], path: str, chunks: List[Dict[str, 
                       "optimizers) are not read")
     if not isinstance(common, dict):
         return None, "an optimizer state of no layout this import knows"
-    if "state" in _adam_state(common):   # (the DistributedOptimizer keeps its state apart, in distrib_optim.pt)
+    if torch_format_kind(common) == NON_DISTRIBUTED:
         return non_distributed_state(saved, path, chunks, te_names, te_saved, prefix, args, order)
     param_state_path = os.path.join(os.path.dirname(path), "distrib_optim.pt")
     if not os.path.isfile(param_state_path):
