@@ -809,7 +809,8 @@ def _non_distributed_saved(chunk: dict, groups: list, mixed: bool, **args) -> di
                              "betas": (0.9, 0.95), "params": list(range(index - len(names), index))})
         masters.append(mains)
     adam = {"state": state, "param_groups": param_groups}
-    optimizer = {"optimizer": adam, "grad_scaler": {}, "fp32_from_fp16_params": masters} if mixed else adam
+    scaler = {"scale": torch.tensor([1024.0]), "growth_tracker": 3, "hysteresis_tracker": 1}   # (as fp16's)
+    optimizer = {"optimizer": adam, "grad_scaler": scaler, "fp32_from_fp16_params": masters} if mixed else adam
     return {"args": argparse.Namespace(**args), "optimizer": optimizer}
 
 
@@ -843,6 +844,8 @@ def test_non_distributed_state_is_placed_by_param_group_order_and_proved(tmp_pat
                               (True, [(1.0, wd + [names[5]]), (0.0, [n for n in no_wd if n != names[5]])])):
             state, whose = read(_non_distributed_saved(chunk, groups, mixed, apply_wd_to_qk_layernorm=apply))
             assert whose == "Megatron's non-distributed" and (state["step"], state["optimizer"]) == (5, "AdamW")
+            assert state["grad_scaler"] == ({"scale": 1024.0, "growth_tracker": 3, "hysteresis_tracker": 1}
+                                            if mixed else None)
             assert [grp["wd_mult"] for grp in state["param_groups"]] == [1.0, 0.0]
             assert state["params"].keys() == {prefix + n for n in names}
             for n, w in chunk.items():
