@@ -75,7 +75,7 @@ def saved_layout(saved: Dict[str, Any]) -> Tuple[Optional[str], str]:
                       "expert optimizers) are not read")
     layout = optimizer.get("param_state_sharding_type")
     if layout is None:
-        if not isinstance(_adam_state(optimizer).get("param_groups"), list):
+        if torch_format_kind(optimizer) != NON_DISTRIBUTED:
             return None, "an optimizer state of no layout this import knows"
         return non_distributed_adam(optimizer)
     if layout not in LAYOUTS:
@@ -100,9 +100,9 @@ def non_distributed_adam(optimizer: Dict[str, Any]) -> Tuple[Optional[str], str]
 
 
 def torch_format_kind(optimizer: Any) -> Optional[str]:
-    """Whose ``state_dict()`` Megatron-LM saved as ``optimizer`` (torch format): the DistributedOptimizer's common
-    part (param groups, the state apart in ``distrib_optim.pt``), the non-distributed optimizer's (torch Adam's state
-    inside), or neither (None)."""
+    """Whose ``state_dict()`` Megatron-LM saved as ``optimizer`` (torch format; torch_dist's ``common.pt`` keeps the
+    same frame): the DistributedOptimizer's common part (param groups, the state apart), the non-distributed
+    optimizer's (torch Adam's state inside), or neither (None)."""
     if not isinstance(optimizer, dict) or "format" in optimizer:
         return None
     adam = _adam_state(optimizer)
@@ -263,9 +263,7 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
     :func:`torch_format_state`'s."""
     common = saved["optimizer"]
     adam = _adam_state(common)
-    groups, state = adam.get("param_groups"), adam.get("state")
-    if not isinstance(groups, list):
-        return None, "an optimizer state of no layout this import knows"
+    groups, state = adam["param_groups"], adam["state"]   # (torch_format_kind: there)
     layout, why_not = non_distributed_adam(common)
     if layout is None:
         return None, why_not
