@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
+from .dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_state
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
 from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce_, collective_device,
                                 dataclass_fields, node_peers)
@@ -460,9 +461,12 @@ class OverlappedDistributedOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a canonical (any DP size, bucket size or backend) or this rank's own local state dict. Checked on
+        """Load a canonical (any DP size, bucket size or backend) or this rank's own local state dict, or what
+        ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` (any DP or TP/PP size). Checked on
         every rank first (:meth:`state_dict_problems`); if any rank finds a problem, every rank raises ValueError
         before anything is loaded."""
+        if isinstance(state_dict, dict) and state_dict.get("format") == SHARDED_FORMAT:
+            state_dict = local_state(self, state_dict, state_dict)
         problems = self.state_dict_problems(state_dict)
         failed = self._all_reduce(torch.tensor([float(bool(problems))], dtype=torch.float64,
                                                device=self.grad_device), dist.ReduceOp.MAX)
@@ -489,12 +493,12 @@ class OverlappedDistributedOptimizer:
         self._publish_masters()
         self._settle()
 
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
-        raise NotImplementedError(
-            "megatron-core dist-checkpointing (--ckpt-format torch_dist / zarr) of the overlapped distributed "
-            "optimizer is not supported. Use --ckpt-format torch with Megatron-LM, or call state_dict() / "
-            "load_state_dict() yourself: rank-local slices in canonical per-parameter layout, merged with "
-            "megatron_ext.optimizer.checkpoint.merge_optimizer_shards() to load at another DP size")
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core dist-checkpointing (``--ckpt-format torch_dist``): this rank's pieces as blocks of the model's
+        own tensors, Megatron's ``fully_reshardable`` layout (see dist_checkpoint.py); ``load_state_dict`` takes what
+        ``dist_checkpointing.load`` returns for it. Collective over DP."""
+        return sharded_optimizer_state(self, model_sharded_state_dict, is_loading, metadata)
 
     # -- internals ----------------------------------------------------------------------------------
     def _load_groups_and_scaler(self, state_dict: dict) -> None:

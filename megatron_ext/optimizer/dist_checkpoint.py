@@ -1,0 +1,187 @@
+"""The ODO's state for megatron-core dist-checkpointing (``--ckpt-format torch_dist``), in model space.
+
+[Note: model-space blocks]
+A rank's piece of a parameter is a flat range ``[start, end)`` of it, which is not a block of the tensor, and
+megatron-core 0.16 refuses ``ShardedTensor.flattened_range``. A flat range of a C-ordered tensor is the union of at
+most ``2 * ndim - 1`` blocks (a partial innermost row, whole rows, ..., a partial last row), and each block is an
+unevenly sharded ``ShardedTensor`` (``axis_fragmentations=None``: megatron-core leaves those to torch DCP, which
+checks that the blocks of all ranks cover each tensor once). The blocks lie in the model parameter's own tensor:
+its key under ``optimizer.state.param.`` (the fp32 main weight), ``optimizer.state.exp_avg.`` and so on, its global
+shape and offset (tensor-parallel split, layers stacked), its replica (the tensor-parallel copies of a layer norm
+are written once) -- the layout of Megatron's DistributedOptimizer's ``fully_reshardable`` sharding type. So a
+checkpoint resumes at any DP size, bucket size, backend or sharding plan, and at other TP/PP sizes (megatron-core
+reads the blocks each new rank asks for); and a checkpoint Megatron's DistributedOptimizer saved in that layout
+carries the same tensors (the Megatron-LM plug-in reads its shared part, ``megatron_lm/optimizer_state.py``).
+
+The shared part (update rule, step, param groups, loss scaler) is a common entry, written once by global rank 0 and
+read by every rank, as in Megatron's layout. A block holds a copy of the rank's state, so an asynchronous save may
+go on writing while training updates the state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .checkpoint import LOCAL_FORMAT
+from .inner_optimizer import update_rule
+
+if TYPE_CHECKING:   # (imported lazily at run time: megatron-core is needed only by those who checkpoint with it)
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+SHARDED_FORMAT = "megatron_ext.odo/1-sharded"
+MEGATRON_LAYOUT = "fully_reshardable"   # Megatron-LM: --dist-ckpt-optim-fully-reshardable
+PREFIX = "optimizer.state."
+Block = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, shape) in the tensor
+
+
+def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Block]:
+    """The blocks whose union is the elements ``[start, end)`` of a C-ordered tensor of ``shape``, in that order:
+    each one is contiguous in the flattened tensor, and they follow one another."""
+    shape = tuple(shape)
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    row, last = start // inner, end // inner
+    blocks: List[Block] = []
+    if start % inner:   # the partial first row
+        stop = min(end, (row + 1) * inner)
+        blocks += [((row, *o), (1, *s)) for o, s in flat_range_blocks(shape[1:], start - row * inner,
+                                                                       stop - row * inner)]
+        row += 1
+        if stop == end:
+            return blocks
+    if last > row:      # whole rows
+        blocks.append(((row, *(0,) * (len(shape) - 1)), (last - row, *shape[1:])))
+    if end % inner:     # the partial last row
+        blocks += [((last, *o), (1, *s)) for o, s in flat_range_blocks(shape[1:], 0, end - last * inner)]
+    return blocks
+
+
+def model_tensors(model_sharded_state_dict: Any) -> Dict[int, List[Tuple["ShardedTensor", int]]]:
+    """Parameter (by id) -> the tensors megatron-core saves it as, each with its offset in the flattened parameter.
+    A ``ShardedTensorFactory`` (SwiGLU's ``linear_fc1``, saved as two halves) is built on a meta tensor to find
+    where each of its tensors lies."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out: Dict[int, List[Tuple[ShardedTensor, int]]] = {}
+    for sh in nested_values(model_sharded_state_dict or {}):
+        if not isinstance(sh, (ShardedTensor, ShardedTensorFactory)) or id(sh.data) in out:
+            continue
+        if isinstance(sh, ShardedTensor):
+            out[id(sh.data)] = [(sh, 0)]
+            continue
+        built = dataclasses.replace(sh, data=torch.empty(sh.data.shape, dtype=torch.float32, device="meta")).build()
+        parts = [t for t in nested_values(built if isinstance(built, (dict, list)) else [built])]
+        if not all(isinstance(t, ShardedTensor) and t.data.is_contiguous() for t in parts):
+            raise NotImplementedError(f"{sh.key}: megatron-core saves it through a factory whose tensors are not "
+                                      "contiguous ranges of the parameter; the optimizer state cannot follow it")
+        out[id(sh.data)] = [(t, t.data.storage_offset()) for t in parts]
+    return out
+
+
+def state_blocks(tensor: "ShardedTensor", offset: int, flat: torch.Tensor, start: int, key: str,
+                 replica: int) -> List["ShardedTensor"]:
+    """``flat`` (elements ``[start, start + numel)`` of the flattened parameter) where it meets ``tensor`` (saved from
+    ``offset`` on): ShardedTensors ``key``, placed in ``tensor``'s global tensor; ``replica`` 0 writes them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    n = math.prod(tensor.local_shape)
+    lo, hi = max(start, offset), min(start + flat.numel(), offset + n)
+    p = tensor.prepend_axis_num
+    r = tensor.replica_id
+    replica_id = (*r[:-1], replica) if isinstance(r, tuple) else (r, replica)   # (the model's last is the DP copy)
+    out, pos = [], lo - start
+    for off, shape in flat_range_blocks(tensor.local_shape, lo - offset, hi - offset):
+        # (the prepended axes -- layers stacked -- as axes of size 1: megatron-core 0.16 hands uneven shards to DCP
+        # without them)
+        data = flat[pos:pos + math.prod(shape)].view((1,) * p + shape)
+        pos += data.numel()
+        out.append(ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+                                 global_shape=tensor.global_shape,
+                                 global_offset=(*tensor.global_offset[:p],
+                                                *(g + o for g, o in zip(tensor.global_offset[p:], off))),
+                                 axis_fragmentations=None, replica_id=replica_id,
+                                 allow_shape_mismatch=tensor.allow_shape_mismatch))
+    return out
+
+
+def state_fields(inner: torch.optim.Optimizer) -> List[Tuple[str, str]]:
+    """(our name, the checkpoint's) of each per-element tensor: the main weight and the optimizer's moments."""
+    from .distributed_optimizer import optimizer_state_keys
+
+    return [("master", "param")] + [(k, k) for k in optimizer_state_keys(inner)]
+
+
+def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool,
+                            metadata: Optional[dict]) -> Dict[str, Any]:
+    """The ODO's ``sharded_state_dict``: collective over the DP group (the step and the check that every piece has
+    a model tensor are agreed, so no rank is left in the save while another raised)."""
+    if opt.chunks[0].plan.param > 1:
+        raise NotImplementedError("dist-checkpointing of a parameter-sharded (ZeRO-3) plan: megatron-core's model "
+                                  "sharded_state_dict would see the primary shards, not the weights")
+    layout = (metadata or {}).get("distrib_optim_sharding_type")
+    if layout not in (None, MEGATRON_LAYOUT):   # (the same on every rank: Megatron-LM's flags, or the checkpoint's)
+        raise ValueError(f"the overlapped distributed optimizer saves and loads its state in model space "
+                         f"(distrib_optim_sharding_type {MEGATRON_LAYOUT!r}, Megatron-LM's "
+                         f"--dist-ckpt-optim-fully-reshardable), not {layout!r}" + (
+                             ": this checkpoint's optimizer state was saved in Megatron's DistributedOptimizer's own "
+                             "bucket layout; resume it with --no-load-optim, or save it again with "
+                             "--dist-ckpt-optim-fully-reshardable" if is_loading else ""))
+    opt._settle()
+    tensors = model_tensors(model_sharded_state_dict)
+    missing = sorted({pc.name for pc in opt.pieces if id(pc.param) not in tensors})
+    steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
+    agreed = opt._all_reduce(torch.tensor([float(max(steps, default=0)), float(bool(missing))],
+                                          dtype=torch.float64, device=opt.grad_device), torch.distributed.ReduceOp.MAX)
+    if agreed[1].item() > 0:
+        raise ValueError("the model's sharded_state_dict has no tensor for " + (
+            ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "") if missing else "a parameter on another rank")
+            + ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's")
+    fields = state_fields(opt.inner)
+    param_state: Dict[int, Dict[str, List[Any]]] = {}
+    for i, pc in enumerate(opt.pieces):
+        state = opt.inner.state.get(pc.master, {})
+        entry: Dict[str, List[Any]] = {}
+        for ours, theirs in fields:
+            if is_loading:
+                flat = torch.empty(pc.end - pc.start, dtype=torch.float32, device=pc.master.device)
+            elif ours == "master":
+                flat = pc.master.detach().float().clone()
+            elif ours in state:
+                flat = state[ours].detach().float().clone()
+            else:   # no step applied yet: a fresh optimizer's zeros (the step, 0, tells the loader)
+                flat = torch.zeros(pc.end - pc.start, dtype=torch.float32, device=pc.master.device)
+            entry[theirs] = [b for t, off in tensors[id(pc.param)]
+                             for b in state_blocks(t, off, flat, pc.start, PREFIX + f"{theirs}.{t.key}",
+                                                   0 if pc.primary else 1)]
+        param_state[i] = entry
+    return {"format": SHARDED_FORMAT, "optimizer": update_rule(opt.inner), "step": int(agreed[0].item()),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups],
+            "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
+            "param_state_sharding_type": MEGATRON_LAYOUT, "param_state": param_state}
+
+
+def local_state(opt: Any, loaded: Dict[str, Any], header: Dict[str, Any]) -> Dict[str, Any]:
+    """The loaded blocks of this rank's pieces (``loaded["param_state"]``, as :func:`sharded_optimizer_state` asked
+    for them) as the ODO's rank-local state dict, with ``header``'s step, update rule, param groups and loss scaler.
+    Saved before any step was applied (step 0): the main weights alone, as a fresh optimizer starts."""
+    fields = state_fields(opt.inner)
+    if int(header["step"]) == 0:
+        fields = fields[:1]
+    params = {}
+    for i, pc in enumerate(opt.pieces):
+        shape = opt.chunks[pc.chunk].param_shape(pc.param)
+        entry = {"shape": tuple(shape), "numel": shape.numel(), "start": pc.start, "end": pc.end}
+        for ours, theirs in fields:
+            entry[ours] = torch.cat([b.reshape(-1) for b in loaded["param_state"][i][theirs]])
+        params[pc.name] = entry
+    topology = opt.chunks[0].topology
+    return {"format": LOCAL_FORMAT, "dp_size": topology.size, "dp_rank": topology.rank,
+            "optimizer": header["optimizer"], "step": int(header["step"]), "param_groups": header["param_groups"],
+            "grad_scaler": header.get("grad_scaler"), "params": params}
