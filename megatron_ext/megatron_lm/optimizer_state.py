@@ -25,9 +25,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
+from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_state, state_fields
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 from megatron_ext.optimizer.inner_optimizer import same_update_rule, update_rule
-from megatron_ext.training.checkpoint_import_optim import NON_DISTRIBUTED, torch_format_kind, torch_format_state
+from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, canonical_header, torch_format_kind,
+                                                           torch_format_state)
 from megatron_ext.training.checkpointing import CheckpointError
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
@@ -47,12 +49,30 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """``--ckpt-format torch_dist``: the ODO's model-space state (Megatron's ``fully_reshardable`` layout, see
+        ``optimizer/dist_checkpoint.py``). Loading a checkpoint Megatron's non-distributed optimizer saved (its
+        content metadata has no ``distrib_optim_sharding_type``), the same tensors are asked for under its names."""
+        self._megatron_fields = None
+        if is_loading and _saved_by_non_distributed_optimizer(metadata):
+            mixed = bool(self.config.bf16 or self.config.fp16)   # (an fp32 model's main weights are its weights)
+            self._megatron_fields = [("master", "fp32_param")] * mixed + state_fields(self.inner)[1:]
+        return sharded_optimizer_state(self, model_sharded_state_dict, is_loading, metadata, self._megatron_fields)
+
     def load_state_dict(self, state_dict: dict) -> None:
         if isinstance(state_dict, list):   # (the same on every rank: all raise alike)
             raise ValueError("Megatron's chained optimizers' state (--overlap-param-gather-with-optimizer-step, or "
                              "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
                              "weights alone")
         self._megatron_common, self._megatron_loaded = None, False
+        if "param_state" in state_dict and state_dict.get("format") != SHARDED_FORMAT:
+            # torch_dist: Megatron's own optimizer saved the same model-space tensors (see sharded_state_dict)
+            args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
+                                                                 "apply_wd_to_qk_layernorm")}
+            header = canonical_header(state_dict, "Megatron's optimizer state (torch_dist)", args=args)
+            return super().load_state_dict(local_state(self, state_dict, header,
+                                                       getattr(self, "_megatron_fields", None)))
         kind = torch_format_kind(state_dict)
         if kind == "distributed":   # its parameter state arrives with load_parameter_state
             self._megatron_common = state_dict
@@ -122,3 +142,11 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         chunks = [{n[len(prefix):]: p.detach() for n, p in ps} for ps in named]
         return chunks, [(c, n[len(prefix):]) for c, ps in enumerate(named) for n, _ in ps], prefix
 
+
+
+def _saved_by_non_distributed_optimizer(metadata: Optional[dict]) -> bool:
+    """Whether Megatron-LM's content metadata of a torch_dist checkpoint says its optimizer was not distributed: it
+    records ``distrib_optim_sharding_type`` for a distributed optimizer (the plug-in's too), and its other entries
+    (``chained_optim_avoid_prefix``) either way."""
+    return isinstance(metadata, dict) and "chained_optim_avoid_prefix" in metadata and \
+        "distrib_optim_sharding_type" not in metadata

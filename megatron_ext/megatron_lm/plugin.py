@@ -15,10 +15,10 @@ Limits: ``--param-shard-size``, ``--hpz-partition-size``, ``--ladder-residual``,
 ``--auto-plan`` (and its ``--plan-*`` options) is rejected the same way: the checkout pads its vocabulary after
 parsing, and the planner may choose parameter sharding; print a plan with ``python -m megatron_ext.planner`` and pass
 its flags.
-From Megatron-LM's side: the ODO has no ``sharded_state_dict``, so ``--ckpt-format torch`` and
-``--use-distributed-optimizer`` are required (checked when parsed); the optimizer state is then saved in canonical
-per-parameter layout through Megatron-LM's ``save_parameter_state`` (see optimizer_state.py) and resumes at any DP
-size. ``--gradient-accumulation-fusion`` is switched off.
+From Megatron-LM's side: ``--use-distributed-optimizer`` is required and ``--ckpt-format`` is ``torch_dist`` (its
+default: the optimizer state in model space, Megatron's ``fully_reshardable`` layout, through megatron-core
+dist-checkpointing; any DP, TP or PP size resumes it) or ``torch`` (canonical per-parameter layout through Megatron-LM's
+``save_parameter_state``, see optimizer_state.py; any DP size). ``--gradient-accumulation-fusion`` is switched off.
 """
 from __future__ import annotations
 
@@ -87,7 +87,9 @@ def _adapt_megatron_lm_args(ns: argparse.Namespace) -> None:
 
     * ``--use-distributed-optimizer``: Megatron-LM calls ``save_parameter_state`` / ``load_parameter_state`` only
       then; without it the DP shards of the optimizer state would silently not be saved.
-    * ``--ckpt-format torch``: the ODO has no megatron-core ``sharded_state_dict`` (dist-checkpointing).
+    * ``--ckpt-format torch_dist`` (Megatron-LM's default) or ``torch``; with torch_dist the ODO saves in model
+      space, so ``--dist-ckpt-optim-fully-reshardable`` is switched on (with a note): the checkpoint's metadata then
+      says what it holds, and Megatron-LM lets it resume at other TP/PP sizes.
     * ``--gradient-accumulation-fusion`` (Megatron-LM's default when apex/TE are present) writes weight gradients
       into ``param.main_grad``, which a gradient-freeing optimizer does not keep: it is switched off.
     """
@@ -100,9 +102,16 @@ def _adapt_megatron_lm_args(ns: argparse.Namespace) -> None:
         raise ArgumentError("--use-overlapped-distributed-optimizer in a Megatron-LM checkout needs "
                             "--use-distributed-optimizer (Megatron-LM saves a sharded optimizer's state only then)")
     fmt = getattr(ns, "ckpt_format", "torch")
-    if fmt != "torch":
-        raise ArgumentError(f"--use-overlapped-distributed-optimizer needs --ckpt-format torch (got {fmt}): the "
-                            "overlapped distributed optimizer has no megatron-core dist-checkpointing support")
+    if fmt not in ("torch", "torch_dist"):
+        raise ArgumentError(f"--use-overlapped-distributed-optimizer saves with --ckpt-format torch_dist or torch "
+                            f"(got {fmt})")
+    if fmt == "torch_dist" and not getattr(ns, "dist_ckpt_optim_fully_reshardable", True):
+        import sys
+
+        print("megatron_ext: --use-overlapped-distributed-optimizer saves its torch_dist optimizer state in model "
+              "space: --dist-ckpt-optim-fully-reshardable is switched on (the checkpoint says so, and resumes at "
+              "other TP/PP sizes)", file=sys.stderr)
+        ns.dist_ckpt_optim_fully_reshardable = True
     if getattr(ns, "gradient_accumulation_fusion", False):
         import sys
 

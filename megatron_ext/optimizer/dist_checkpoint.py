@@ -118,10 +118,11 @@ def state_fields(inner: torch.optim.Optimizer) -> List[Tuple[str, str]]:
     return [("master", "param")] + [(k, k) for k in optimizer_state_keys(inner)]
 
 
-def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool,
-                            metadata: Optional[dict]) -> Dict[str, Any]:
+def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Optional[dict],
+                            fields: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
     """The ODO's ``sharded_state_dict``: collective over the DP group (the step and the check that every piece has
-    a model tensor are agreed, so no rank is left in the save while another raised)."""
+    a model tensor are agreed, so no rank is left in the save while another raised). ``fields``: (ours, the
+    checkpoint's name) of the tensors to load, where they are not :func:`state_fields`."""
     if opt.chunks[0].plan.param > 1:
         raise NotImplementedError("dist-checkpointing of a parameter-sharded (ZeRO-3) plan: megatron-core's model "
                                   "sharded_state_dict would see the primary shards, not the weights")
@@ -143,7 +144,7 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
         raise ValueError("the model's sharded_state_dict has no tensor for " + (
             ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "") if missing else "a parameter on another rank")
             + ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's")
-    fields = state_fields(opt.inner)
+    fields = fields if fields is not None else state_fields(opt.inner)
     param_state: Dict[int, Dict[str, List[Any]]] = {}
     for i, pc in enumerate(opt.pieces):
         state = opt.inner.state.get(pc.master, {})
@@ -167,19 +168,23 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
             "param_state_sharding_type": MEGATRON_LAYOUT, "param_state": param_state}
 
 
-def local_state(opt: Any, loaded: Dict[str, Any], header: Dict[str, Any]) -> Dict[str, Any]:
+def local_state(opt: Any, loaded: Dict[str, Any], header: Dict[str, Any],
+                fields: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
     """The loaded blocks of this rank's pieces (``loaded["param_state"]``, as :func:`sharded_optimizer_state` asked
     for them) as the ODO's rank-local state dict, with ``header``'s step, update rule, param groups and loss scaler.
-    Saved before any step was applied (step 0): the main weights alone, as a fresh optimizer starts."""
-    fields = state_fields(opt.inner)
+    Saved before any step was applied (step 0): the main weights alone, as a fresh optimizer starts. ``fields``: as
+    they were asked for; where ``master`` is not among them, the main weights are the weights (an fp32 model's)."""
+    fields = fields if fields is not None else state_fields(opt.inner)
     if int(header["step"]) == 0:
-        fields = fields[:1]
+        fields = [f for f in fields if f[0] == "master"]
     params = {}
     for i, pc in enumerate(opt.pieces):
         shape = opt.chunks[pc.chunk].param_shape(pc.param)
         entry = {"shape": tuple(shape), "numel": shape.numel(), "start": pc.start, "end": pc.end}
         for ours, theirs in fields:
             entry[ours] = torch.cat([b.reshape(-1) for b in loaded["param_state"][i][theirs]])
+        if "master" not in entry:
+            entry["master"] = pc.param.detach().reshape(-1)[pc.start:pc.end].float()
         params[pc.name] = entry
     topology = opt.chunks[0].topology
     return {"format": LOCAL_FORMAT, "dp_size": topology.size, "dp_rank": topology.rank,

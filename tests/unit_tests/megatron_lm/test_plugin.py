@@ -228,6 +228,7 @@ def _megatron_lm_parse_full(argv):
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--ckpt-format", default="torch_dist")
+    parser.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                         dest="gradient_accumulation_fusion")
     return mxlm.add_args(parser).parse_args(argv)
@@ -235,7 +236,7 @@ def _megatron_lm_parse_full(argv):
 
 @pytest.mark.parametrize("argv, names", [
     (["--ckpt-format", "torch"], ["--use-distributed-optimizer"]),
-    (["--use-distributed-optimizer"], ["--ckpt-format torch", "got torch_dist"]),
+    (["--use-distributed-optimizer", "--ckpt-format", "zarr"], ["--ckpt-format torch_dist or torch", "got zarr"]),
 ])
 def test_megatron_lm_checkpoint_flags_required_when_parsed(capsys, argv, names):
     with pytest.raises(SystemExit):
@@ -273,7 +274,16 @@ def test_gradient_accumulation_fusion_switched_off_with_a_note(capsys):
     assert a.gradient_accumulation_fusion is False
     assert "switches off --gradient-accumulation-fusion" in capsys.readouterr().err
     a = _megatron_lm_parse_full(["--ckpt-format", "torch_dist"])   # runs that do not ask are untouched
-    assert a.gradient_accumulation_fusion is True
+    assert a.gradient_accumulation_fusion is True and a.dist_ckpt_optim_fully_reshardable is False
+
+
+def test_torch_dist_saves_in_model_space_with_a_note(capsys):
+    """Megatron-LM's default format: the run's metadata is switched to the layout the ODO saves (model space, which
+    Megatron-LM lets resume at other TP/PP sizes)."""
+    on = ["--use-overlapped-distributed-optimizer", "--use-distributed-optimizer"]
+    assert _megatron_lm_parse_full(on).dist_ckpt_optim_fully_reshardable is True
+    assert "--dist-ckpt-optim-fully-reshardable is switched on" in capsys.readouterr().err
+    assert _megatron_lm_parse_full(on + ["--ckpt-format", "torch"]).dist_ckpt_optim_fully_reshardable is False
 
 
 def _megatron_lm_checkpoint_world(path: str, save: bool, bucket_size: int):
@@ -392,13 +402,17 @@ def test_old_optimizer_factory_arguments_are_refused_by_name():
         _config_overrides(old_factory, None, [], (None, lambda n, p: True), {})
 
 
-def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False):
+def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False,
+                                  fmt: str = "torch"):
     """Rank body: a bf16 megatron-core GPT (local spec, biases, q/k layer norms; every weight distinct). ``save``:
     Megatron's own optimizer (the DistributedOptimizer, or the non-distributed one) holds a known Adam state and
     Megatron-LM's legacy flow saves it (``state_dict()`` from DP rank 0; ``save_parameter_state`` on every rank for
     the distributed one). Else the plug-in's ODO loads it as Megatron-LM's flow loads (``load_state_dict`` with rank
     0's dict, then ``load_parameter_state``); returns the ODO's merged canonical state, the known one and the ODO's
-    group keys. ``other``: one weight differs from the saving run's (a checkpoint of another model)."""
+    group keys. ``other``: one weight differs from the saving run's (a checkpoint of another model). ``fmt``
+    ``torch_dist``: saved and loaded as Megatron-LM's torch_dist flow does (the model's and the optimizer's sharded
+    state dicts, megatron-core's dist_checkpointing, the content metadata Megatron-LM records and hands back; the
+    DistributedOptimizer in its ``fully_reshardable`` layout)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -433,6 +447,9 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
                                          "exp_avg_sq": torch.rand(p.numel(), generator=g)}
         config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=True,
                                  use_distributed_optimizer=distributed)
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                    **({"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {}),
+                    "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         if save:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import get_megatron_optimizer
@@ -442,6 +459,13 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
                     use_distributed_optimizer=distributed, bucket_size=3000), module)
                 optimizer = get_megatron_optimizer(config, [ddp])
                 _fill_megatron_optimizer(optimizer, [module], known)
+                if fmt == "torch_dist":
+                    from megatron.core import dist_checkpointing
+
+                    state = {"model": gpt.sharded_state_dict(metadata=metadata)}   # (Megatron-LM unwraps the model)
+                    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+                    dist_checkpointing.save(state, path)
+                    return None
                 if torch.distributed.get_rank() == 0:
                     torch.save(optimizer.state_dict(), f"{path}/common.pt")
                 if distributed:
@@ -453,8 +477,18 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
                 gpt.decoder.final_layernorm.weight.add_(1.0)
         ddp = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=bucket_size))
         opt = MegatronLMOverlappedOptimizer(config, ddp)
-        opt.load_state_dict(torch.load(f"{path}/common.pt", weights_only=False))
-        opt.load_parameter_state(f"{path}/distrib_optim.pt")
+        if fmt == "torch_dist":
+            from megatron.core import dist_checkpointing
+
+            state = {"model": gpt.sharded_state_dict(metadata=metadata)}
+            state["optimizer"] = opt.sharded_state_dict(state, is_loading=True, metadata=metadata)
+            with _megatron_core_on_cpu():
+                loaded = dist_checkpointing.load(state, path)
+            ddp.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["optimizer"])
+        else:
+            opt.load_state_dict(torch.load(f"{path}/common.pt", weights_only=False))
+            opt.load_parameter_state(f"{path}/distrib_optim.pt")
         shards = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(shards, super(MegatronLMOverlappedOptimizer, opt).state_dict())
         return merge_optimizer_shards(shards), known, [g["overrides"] for g in opt.param_groups]
@@ -462,29 +496,32 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
         ps.destroy_model_parallel()
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "non_distributed"])
-def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_path, distributed):
+def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_path, distributed, fmt):
     """Megatron-LM's own optimizer's checkpoint (its DistributedOptimizer's, saved at DP 2 with buckets small enough
     that parameters fill several; or its non-distributed one's) loads into the plug-in's ODO through Megatron-LM's
     legacy load flow, at DP 1 and other buckets: every parameter's main weight and moments, and the step, equal the
     saved ones bit for bit (the layer norms' too, all at 1.0: placed by the registration order), the param groups
     keep the ODO's keys; a state that does not fit the model fails every rank's load together (DP 2; the agreement is
     the one both kinds reach), and a chained optimizer's state is refused by name. (Each DP rank taking its slices of
-    a canonical state: test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size.)"""
+    a canonical state: test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size.) The same with
+    torch_dist, Megatron-LM's default format: the tensors Megatron's optimizers save in model space are the ones the
+    ODO asks for (optimizer/dist_checkpoint.py), the shared part is read from Megatron's own."""
     import torch
 
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
 
-    spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, distributed, 0, timeout=120)
-    assert (tmp_path / "distrib_optim.pt").exists() == distributed
+    spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, distributed, 0, False, fmt, timeout=120)
+    assert (tmp_path / "distrib_optim.pt").exists() == (distributed and fmt == "torch")
     (merged, known, keys), = spawn(_megatron_own_optimizer_world, 1, str(tmp_path), False, distributed, 1000,
-                                   timeout=120)
+                                   False, fmt, timeout=120)
     assert merged["step"] == 3 and keys == [None, (("wd_mult", 0.0),)]
     assert merged["params"].keys() == known["params"].keys()
     for name, entry in known["params"].items():
         for field in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(merged["params"][name][field], entry[field]), (name, field)
-    if not distributed:
+    if not distributed or fmt == "torch_dist":
         return
     with pytest.raises(ValueError, match="Megatron's chained optimizers' state .* is not read"):
         MegatronLMOverlappedOptimizer.load_state_dict(None, [{}, {}])
