@@ -2,7 +2,7 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e) and (f)) on every GPU of this machine and prints one verdict line per check.
+# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e), (f), (h) and (i)) on every GPU of this machine and prints one verdict line per check.
 # The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
 # it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
 # the check runs with or without them.
@@ -24,7 +24,11 @@
 #       pretrain_gpt: within the bf16 tolerance of its uninterrupted run;
 #   (g) Megatron-LM's own distributed optimizer saving (--ckpt-format torch) at iteration HALF and the ODO (launch
 #       module) resuming from that checkpoint, its Adam state included: within the bf16 tolerance of (a)'s
-#       uninterrupted run of Megatron-LM's optimizer.
+#       uninterrupted run of Megatron-LM's optimizer;
+#   (h) the ODO saving in Megatron-LM's default --ckpt-format torch_dist (its state in model space) at iteration
+#       HALF and resuming: the same losses as the uninterrupted run (exact);
+#   (i) the ODO resuming (f)'s torch_dist checkpoint of Megatron-LM's default optimizer, its Adam state included:
+#       within the bf16 tolerance of (f)'s uninterrupted run.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -83,7 +87,7 @@ grep -q "mxlm.install()" "$out/pretrain_gpt_two_lines.py" || echo "   (the two-l
 
 odo=(--use-overlapped-distributed-optimizer)
 rm -rf "$out/ckpt" "$out/ckpt_bucket" "$out/ckpt_imported" "$out/ckpt_dist" "$out/ckpt_dist_imported" \
-    "$out/ckpt_default" "$out/ckpt_default_imported" "$out/ckpt_megatron"
+    "$out/ckpt_default" "$out/ckpt_default_imported" "$out/ckpt_megatron" "$out/ckpt_odo_dist"
 run megatron_dist_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}"
 run odo_launch "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" "${odo[@]}"
 run odo_two_lines "${launch[@]}" "$out/pretrain_gpt_two_lines.py" "${common[@]}" "${odo[@]}"
@@ -131,6 +135,14 @@ done
 run megatron_default_opt "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${plain[@]}" \
     --ckpt-format torch_dist
 save_import_continue default_opt "$out/ckpt_default" "${plain[@]}"
+# (h): the ODO saves torch_dist, Megatron-LM's default format, and resumes
+run odo_dist_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
+    "${odo[@]}" --ckpt-format torch_dist --save "$out/ckpt_odo_dist" --save-interval "$half" --exit-interval "$half"
+run odo_dist_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
+    "${odo[@]}" --ckpt-format torch_dist --load "$out/ckpt_odo_dist" --save "$out/ckpt_odo_dist" --save-interval "$iters"
+# (i): a run of Megatron-LM's default optimizer switches to the ODO at its torch_dist checkpoint
+run odo_resume_from_megatron_default "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${common[@]}" "${odo[@]}" --ckpt-format torch_dist --load "$out/ckpt_default"
 
 [ "$dry" = 1 ] && exit 0
 status=0
@@ -151,5 +163,10 @@ verdict "(e) pretrain_gpt continues Megatron-LM's torch_dist checkpoint (its opt
     "$out/megatron_dist_opt.log" "$out/pretrain_gpt_imported_torch_dist.log" --first $((half + 1))
 verdict "(f) pretrain_gpt continues Megatron-LM's default (non-distributed) optimizer's torch_dist checkpoint vs \
 uninterrupted" "$out/megatron_default_opt.log" "$out/pretrain_gpt_imported_default_opt.log" --first $((half + 1))
+verdict "(h) ODO save (torch_dist) at $half and resume vs uninterrupted" "$out/odo_launch.log" \
+    "$out/odo_dist_resume.log" --rtol 0 --first $((half + 1)) --skip $((half + 2))
+verdict "(i) the ODO resumes Megatron-LM's default optimizer's torch_dist checkpoint vs its uninterrupted run" \
+    "$out/megatron_default_opt.log" "$out/odo_resume_from_megatron_default.log" --first $((half + 1)) \
+    --skip $((half + 2))
 echo "logs: $out" >&2
 exit $status

@@ -74,7 +74,8 @@ def test_check_script_commands(tmp_path):
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
                           "odo_resume_bucket", "megatron_dist_opt_save", "odo_resume_from_megatron", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
                           "import_torch_dist", "pretrain_gpt_imported_torch_dist", "megatron_default_opt",
-                          "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt"]
+                          "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt",
+                          "odo_dist_save", "odo_dist_resume", "odo_resume_from_megatron_default"]
     # (f): Megatron-LM's default optimizer (not distributed, no --overlap-param-gather) uninterrupted and saving
     # torch_dist at 20; pretrain_gpt continues the import with (e)'s flags
     default, default_save = runs.pop("megatron_default_opt"), runs.pop("megatron_default_opt_save")
@@ -87,6 +88,16 @@ def test_check_script_commands(tmp_path):
     assert _value(default_save, "--save-interval") == _value(default_save, "--exit-interval") == "20"
     assert _value(default_save, "--save") == _value(default_import, "--load")
     assert _value(default_ours, "--load") == _value(default_import, "--save") and "--no-load-optim" not in default_ours
+    # (h): the ODO saves torch_dist at 20 and resumes it; (i): it resumes (f)'s torch_dist checkpoint
+    odo_dist_save, odo_dist_resume = runs.pop("odo_dist_save"), runs.pop("odo_dist_resume")
+    from_default = runs.pop("odo_resume_from_megatron_default")
+    for argv in (odo_dist_save, odo_dist_resume, from_default):
+        assert argv[:argv.index("--ckpt-format", argv.index("--use-overlapped-distributed-optimizer"))] == \
+            runs["odo_launch"] and _value(argv[argv.index("--use-overlapped-distributed-optimizer"):],
+                                          "--ckpt-format") == "torch_dist"
+    assert _value(odo_dist_save, "--save-interval") == _value(odo_dist_save, "--exit-interval") == "20"
+    assert _value(odo_dist_resume, "--load") == _value(odo_dist_save, "--save") and "--save-interval" in odo_dist_resume
+    assert _value(from_default, "--load") == _value(default_save, "--save") and "--no-load-optim" not in from_default
     # (e): Megatron-LM's own optimizer saves torch_dist at 20; pretrain_gpt continues the import with its optimizer
     # state and the same flags (less --ckpt-format)
     dist_save, dist_import = runs.pop("megatron_torch_dist_save"), runs.pop("import_torch_dist")
