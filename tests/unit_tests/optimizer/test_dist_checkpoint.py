@@ -24,29 +24,50 @@ def test_flat_range_blocks_are_the_range_in_order(shape):
 SWIGLU = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
 
 
-def _full(module, flat: dict, tp: int, swiglu: bool) -> dict:
-    """Per-rank flat tensors (name -> this TP rank's flattened tensor) of every TP rank -> the unsplit tensors: split
-    weights joined along their partition dim (SwiGLU's fc1 as its two halves, each joined), the rest TP rank 0's."""
+def _global_tensors(gpt, flat: dict) -> dict:
+    """This rank's flat tensors (parameter name -> flattened tensor) as the parts of the tensors megatron-core saves
+    them in: (key, layer) -> [(offset in the layer's tensor, its shape there, the part)]; the pipeline-tied copy of
+    the word embeddings left out (the first stage's is saved)."""
+    from megatron_ext.optimizer.dist_checkpoint import model_tensors
+
+    tensors = model_tensors(gpt.sharded_state_dict())
     out = {}
-    for name, p in module.named_parameters():
-        parts = [f[name].reshape(p.shape) for f in flat]
-        if not getattr(p, "tensor_model_parallel", False) or tp == 1:
-            out[name] = parts[0]
-        elif swiglu and "linear_fc1" in name:
-            halves = [x.chunk(2, dim=p.partition_dim) for x in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=p.partition_dim)
-        else:
-            out[name] = torch.cat(parts, dim=p.partition_dim)
+    for name, p in gpt.named_parameters():
+        parts = tensors[id(p)]
+        if isinstance(parts[0][0].replica_id, tuple) and parts[0][0].replica_id[0] != 0:
+            continue
+        x = flat["module." + name].reshape(-1)
+        for t, off in parts:   # (SwiGLU's fc1: its two halves, each a part of its own tensor)
+            n, k = t.prepend_axis_num, (t.key, t.global_offset[:t.prepend_axis_num])
+            out.setdefault(k, []).append((t.global_offset[n:], t.global_shape[n:],
+                                          x[off:off + t.data.numel()].reshape(t.local_shape)))
     return out
 
 
-def _gpt_world(path: str, save: bool, tp: int, bucket_size: int, drop: bool = False):
-    """Rank body: a bf16 megatron-core GPT (SwiGLU, biases) at TP ``tp`` under the ODO. ``save``: three steps, then
-    ``dist_checkpointing.save`` of the model's and the optimizer's sharded state dicts (Megatron-LM's entries, its
-    fully parallel save strategy). Else a fresh model (other weights) loads them. Returns, on rank 0, the unsplit
-    weights and main weights and moments (every DP and TP rank's gathered), the step, the loaded param groups and
-    how many pieces took more than one block. ``drop``: rank 0's model state dict lacks the final layer norm; returns
-    each rank's error."""
+def _join(per_rank: list) -> dict:
+    """Every rank's :func:`_global_tensors` -> each saved tensor whole, every element from some rank (the TP copies
+    of a replicated tensor are one part)."""
+    parts = {}
+    for tensors in per_rank:
+        for k, ps in tensors.items():
+            parts.setdefault(k, []).extend(ps)
+    joined = {}
+    for k, ps in parts.items():
+        full = torch.full(ps[0][1], float("nan"))
+        for offset, _, x in ps:
+            full[tuple(slice(o, o + s) for o, s in zip(offset, x.shape))] = x
+        assert not full.isnan().any(), k
+        joined[k] = full
+    return joined
+
+
+def _gpt_world(path: str, save: bool, tp: int, pp: int, bucket_size: int, drop: bool = False):
+    """Rank body: a bf16 megatron-core GPT (SwiGLU, biases, tied embeddings) at TP ``tp`` and PP ``pp`` under the ODO.
+    ``save``: three steps through megatron-core's schedule, then ``dist_checkpointing.save`` of the model's and the
+    optimizer's sharded state dicts (Megatron-LM's entries, its fully parallel save strategy). Else a fresh model
+    (other weights) loads them. Returns, on rank 0, every saved tensor whole (the weights, main weights and moments
+    of every rank, by megatron-core's key and layer), the step, the loaded param groups and how many pieces took
+    more than one block. ``drop``: rank 0's model state dict lacks the final layer norm; returns each rank's error."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -55,21 +76,24 @@ def _gpt_world(path: str, save: bool, tp: int, bucket_size: int, drop: bool = Fa
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
                                                                              FullyParallelSaveStrategyWrapper)
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     import megatron_ext as mx
     from megatron_ext.compat import enable_cpu_compat
-    from megatron_ext.models.gpt import build_gpt_model, synthetic_gpt_batch
+    from megatron_ext.models.gpt import build_gpt_model, gpt_forward_step, synthetic_gpt_batch
     from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+    from megatron_ext.optimizer.megatron_config import attach_to_schedules
     from megatron_ext.training.initialize import set_seeds
 
     from ..training.test_checkpoint_import import _megatron_core_on_cpu
 
-    ps.initialize_model_parallel(tp, 1)
+    ps.initialize_model_parallel(tp, pp)
     try:
         enable_cpu_compat()
         set_seeds(0 if save else 1)
-        gpt = build_gpt_model(2, 24, 4, 64, 16, add_bias_linear=True, bf16=True, **SWIGLU)
+        gpt = build_gpt_model(2, 24, 4, 64, 16, add_bias_linear=True, bf16=True, pipeline_dtype=torch.bfloat16,
+                              share_embeddings_and_output_weights=True, **SWIGLU)
         module = Float16Module(gpt.config, gpt)
         dp_group = ps.get_data_parallel_group()
         ddp = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=bucket_size), dp_group)
@@ -77,12 +101,13 @@ def _gpt_world(path: str, save: bool, tp: int, bucket_size: int, drop: bool = Fa
                                                                 bf16=True), ddp)
         metadata = {"distrib_optim_sharding_type": "fully_reshardable", "dp_cp_group": dp_group}
         if save:
+            attach_to_schedules(ddp, opt)
             for step in range(3):
-                b = synthetic_gpt_batch(2, 16, 64, seed=10 * step + ps.get_data_parallel_rank())
+                batches = [synthetic_gpt_batch(2, 16, 64, seed=10 * step + ps.get_data_parallel_rank())]
                 opt.zero_grad()
-                loss = ddp(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]).float().mean()
-                opt.scale_loss(loss).backward()
-                ddp.finish_grad_sync()
+                get_forward_backward_func()(forward_step_func=gpt_forward_step, data_iterator=iter(batches),
+                                            model=[ddp], num_microbatches=1, seq_length=16, micro_batch_size=2,
+                                            forward_only=False)
                 assert opt.step()[0]
         state = {"model": ddp.sharded_state_dict()}
         if drop:   # (rank 0 holds the final layer norm's state)
@@ -109,32 +134,34 @@ def _gpt_world(path: str, save: bool, tp: int, bucket_size: int, drop: bool = Fa
                 ddp.load_state_dict(loaded["model"])
                 opt.load_state_dict(loaded["optimizer"])
         opt.force_param_sync()
-        local = opt.state_dict()
         shards = [None] * ps.get_data_parallel_world_size()
-        dist.all_gather_object(shards, local, group=dp_group)
+        dist.all_gather_object(shards, opt.state_dict(), group=dp_group)
         merged = merge_optimizer_shards(shards)
-        per_tp = [None] * tp
         mine = {"weights": {n: p.detach().float().reshape(-1) for n, p in module.named_parameters()},
                 **{k: {n: e[k] for n, e in merged["params"].items()} for k in ("master", "exp_avg", "exp_avg_sq")}}
-        dist.all_gather_object(per_tp, mine, group=ps.get_tensor_model_parallel_group())
+        mine = {k: _global_tensors(gpt, v) for k, v in mine.items()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        straddling = torch.tensor([straddling])
+        dist.all_reduce(straddling)
         if dist.get_rank() != 0:
             return None
-        return ({k: _full(module, [m[k] for m in per_tp], tp, True) for k in mine},
-                merged["step"], [(g["lr"], g["weight_decay"]) for g in opt.param_groups], straddling)
+        return ({k: _join([m[k] for m in everyone]) for k in mine}, merged["step"],
+                [(g["lr"], g["weight_decay"]) for g in opt.param_groups], straddling.item())
     finally:
         ps.destroy_model_parallel()
 
 
-def test_torch_dist_checkpoint_resumes_at_other_dp_and_tp_sizes(spawn, tmp_path):
-    """Saved at DP 2 (buckets small enough that parameters straddle shards, so their blocks are partial rows),
-    the state loads at TP 2 (megatron-core reads each TP rank's half; SwiGLU's fc1 as its two halves) and at DP 1
-    with one bucket: the weights, every main weight and both moments equal the saved ones bit for bit, and the step
-    and param groups carry over."""
+def test_torch_dist_checkpoint_resumes_at_other_dp_tp_and_pp_sizes(spawn, tmp_path):
+    """Saved at DP 2 x PP 2 (buckets small enough that parameters straddle shards, so their blocks are partial rows;
+    the embeddings tied across the stages), the state loads at TP 2 (megatron-core reads each TP rank's half;
+    SwiGLU's fc1 as its two halves) and at one rank with one bucket: the weights, every main weight and both moments
+    equal the saved ones bit for bit, and the step and param groups carry over."""
     path = str(tmp_path / "ckpt")
-    (saved, step, groups, straddling), _ = spawn(_gpt_world, 2, path, True, 1, 1000, timeout=180)
+    (saved, step, groups, straddling), *_ = spawn(_gpt_world, 4, path, True, 1, 2, 1000, timeout=240)
     assert step == 3 and straddling > 0
     for world, tp, bucket in ((2, 2, 700), (1, 1, 10 ** 6)):
-        got = spawn(_gpt_world, world, path, False, tp, bucket, timeout=180)[0]
+        got = spawn(_gpt_world, world, path, False, tp, 1, bucket, timeout=180)[0]
         assert got[1] == step and got[2] == groups
         for kind, tensors in saved.items():
             assert got[0][kind].keys() == tensors.keys()
@@ -145,7 +172,7 @@ def test_torch_dist_checkpoint_resumes_at_other_dp_and_tp_sizes(spawn, tmp_path)
 def test_a_parameter_missing_from_the_models_state_fails_every_rank(spawn, tmp_path):
     """One rank's model sharded state dict lacks a parameter: every rank raises (none is left waiting in the save's
     first collective), that rank naming it."""
-    errors = spawn(_gpt_world, 2, str(tmp_path / "c"), True, 1, 1000, True, timeout=180)
+    errors = spawn(_gpt_world, 2, str(tmp_path / "c"), True, 1, 1, 1000, True, timeout=180)
     assert errors[0].startswith("the model's sharded_state_dict has no tensor for module.decoder.final_layernorm.weight")
     assert errors[1].startswith("the model's sharded_state_dict has no tensor for a parameter on another rank")
 
