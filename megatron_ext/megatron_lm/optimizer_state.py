@@ -27,7 +27,7 @@ import torch
 from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
 from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_state, state_fields
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
-from megatron_ext.optimizer.inner_optimizer import same_update_rule, update_rule
+from megatron_ext.optimizer.inner_optimizer import inner_step, same_update_rule, update_rule
 from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, canonical_header, torch_format_kind,
                                                            torch_format_state)
 from megatron_ext.training.checkpointing import CheckpointError
@@ -44,8 +44,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         """What every DP rank shares: identical on all of them, so DP rank 0's copy serves everyone.
 
         No collective: Megatron-LM calls this on DP rank 0 only."""
-        steps = [int(s["step"]) for s in self.inner.state.values() if "step" in s]
-        return {"format": COMMON_FORMAT, "optimizer": update_rule(self.inner), "step": max(steps, default=0),
+        return {"format": COMMON_FORMAT, "optimizer": update_rule(self.inner), "step": inner_step(self.inner),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 

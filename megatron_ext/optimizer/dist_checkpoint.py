@@ -15,7 +15,8 @@ carries the same tensors (the Megatron-LM plug-in reads its shared part, ``megat
 
 The shared part (update rule, step, param groups, loss scaler) is a common entry, written once by global rank 0 and
 read by every rank, as in Megatron's layout. A block holds a copy of the rank's state, so an asynchronous save may
-go on writing while training updates the state.
+go on writing while training updates the state (a CPU state is copied for it; megatron-core's writer copies a
+CUDA one to the host itself).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .checkpoint import LOCAL_FORMAT
-from .inner_optimizer import update_rule
+from .inner_optimizer import inner_step, update_rule
 
 if TYPE_CHECKING:   # (imported lazily at run time: megatron-core is needed only by those who checkpoint with it)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -95,7 +96,8 @@ def state_blocks(tensor: "ShardedTensor", offset: int, flat: torch.Tensor, start
     lo, hi = max(start, offset), min(start + flat.numel(), offset + n)
     p = tensor.prepend_axis_num
     r = tensor.replica_id
-    replica_id = (*r[:-1], replica) if isinstance(r, tuple) else (r, replica)   # (the model's last is the DP copy)
+    # (megatron-core's model tensors: (pipeline copy, tensor-parallel copy, DP copy); a plain number, the DP copy)
+    replica_id = (*r[:-1], replica) if isinstance(r, tuple) else replica
     out, pos = [], lo - start
     for off, shape in flat_range_blocks(tensor.local_shape, lo - offset, hi - offset):
         # (the prepended axes -- layers stacked -- as axes of size 1: megatron-core 0.16 hands uneven shards to DCP
@@ -128,23 +130,28 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
                                   "sharded_state_dict would see the primary shards, not the weights")
     layout = (metadata or {}).get("distrib_optim_sharding_type")
     if layout not in (None, MEGATRON_LAYOUT):   # (the same on every rank: Megatron-LM's flags, or the checkpoint's)
-        raise ValueError(f"the overlapped distributed optimizer saves and loads its state in model space "
-                         f"(distrib_optim_sharding_type {MEGATRON_LAYOUT!r}, Megatron-LM's "
-                         f"--dist-ckpt-optim-fully-reshardable), not {layout!r}" + (
-                             ": this checkpoint's optimizer state was saved in Megatron's DistributedOptimizer's own "
-                             "bucket layout; resume it with --no-load-optim, or save it again with "
-                             "--dist-ckpt-optim-fully-reshardable" if is_loading else ""))
+        raise ValueError(
+            f"the overlapped distributed optimizer saves and loads its state in model space "
+            f"(distrib_optim_sharding_type {MEGATRON_LAYOUT!r}, Megatron-LM's --dist-ckpt-optim-fully-reshardable), "
+            f"not {layout!r}" + (f": this checkpoint's optimizer state is in Megatron's {layout!r} layout, which it "
+                                 "does not read; resume with --no-load-optim, or have Megatron's own optimizer load "
+                                 "it and save it again with --dist-ckpt-optim-fully-reshardable" if is_loading else ""))
     opt._settle()
-    tensors = model_tensors(model_sharded_state_dict)
-    missing = sorted({pc.name for pc in opt.pieces if id(pc.param) not in tensors})
-    steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
-    agreed = opt._all_reduce(torch.tensor([float(max(steps, default=0)), float(bool(missing))],
-                                          dtype=torch.float64, device=opt.grad_device), torch.distributed.ReduceOp.MAX)
-    if agreed[1].item() > 0:
-        raise ValueError("the model's sharded_state_dict has no tensor for " + (
-            ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "") if missing else "a parameter on another rank")
-            + ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's")
+    try:
+        tensors = model_tensors(model_sharded_state_dict)
+        missing = sorted({pc.name for pc in opt.pieces if id(pc.param) not in tensors})
+        problem = ("the model's sharded_state_dict has no tensor for " + ", ".join(missing[:3]) +
+                   (" ..." if len(missing) > 3 else "") if missing else "")
+    except NotImplementedError as e:
+        tensors, problem = {}, str(e)
     fields = fields if fields is not None else state_fields(opt.inner)
+    moments = [ours for ours, _ in fields if ours != "master"]
+    has_state = any(k in st for st in opt.inner.state.values() for k in moments)
+    agreed = opt._all_reduce(torch.tensor([float(inner_step(opt.inner)), float(has_state), float(bool(problem))],
+                                          dtype=torch.float64, device=opt.grad_device), torch.distributed.ReduceOp.MAX)
+    if agreed[2].item() > 0:   # (every rank raises: none is left in the save's first collective)
+        raise ValueError((problem or "the model's sharded_state_dict has no tensor for a parameter on another rank")
+                         + ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's")
     param_state: Dict[int, Dict[str, List[Any]]] = {}
     for i, pc in enumerate(opt.pieces):
         state = opt.inner.state.get(pc.master, {})
@@ -152,17 +159,19 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
         for ours, theirs in fields:
             if is_loading:
                 flat = torch.empty(pc.end - pc.start, dtype=torch.float32, device=pc.master.device)
-            elif ours == "master":
-                flat = pc.master.detach().float().clone()
-            elif ours in state:
-                flat = state[ours].detach().float().clone()
-            else:   # no step applied yet: a fresh optimizer's zeros (the step, 0, tells the loader)
+            elif ours == "master" or ours in state:
+                flat = (pc.master if ours == "master" else state[ours]).detach().float()
+                # megatron-core's writer copies a CUDA tensor to the host before the save returns; a CPU tensor it
+                # writes as it is, perhaps after training went on (asynchronous save), so that is copied here
+                flat = flat.clone() if flat.device.type == "cpu" else flat
+            else:   # no step applied yet: a fresh optimizer's zeros (has_state tells the loader)
                 flat = torch.zeros(pc.end - pc.start, dtype=torch.float32, device=pc.master.device)
             entry[theirs] = [b for t, off in tensors[id(pc.param)]
                              for b in state_blocks(t, off, flat, pc.start, PREFIX + f"{theirs}.{t.key}",
                                                    0 if pc.primary else 1)]
         param_state[i] = entry
     return {"format": SHARDED_FORMAT, "optimizer": update_rule(opt.inner), "step": int(agreed[0].item()),
+            "has_state": bool(agreed[1].item()),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups],
             "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
             "param_state_sharding_type": MEGATRON_LAYOUT, "param_state": param_state}
@@ -172,10 +181,11 @@ def local_state(opt: Any, loaded: Dict[str, Any], header: Dict[str, Any],
                 fields: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
     """The loaded blocks of this rank's pieces (``loaded["param_state"]``, as :func:`sharded_optimizer_state` asked
     for them) as the ODO's rank-local state dict, with ``header``'s step, update rule, param groups and loss scaler.
-    Saved before any step was applied (step 0): the main weights alone, as a fresh optimizer starts. ``fields``: as
-    they were asked for; where ``master`` is not among them, the main weights are the weights (an fp32 model's)."""
+    Saved before the optimizer had state (``has_state``; else judged by the step): the main weights alone, as a
+    fresh optimizer starts. ``fields``: as they were asked for; where ``master`` is not among them, the main weights
+    are the weights (an fp32 model's)."""
     fields = fields if fields is not None else state_fields(opt.inner)
-    if int(header["step"]) == 0:
+    if not header.get("has_state", int(header["step"]) > 0):
         fields = [f for f in fields if f[0] == "master"]
     params = {}
     for i, pc in enumerate(opt.pieces):

@@ -30,7 +30,7 @@ from .dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_stat
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
 from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce_, collective_device,
                                 dataclass_fields, node_peers)
-from .inner_optimizer import build_inner_optimizer, same_update_rule, update_rule
+from .inner_optimizer import build_inner_optimizer, inner_step, same_update_rule, set_inner_step, update_rule
 from .model_parallel import counts_towards_norm, model_parallel_group
 from .overlapped_ddp import OverlappedDDP
 from .param_groups import build_param_groups, describe_groups, group_key_of_params, match_saved_groups
@@ -398,7 +398,7 @@ class OverlappedDistributedOptimizer:
         """This rank's pieces, keyed by parameter name, in the parameter's flattened coordinates."""
         self._settle()
         params: Dict[str, dict] = {}
-        step = 0
+        step = inner_step(self.inner)
         for pc in self.pieces:
             shape = self.chunks[pc.chunk].param_shape(pc.param)
             entry = {"shape": tuple(shape), "numel": shape.numel(), "start": pc.start, "end": pc.end,
@@ -406,8 +406,6 @@ class OverlappedDistributedOptimizer:
             for k, v in self.inner.state.get(pc.master, {}).items():
                 if torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0:
                     entry[k] = v.detach().clone()
-                elif k == "step":
-                    step = int(v.item() if torch.is_tensor(v) else v)
             params[pc.name] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         all_names = {c.param_name(p) if len(self.chunks) == 1 else f"{ci}.{c.param_name(p)}": (
@@ -490,6 +488,8 @@ class OverlappedDistributedOptimizer:
             else:
                 self.inner.state.pop(pc.master, None)
         self._load_groups_and_scaler(state_dict)
+        if keys:
+            set_inner_step(self.inner, step)
         self._publish_masters()
         self._settle()
 

@@ -37,6 +37,22 @@ def _apex_fused_adam(param_groups: List[dict]):
     return FusedAdam
 
 
+def inner_step(inner: torch.optim.Optimizer) -> int:
+    """How many steps the optimizer has applied: torch's optimizers count per parameter, apex's FusedAdam per param
+    group (and not per parameter)."""
+    steps = [s["step"] for s in inner.state.values() if isinstance(s, dict) and "step" in s]
+    steps += [g["step"] for g in inner.param_groups if "step" in g]
+    return max((int(s.item() if torch.is_tensor(s) else s) for s in steps), default=0)
+
+
+def set_inner_step(inner: torch.optim.Optimizer, step: int) -> None:
+    """After a load, the step count where the optimizer keeps it per param group (apex's FusedAdam: else its bias
+    correction would start again at step 1); torch's per-parameter counts are set with the state."""
+    if type(inner).__name__ == "FusedAdam":
+        for g in inner.param_groups:
+            g["step"] = int(step)
+
+
 def update_rule(inner: torch.optim.Optimizer) -> str:
     """The optimizer's update rule, as checkpoints record it: apex's FusedAdam (what a CUDA host with apex builds)
     is AdamW or Adam by its ``adam_w_mode``, so a state saved with one resumes with the other implementation of the

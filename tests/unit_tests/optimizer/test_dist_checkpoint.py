@@ -187,3 +187,100 @@ def test_megatron_sharding_types_other_than_model_space_are_refused_by_name():
         sharded_optimizer_state(opt, {}, True, {"distrib_optim_sharding_type": "dp_reshardable"})
     with pytest.raises(ValueError, match="--dist-ckpt-optim-fully-reshardable\), not 'dp_reshardable'$"):
         sharded_optimizer_state(opt, {}, False, {"distrib_optim_sharding_type": "dp_reshardable"})
+
+
+class FusedAdam(torch.optim.AdamW):   # (named as apex names it: the ODO knows it by name)
+    """apex's FusedAdam as far as checkpoints see it (CUDA hosts with apex build it): the step counted per param
+    group, none per parameter."""
+
+    def __init__(self, params, adam_w_mode: bool = True, **kwargs):
+        super().__init__(params, **kwargs)
+        self.adam_w_mode = adam_w_mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if self.state.get(p):
+                    self.state[p]["step"] = torch.tensor(float(g.get("step", 0)))
+        out = super().step(closure)
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            for p in g["params"]:
+                self.state[p].pop("step", None)
+        return out
+
+
+def _small_world(path: str, save: bool, optimizer: str, bucket_size: int, fmt: str):
+    """Rank body: a small MLP under the ODO with ``optimizer`` (``fused_adam``: :class:`FusedAdam`; ``sgd``:
+    with momentum), its model sharded state dict built as megatron-core builds one. ``save``: three steps, the save
+    (``fmt``: ``torch_dist``, or ``canonical``: ``state_dict()`` merged), then a fourth step; else the load and the
+    fourth step. Returns the weights after the fourth step."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext.optimizer import inner_optimizer
+
+    from ..training.test_checkpoint_import import _megatron_core_on_cpu
+
+    torch.manual_seed(0 if save else 1)
+    module = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 7))
+    ddp = mx.OverlappedDDP(module, mx.OverlapConfig(bucket_size=bucket_size))
+    config = OptimizerConfig(optimizer="adam" if optimizer == "fused_adam" else "sgd", lr=1e-2, sgd_momentum=0.9,
+                             weight_decay=0.1)
+    with mock.patch.object(inner_optimizer, "_apex_fused_adam", lambda groups: FusedAdam):
+        opt = mx.OverlappedDistributedOptimizer(config, ddp)
+    assert (type(opt.inner).__name__ == "FusedAdam") == (optimizer == "fused_adam")
+    rank = dist.get_rank()
+
+    def step(i):
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(10 * i + rank))
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+
+    if save:
+        for i in range(3):
+            step(i)
+    if fmt == "canonical":
+        from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
+
+        if save:
+            shards = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, opt.state_dict())
+            if rank == 0:
+                torch.save(merge_optimizer_shards(shards), f"{path}/optim.pt")
+            dist.barrier()
+        else:
+            opt.load_state_dict(torch.load(f"{path}/optim.pt", weights_only=False))
+    else:
+        model = {n: ShardedTensor.from_rank_offsets(n, p, replica_id=(0, 0, rank))
+                 for n, p in module.named_parameters()}
+        with _megatron_core_on_cpu():
+            if save:
+                dist_checkpointing.save({"optimizer": opt.sharded_state_dict(model)}, path)
+            else:
+                loaded = dist_checkpointing.load({"optimizer": opt.sharded_state_dict(model, is_loading=True)}, path)
+                opt.load_state_dict(loaded["optimizer"])
+    step(3)
+    opt.force_param_sync()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("optimizer, fmt", [("fused_adam", "torch_dist"), ("sgd", "torch_dist"),
+                                            ("fused_adam", "canonical")])
+def test_resume_continues_exactly_whatever_keeps_the_step_and_state(spawn, tmp_path, optimizer, fmt):
+    """apex's FusedAdam keeps the step per param group and SGD keeps none (its momentum is its state): saved at
+    DP 2 and resumed at DP 2 with other buckets, the fourth step gives the uninterrupted run's weights bit for bit
+    (bias correction restarted at step 1, or the momentum dropped, would not); FusedAdam's step through the
+    canonical state too."""
+    path = str(tmp_path)
+    want = spawn(_small_world, 2, path, True, optimizer, 100, fmt, timeout=120)[0]
+    got = spawn(_small_world, 2, path, False, optimizer, 10 ** 6, fmt, timeout=120)[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
