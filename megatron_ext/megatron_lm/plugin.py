@@ -79,6 +79,8 @@ MEGATRON_LM_FLAGS_NOT_WITH_ODO = (
     ("check_for_large_grads", "--check-for-large-grads", (False, None), "not implemented by the ODO"),
     ("ddp_average_in_collective", "--ddp-average-in-collective", (False, None), "the ODO averages once, in its own "
      "reduction"),
+    ("non_persistent_ckpt_type", "--non-persistent-ckpt-type", (None, "global"), "Megatron-LM's local "
+     "non-persistent checkpoints take its DistributedOptimizer's bucket layout only (global ones work)"),
 )
 
 
