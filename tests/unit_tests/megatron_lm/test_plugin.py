@@ -431,7 +431,8 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
     enable_cpu_compat()
     ps.initialize_model_parallel(1, 1)
     try:
-        gpt = GPTModel(config=make_gpt_config(2, 32, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
+        # (24 wide: rows that shards split mid-row, so torch_dist blocks are partial rows)
+        gpt = GPTModel(config=make_gpt_config(2, 24, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
                        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
                        max_sequence_length=16)
         module = Float16Module(gpt.config, gpt)
@@ -482,6 +483,7 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
 
             state = {"model": gpt.sharded_state_dict(metadata=metadata)}
             state["optimizer"] = opt.sharded_state_dict(state, is_loading=True, metadata=metadata)
+            partial = sum(len(e[next(iter(e))]) > 1 for e in state["optimizer"]["param_state"].values())
             with _megatron_core_on_cpu():
                 loaded = dist_checkpointing.load(state, path)
             ddp.load_state_dict(loaded["model"])
@@ -491,7 +493,8 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
             opt.load_parameter_state(f"{path}/distrib_optim.pt")
         shards = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(shards, super(MegatronLMOverlappedOptimizer, opt).state_dict())
-        return merge_optimizer_shards(shards), known, [g["overrides"] for g in opt.param_groups]
+        return (merge_optimizer_shards(shards), known, [g["overrides"] for g in opt.param_groups],
+                partial if fmt == "torch_dist" else None)
     finally:
         ps.destroy_model_parallel()
 
@@ -506,16 +509,20 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
     keep the ODO's keys; a state that does not fit the model fails every rank's load together (DP 2; the agreement is
     the one both kinds reach), and a chained optimizer's state is refused by name. (Each DP rank taking its slices of
     a canonical state: test_megatron_lm_legacy_checkpoint_flow_resumes_at_another_dp_size.) The same with
-    torch_dist, Megatron-LM's default format: the tensors Megatron's optimizers save in model space are the ones the
-    ODO asks for (optimizer/dist_checkpoint.py), the shared part is read from Megatron's own."""
+    torch_dist, Megatron-LM's default format, read at DP 2 (pieces ending mid-row): the tensors Megatron's optimizers
+    save in model space are the ones the ODO asks for (optimizer/dist_checkpoint.py), the shared part is read from
+    Megatron's own."""
     import torch
 
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
 
     spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, distributed, 0, False, fmt, timeout=120)
     assert (tmp_path / "distrib_optim.pt").exists() == (distributed and fmt == "torch")
-    (merged, known, keys), = spawn(_megatron_own_optimizer_world, 1, str(tmp_path), False, distributed, 1000,
-                                   False, fmt, timeout=120)
+    # torch_dist: read at DP 2 with small buckets, so pieces end mid-row (blocks that are partial rows)
+    world, bucket = (2, 300) if fmt == "torch_dist" else (1, 1000)
+    (merged, known, keys, partial), *_ = spawn(_megatron_own_optimizer_world, world, str(tmp_path), False,
+                                               distributed, bucket, False, fmt, timeout=120)
+    assert fmt == "torch" or partial > 0
     assert merged["step"] == 3 and keys == [None, (("wd_mult", 0.0),)]
     assert merged["params"].keys() == known["params"].keys()
     for name, entry in known["params"].items():
