@@ -164,6 +164,26 @@ def _adam_at(adam, canonical: dict) -> None:
                                  exp_avg_sq=torch.zeros_like(p))
 
 
+def _plugin_optimizer(modules, canonical: dict, argv):
+    """The megatron_ext plug-in's ODO around ``modules`` (this rank's DP group), holding the canonical state
+    ``canonical``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig
+
+    import megatron_ext as mx
+    from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
+    from megatron_ext.training.arguments import parse_args
+
+    args = parse_args(argv)
+    ddps = [mx.OverlappedDDP(m, mx.OverlapConfig(bucket_size=3000), ps.get_data_parallel_group()) for m in modules]
+    optimizer = MegatronLMOverlappedOptimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+        use_distributed_optimizer=True), ddps)
+    optimizer.load_state_dict(canonical)
+    return optimizer
+
+
 def _megatron_non_distributed_optimizer(modules, canonical: dict, argv):
     """megatron-core's own DDP + its non-distributed optimizer (Megatron-LM's default without
     ``--use-distributed-optimizer``: fp32 main weights beside bf16/fp16 ones, Adam on those; on fp32 weights, Adam on
@@ -190,7 +210,8 @@ def _write_torch_dist(argv, ours: str, saves: dict) -> None:
     ``sharded_state_dict`` with the entries of Megatron-LM's ``generate_state_dict``, by megatron-core's
     ``dist_checkpointing.save`` (under :func:`_megatron_core_on_cpu`). ``saves``: checkpoint directory -> None, or
     also Megatron's DistributedOptimizer's state in that ``distrib_optim_sharding_type`` (Megatron-LM's default:
-    ``dp_reshardable``), or ``NON_DISTRIBUTED``: its non-distributed optimizer's (Megatron-LM's default optimizer)."""
+    ``dp_reshardable``), or ``NON_DISTRIBUTED``: its non-distributed optimizer's (Megatron-LM's default optimizer), or
+    ``"odo"``: the megatron_ext plug-in's (its ODO wraps the model chunks: alone in a call)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -228,7 +249,11 @@ def _write_torch_dist(argv, ours: str, saves: dict) -> None:
                 for i, module in enumerate(modules):
                     state_dict["model" if len(modules) == 1 else f"model{i}"] = module.sharded_state_dict(
                         metadata=metadata)
-                if sharding == NON_DISTRIBUTED:
+                if sharding == "odo":   # the plug-in's (model space, Megatron's fully_reshardable keys)
+                    optimizer = _plugin_optimizer(modules, canonical, argv)
+                    state_dict["optimizer"] = optimizer.sharded_state_dict(
+                        state_dict, metadata=dict(metadata, distrib_optim_sharding_type="fully_reshardable"))
+                elif sharding == NON_DISTRIBUTED:
                     optimizer = _megatron_non_distributed_optimizer(modules, canonical, argv)
                     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
                     state_dict["args"].use_distributed_optimizer = False
@@ -352,6 +377,7 @@ def _save_import_resume(base, ours, tmp):
     _write_torch_dist(base + ["--train-iters", "4"], ours, {os.path.join(tmp, "mlm_dist"): "dp_reshardable",
                                                              os.path.join(tmp, "mlm_dist_full"): "fully_reshardable",
                                                              os.path.join(tmp, "mlm_dist_nd"): NON_DISTRIBUTED})
+    _write_torch_dist(base + ["--train-iters", "4"], ours, {os.path.join(tmp, "mlm_dist_odo"): "odo"})
     if dist.get_rank() == 0:
         from pathlib import Path
 
@@ -373,6 +399,7 @@ def _save_import_resume(base, ours, tmp):
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist")]) == 0
         assert _tool(["--load", mlm_dist + "_full", "--save", os.path.join(tmp, "imported_dist_full")]) == 0
         assert _tool(["--load", mlm_dist + "_nd", "--save", os.path.join(tmp, "imported_dist_nd")]) == 0
+        assert _tool(["--load", mlm_dist + "_odo", "--save", os.path.join(tmp, "imported_dist_odo")]) == 0
         assert _tool(["--load", mlm_dist, "--save", os.path.join(tmp, "imported_dist_te"),
                       "--transformer-impl", "transformer_engine"]) == 0
     dist.barrier()
@@ -396,7 +423,7 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
     ``dist_checkpointing.save``, as Megatron-LM saves it; buckets small enough that parameters fill several), in its
     default bucket-space layout (dp_reshardable) and in model space (fully_reshardable), and with its non-distributed
     optimizer (Megatron-LM's default; bf16 weights with fp32 main weights, model space; also in the torch format, by
-    param-group order): imported, the weights (for
+    param-group order), and with the megatron_ext plug-in's ODO (model space, its own header): imported, the weights (for
     local layers, the saving run's, or Transformer Engine's names) and each position's optimizer state (main weights,
     moments, step) equal the original's bit for bit, and the resume continues with the original's losses."""
     base = tiny_model_flags + ["--swiglu"] + _data_flags(text_dataset) + [
@@ -434,9 +461,10 @@ def test_megatron_lm_checkpoint_continues_like_the_original(spawn, text_dataset,
                 same = t.dtype == got[k].dtype and torch.equal(t, got[k]) if torch.is_tensor(t) else got[k] is None
                 assert same, k
             assert os.path.exists(os.path.join(ckpt, name, "optim.pt")) == has_optim
-    # Megatron's DistributedOptimizer state, torch_dist's two layouts and the torch format's distrib_optim.pt, and its
-    # non-distributed optimizer's in both formats: each position's equals the original's, bit for bit
-    for kind in ("dist", "dist_full", "dopt", "dist_nd", "ndopt"):
+    # Megatron's DistributedOptimizer state, torch_dist's two layouts and the torch format's distrib_optim.pt, its
+    # non-distributed optimizer's in both formats, and the plug-in's torch_dist one: each position's equals the
+    # original's, bit for bit
+    for kind in ("dist", "dist_full", "dopt", "dist_nd", "ndopt", "dist_odo"):
         for name in ("mp_rank_00_000", "mp_rank_01_000"):
             want = torch.load(os.path.join(ours, "iter_0000002", name, "optim.pt"), weights_only=False)
             got = torch.load(tmp_path / f"imported_{kind}" / "iter_0000002" / name / "optim.pt", weights_only=False)
