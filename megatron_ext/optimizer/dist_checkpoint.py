@@ -35,6 +35,8 @@ if TYPE_CHECKING:   # (imported lazily at run time: megatron-core is needed only
 SHARDED_FORMAT = "megatron_ext.odo/1-sharded"
 MEGATRON_LAYOUT = "fully_reshardable"   # Megatron-LM: --dist-ckpt-optim-fully-reshardable
 PREFIX = "optimizer.state."
+_NO_TENSOR = "the model's sharded_state_dict has no tensor for "
+_PASS_THE_MODELS = ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's"
 Block = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, shape) in the tensor
 
 
@@ -78,7 +80,7 @@ def model_tensors(model_sharded_state_dict: Any) -> Dict[int, List[Tuple["Sharde
             out[id(sh.data)] = [(sh, 0)]
             continue
         built = dataclasses.replace(sh, data=torch.empty(sh.data.shape, dtype=torch.float32, device="meta")).build()
-        parts = [t for t in nested_values(built if isinstance(built, (dict, list)) else [built])]
+        parts = list(nested_values(built if isinstance(built, (dict, list)) else [built]))
         if not all(isinstance(t, ShardedTensor) and t.data.is_contiguous() for t in parts):
             raise NotImplementedError(f"{sh.key}: megatron-core saves it through a factory whose tensors are not "
                                       "contiguous ranges of the parameter; the optimizer state cannot follow it")
@@ -140,18 +142,18 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
     try:
         tensors = model_tensors(model_sharded_state_dict)
         missing = sorted({pc.name for pc in opt.pieces if id(pc.param) not in tensors})
-        problem = ("the model's sharded_state_dict has no tensor for " + ", ".join(missing[:3]) +
-                   (" ..." if len(missing) > 3 else "") if missing else "")
-    except NotImplementedError as e:
-        tensors, problem = {}, str(e)
+        problem = (_NO_TENSOR + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "") + _PASS_THE_MODELS
+                   if missing else "")
+    except Exception as e:   # noqa: BLE001 - (a factory megatron-core cannot build on a meta tensor): agreed below
+        tensors, problem = {}, f"{type(e).__name__}: {e}"
     fields = fields if fields is not None else state_fields(opt.inner)
     moments = [ours for ours, _ in fields if ours != "master"]
     has_state = any(k in st for st in opt.inner.state.values() for k in moments)
     agreed = opt._all_reduce(torch.tensor([float(inner_step(opt.inner)), float(has_state), float(bool(problem))],
                                           dtype=torch.float64, device=opt.grad_device), torch.distributed.ReduceOp.MAX)
     if agreed[2].item() > 0:   # (every rank raises: none is left in the save's first collective)
-        raise ValueError((problem or "the model's sharded_state_dict has no tensor for a parameter on another rank")
-                         + ": pass the model's sharded state dict (model.sharded_state_dict()) to the optimizer's")
+        raise ValueError(problem or "the optimizer state cannot be placed in the model's sharded_state_dict on "
+                         "another rank (nothing was saved or loaded)")
     param_state: Dict[int, Dict[str, List[Any]]] = {}
     for i, pc in enumerate(opt.pieces):
         state = opt.inner.state.get(pc.master, {})

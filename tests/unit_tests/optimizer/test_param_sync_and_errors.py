@@ -87,7 +87,7 @@ def _expect_error(kind):
                                        ("ranks_per_node", "--ranks-per-node"), ("optimizer", "--optimizer"),
                                        ("fusion", "--gradient-accumulation-fusion"),
                                        ("device", "parameters live on meta"),
-                                       ("dist_ckpt", "(model.sharded_state_dict())")])
+                                       ("dist_ckpt", "sharded_state_dict")])
 def test_bad_configuration_names_the_flag(spawn, kind, flag):
     world = 3  # ranks_per_node=2 does not divide 3
     for msg, total in spawn(_expect_error, world, kind):

@@ -76,10 +76,13 @@ def _megatron_core_on_cpu():
     (test only: they write the Megatron-LM checkpoints the import reads; the import itself needs none of this).
     Allocations asked of CUDA land on the CPU, ``.cuda()`` is the identity, a CPU tensor's ``type()`` reads as
     CUDA's (the optimizer checks it), ``torch.cuda.synchronize`` / ``current_device`` are host no-ops, and the
-    checkpoint writer may start its worker processes from the harness's (daemonic) ranks."""
+    checkpoint writer may start its worker processes from the harness's (daemonic) ranks. The writer's results queue
+    is served by a forked manager process rather than megatron-core's spawned one (which re-imports torch: 3.4 s of
+    every rank's first save, on a CPU where nothing forbids forking)."""
     import multiprocessing
     from unittest import mock
 
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from torch.overrides import TorchFunctionMode
 
     class CudaOnCpu(TorchFunctionMode):
@@ -98,6 +101,8 @@ def _megatron_core_on_cpu():
     with CudaOnCpu(), mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None), \
             mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), \
             mock.patch.dict(multiprocessing.current_process()._config, {"daemon": False}):
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
         yield
 
 
