@@ -10,7 +10,7 @@ setup(
     # torch must be installed (pinned) before this package: see README.
     install_requires=["torch>=2.4", "megatron-core==0.16.1", "numpy", "tokenizers"],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "triton", "psutil", "tensorboard"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.8", "hypothesis", "triton", "psutil", "tensorboard"],
         "gpu": ["triton"],
         "bench": ["matplotlib"],
     },
