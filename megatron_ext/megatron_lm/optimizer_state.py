@@ -1,4 +1,4 @@
-"""The ODO as Megatron-LM's legacy (``--ckpt-format torch``) checkpointing sees a distributed optimizer.
+"""The ODO as Megatron-LM's checkpointing sees a distributed optimizer (``--ckpt-format torch`` and ``torch_dist``).
 
 [Note: how Megatron-LM saves a distributed optimizer]
 ``save_checkpoint`` writes ``optimizer.state_dict()`` from DP rank 0 only (into ``model_optim_rng.pt`` of each
@@ -17,6 +17,12 @@ has no ``distrib_optim.pt``). Both are placed as the import tool places them (``
 bucket walk, param-group order, proved against the weights Megatron-LM has just loaded), in the live model's own
 registration order, and their param groups matched to the ODO's by megatron-core's override keys. A state that
 cannot be placed fails every rank's load together, naming why.
+
+[Note: torch_dist]
+``save_checkpoint`` asks every rank for ``sharded_state_dict``: the ODO's model-space blocks under Megatron's
+``fully_reshardable`` keys (``optimizer/dist_checkpoint.py``). Megatron's own optimizers save the same model-space
+tensors (its non-distributed one, and its DistributedOptimizer in that layout), so their states load by key: only
+their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``).
 """
 from __future__ import annotations
 
@@ -140,7 +146,6 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         prefix = "module." if all(n.startswith("module.") for ps in named for n, _ in ps) else ""
         chunks = [{n[len(prefix):]: p.detach() for n, p in ps} for ps in named]
         return chunks, [(c, n[len(prefix):]) for c, ps in enumerate(named) for n, _ in ps], prefix
-
 
 
 def _saved_by_non_distributed_optimizer(metadata: Optional[dict]) -> bool:
