@@ -50,9 +50,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         """What every DP rank shares: identical on all of them, so DP rank 0's copy serves everyone.
 
         No collective: Megatron-LM calls this on DP rank 0 only."""
-        return {"format": COMMON_FORMAT, "optimizer": update_rule(self.inner), "step": inner_step(self.inner),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+        return {"format": COMMON_FORMAT, **self.shared_state(inner_step(self.inner))}
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .checkpoint import LOCAL_FORMAT
-from .inner_optimizer import inner_step, update_rule
+from .inner_optimizer import inner_step
 
 if TYPE_CHECKING:   # (imported lazily at run time: megatron-core is needed only by those who checkpoint with it)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -172,10 +172,7 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
                              for b in state_blocks(t, off, flat, pc.start, PREFIX + f"{theirs}.{t.key}",
                                                    0 if pc.primary else 1)]
         param_state[i] = entry
-    return {"format": SHARDED_FORMAT, "optimizer": update_rule(opt.inner), "step": int(agreed[0].item()),
-            "has_state": bool(agreed[1].item()),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups],
-            "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
+    return {"format": SHARDED_FORMAT, **opt.shared_state(int(agreed[0].item())), "has_state": bool(agreed[1].item()),
             "param_state_sharding_type": MEGATRON_LAYOUT, "param_state": param_state}
 
 

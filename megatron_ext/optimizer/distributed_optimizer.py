@@ -407,7 +407,6 @@ class OverlappedDistributedOptimizer:
                 if torch.is_tensor(v) and v.numel() == pc.master.numel() and v.dim() > 0:
                     entry[k] = v.detach().clone()
             params[pc.name] = entry
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         all_names = {c.param_name(p) if len(self.chunks) == 1 else f"{ci}.{c.param_name(p)}": (
             tuple(c.param_shape(p)), c.param_shape(p).numel()) for ci, c in enumerate(self.chunks) for b in c.buckets
             for p in b.params}
@@ -416,10 +415,14 @@ class OverlappedDistributedOptimizer:
         plan = self.chunks[0].plan
         return {"format": LOCAL_FORMAT, "dp_size": self.chunks[0].topology.size,
                 "dp_rank": self.chunks[0].topology.rank, "plan": plan.describe(), "replica": plan.replica_rank,
-                "optimizer": update_rule(self.inner), "step": step,
-                "param_groups": groups, "all_params": all_names,
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-                "params": params}
+                **self.shared_state(step), "all_params": all_names, "params": params}
+
+    def shared_state(self, step: int) -> dict:
+        """What every checkpoint layout records beside the per-element state, the same on every DP rank: the update
+        rule, the step (``step``: as the caller agreed it), the param groups' hyper-parameters, the loss scaler."""
+        return {"optimizer": update_rule(self.inner), "step": int(step),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups],
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
 
     def state_dict_problems(self, state_dict: dict) -> List[str]:
         """What :meth:`load_state_dict` would reject in ``state_dict`` for this rank's pieces, found without applying
