@@ -2,7 +2,8 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e), (f), (h) and (i)) on every GPU of this machine and prints one verdict line per check.
+# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e), (f) and (h)-(j)) on every GPU of this machine and
+# prints one verdict line per check.
 # The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
 # it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
 # the check runs with or without them.
@@ -28,7 +29,11 @@
 #   (h) the ODO saving in Megatron-LM's default --ckpt-format torch_dist (its state in model space) at iteration
 #       HALF and resuming: the same losses as the uninterrupted run (exact);
 #   (i) the ODO resuming (f)'s torch_dist checkpoint of Megatron-LM's default optimizer, its Adam state included:
-#       within the bf16 tolerance of (f)'s uninterrupted run.
+#       within the bf16 tolerance of (f)'s uninterrupted run;
+#   (j) the way back: Megatron-LM's own distributed optimizer (the plug-in's flag dropped) resuming (h)'s torch_dist
+#       checkpoint of the ODO, its Adam state included: within the bf16 tolerance of the ODO's uninterrupted run.
+#       Needs Apex or Transformer Engine: megatron-core 0.16.1 cannot load a fully_reshardable state into torch's
+#       Adam (KeyError 'step'), its own checkpoints included.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -138,6 +143,9 @@ save_import_continue default_opt "$out/ckpt_default" "${plain[@]}"
 # (h): the ODO saves torch_dist, Megatron-LM's default format, and resumes
 run odo_dist_save "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
     "${odo[@]}" --ckpt-format torch_dist --save "$out/ckpt_odo_dist" --save-interval "$half" --exit-interval "$half"
+# (j): the way back: Megatron-LM's own distributed optimizer resumes that checkpoint (before (h)'s resume saves into it)
+run megatron_resume_from_odo_dist "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${common[@]}" --ckpt-format torch_dist --load "$out/ckpt_odo_dist"
 run odo_dist_resume "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" "${common[@]}" \
     "${odo[@]}" --ckpt-format torch_dist --load "$out/ckpt_odo_dist" --save "$out/ckpt_odo_dist" --save-interval "$iters"
 # (i): a run of Megatron-LM's default optimizer switches to the ODO at its torch_dist checkpoint
@@ -168,5 +176,7 @@ verdict "(h) ODO save (torch_dist) at $half and resume vs uninterrupted" "$out/o
 verdict "(i) the ODO resumes Megatron-LM's default optimizer's torch_dist checkpoint vs its uninterrupted run" \
     "$out/megatron_default_opt.log" "$out/odo_resume_from_megatron_default.log" --first $((half + 1)) \
     --skip $((half + 2))
+verdict "(j) Megatron-LM's own optimizer resumes the ODO's torch_dist checkpoint vs the ODO uninterrupted" \
+    "$out/odo_launch.log" "$out/megatron_resume_from_odo_dist.log" --first $((half + 1)) --skip $((half + 2))
 echo "logs: $out" >&2
 exit $status

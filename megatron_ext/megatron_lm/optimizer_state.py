@@ -22,7 +22,9 @@ cannot be placed fails every rank's load together, naming why.
 ``save_checkpoint`` asks every rank for ``sharded_state_dict``: the ODO's model-space blocks under Megatron's
 ``fully_reshardable`` keys (``optimizer/dist_checkpoint.py``). Megatron's own optimizers save the same model-space
 tensors (its non-distributed one, and its DistributedOptimizer in that layout), so their states load by key: only
-their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``).
+their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``). The way
+back: the ODO's checkpoint carries the shared part in the DistributedOptimizer's shape too
+(``dist_checkpoint.megatron_common``), so Megatron-LM without the plug-in's flag resumes it with its Adam state.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_optimizer_state
-from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_state, state_fields
+from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMATS, local_state, sharded_optimizer_state, state_fields
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 from megatron_ext.optimizer.inner_optimizer import inner_step, same_update_rule, update_rule
 from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, canonical_header, torch_format_kind,
@@ -69,7 +71,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                              "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
                              "weights alone")
         self._megatron_common, self._megatron_loaded = None, False
-        if "param_state" in state_dict and state_dict.get("format") != SHARDED_FORMAT:
+        if "param_state" in state_dict and state_dict.get("format") not in SHARDED_FORMATS:
             # torch_dist: Megatron's own optimizer saved the same model-space tensors (see sharded_state_dict)
             args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
                                                                  "apply_wd_to_qk_layernorm")}

@@ -14,7 +14,12 @@ reads the blocks each new rank asks for); and a checkpoint Megatron's Distribute
 carries the same tensors (the Megatron-LM plug-in reads its shared part, ``megatron_lm/optimizer_state.py``).
 
 The shared part (update rule, step, param groups, loss scaler) is a common entry, written once by global rank 0 and
-read by every rank, as in Megatron's layout. A block holds a copy of the rank's state, so an asynchronous save may
+read by every rank, as in Megatron's layout. It is written twice over: the ODO's own header, and under
+``"optimizer"`` and ``"grad_scaler"`` what Megatron's DistributedOptimizer's ``load_state_dict`` reads (its
+``state_dict()``: the param groups without their parameters, each with the step and the keys its groups are matched
+by, and the loss scale as a tensor), so a run switches back from the ODO to Megatron's optimizer with its Adam
+state (:func:`megatron_common`). Checkpoints of the first version (``megatron_ext.odo/1-sharded``) kept the update
+rule under ``"optimizer"`` and load as before (:func:`sharded_header`). A block holds a copy of the rank's state, so an asynchronous save may
 go on writing while training updates the state (a CPU state is copied for it; megatron-core's writer copies a
 CUDA one to the host itself).
 """
@@ -32,7 +37,8 @@ from .inner_optimizer import inner_step
 if TYPE_CHECKING:   # (imported lazily at run time: megatron-core is needed only by those who checkpoint with it)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-SHARDED_FORMAT = "megatron_ext.odo/1-sharded"
+SHARDED_FORMAT = "megatron_ext.odo/2-sharded"
+SHARDED_FORMATS = (SHARDED_FORMAT, "megatron_ext.odo/1-sharded")   # (1: "optimizer" held the update rule)
 MEGATRON_LAYOUT = "fully_reshardable"   # Megatron-LM: --dist-ckpt-optim-fully-reshardable
 PREFIX = "optimizer.state."
 _NO_TENSOR = "the model's sharded_state_dict has no tensor for "
@@ -172,8 +178,36 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
                              for b in state_blocks(t, off, flat, pc.start, PREFIX + f"{theirs}.{t.key}",
                                                    0 if pc.primary else 1)]
         param_state[i] = entry
-    return {"format": SHARDED_FORMAT, **opt.shared_state(int(agreed[0].item())), "has_state": bool(agreed[1].item()),
+    shared = opt.shared_state(int(agreed[0].item()))
+    return {"format": SHARDED_FORMAT, "update_rule": shared["optimizer"], "step": shared["step"],
+            "param_groups": shared["param_groups"], "has_state": bool(agreed[1].item()), **megatron_common(shared),
             "param_state_sharding_type": MEGATRON_LAYOUT, "param_state": param_state}
+
+
+def megatron_common(shared: Dict[str, Any]) -> Dict[str, Any]:
+    """What Megatron's DistributedOptimizer's ``load_state_dict`` reads beside the tensors, from the ODO's shared
+    state ``shared``: ``"optimizer"``, its ``state_dict()`` (the inner optimizer's param groups without their
+    parameters, each with the step, as megatron-core writes it for torch's Adam and for the fused ones; the groups
+    are matched by megatron-core's identifier keys, ``wd_mult``, ``lr_mult``, ``is_expert_parallel`` and
+    ``is_decoupled_lr``, which the ODO's groups carry as megatron-core builds them), and ``"grad_scaler"``, whose
+    scale megatron-core's dynamic scaler restores as a tensor (the ODO's scalers read either)."""
+    groups = [{**{k: v for k, v in g.items() if k != "overrides"}, "step": shared["step"]}
+              for g in shared["param_groups"]]
+    scaler = shared["grad_scaler"]
+    if scaler is not None:
+        scaler = {**scaler, "scale": torch.tensor([float(scaler["scale"])])}
+    return {"optimizer": {"param_groups": groups}, "grad_scaler": scaler}
+
+
+def sharded_header(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """The ODO's own header of a saved sharded state of any version (update rule under ``"optimizer"``, as the
+    other checkpoint layouts have it; step, param groups, loss scaler, whether the optimizer had state)."""
+    rule = saved["optimizer"] if saved["format"] != SHARDED_FORMAT else saved["update_rule"]
+    scaler = saved.get("grad_scaler")
+    if scaler is not None:
+        scaler = {**scaler, "scale": float(scaler["scale"])}
+    return {"optimizer": rule, "step": int(saved["step"]), "param_groups": saved["param_groups"],
+            "grad_scaler": scaler, "has_state": saved.get("has_state", int(saved["step"]) > 0)}
 
 
 def local_state(opt: Any, loaded: Dict[str, Any], header: Dict[str, Any],

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import CANONICAL_FORMAT, LOCAL_FORMAT, state_slice
-from .dist_checkpoint import SHARDED_FORMAT, local_state, sharded_optimizer_state
+from .dist_checkpoint import SHARDED_FORMATS, local_state, sharded_header, sharded_optimizer_state
 from .grad_scaler import ConstantLossScaler, DynamicLossScaler
 from .group_collectives import (DP_SCALAR, MP_SCALAR, agree_on_setup, all_reduce_, collective_device,
                                 dataclass_fields, node_peers)
@@ -466,8 +466,8 @@ class OverlappedDistributedOptimizer:
         ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` (any DP or TP/PP size). Checked on
         every rank first (:meth:`state_dict_problems`); if any rank finds a problem, every rank raises ValueError
         before anything is loaded."""
-        if isinstance(state_dict, dict) and state_dict.get("format") == SHARDED_FORMAT:
-            state_dict = local_state(self, state_dict, state_dict)
+        if isinstance(state_dict, dict) and state_dict.get("format") in SHARDED_FORMATS:
+            state_dict = local_state(self, state_dict, sharded_header(state_dict))
         problems = self.state_dict_problems(state_dict)
         failed = self._all_reduce(torch.tensor([float(bool(problems))], dtype=torch.float64,
                                                device=self.grad_device), dist.ReduceOp.MAX)

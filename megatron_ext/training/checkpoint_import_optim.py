@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..optimizer.checkpoint import CANONICAL_FORMAT, canonical_entry
-from ..optimizer.dist_checkpoint import SHARDED_FORMAT
+from ..optimizer.dist_checkpoint import SHARDED_FORMATS, sharded_header
 from .checkpointing import CheckpointError
 
 LAYOUTS = ("dp_reshardable", "fully_reshardable")
@@ -157,13 +157,14 @@ def canonical_header(saved: Any, where: str, scaler: Any = None, args: Optional[
     ``state_dict()`` (``{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}``): the step is the one its param
     groups record (the non-distributed optimizers': Adam's own, per parameter or megatron-core's ``common_step``).
     ``scaler``: the loss scaler's state where it was saved apart (torch_dist's bucket layout). The plug-in's torch_dist
-    state (``SHARDED_FORMAT``, Megatron's model-space keys) carries the ODO's own header. ``args``: the saving
+    state (``SHARDED_FORMATS``, Megatron's model-space keys) carries the ODO's own header. ``args``: the saving
     run's; with them each group records its key (:func:`group_key`), which the loader matches the resuming run's
     groups by (else by ``wd_mult`` and ``lr_mult``, or position: a decoupled-LR group shares those with the default
     one)."""
-    if isinstance(saved, dict) and saved.get("format") == SHARDED_FORMAT:   # the plug-in's own (the ODO's keys)
-        return {"format": CANONICAL_FORMAT, **{k: saved[k] for k in ("optimizer", "step", "param_groups")},
-                "grad_scaler": saved.get("grad_scaler")}
+    if isinstance(saved, dict) and saved.get("format") in SHARDED_FORMATS:   # the plug-in's own (the ODO's keys)
+        header = sharded_header(saved)
+        return {"format": CANONICAL_FORMAT, **{k: header[k] for k in ("optimizer", "step", "param_groups",
+                                                                      "grad_scaler")}}
     scaler = scaler if scaler is not None else (saved.get("grad_scaler") if isinstance(saved, dict) else None)
     adam = _adam_state(saved) if isinstance(saved, dict) else {}
     groups = adam.get("param_groups")

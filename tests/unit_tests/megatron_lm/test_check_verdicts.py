@@ -75,7 +75,8 @@ def test_check_script_commands(tmp_path):
                           "odo_resume_bucket", "megatron_dist_opt_save", "odo_resume_from_megatron", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
                           "import_torch_dist", "pretrain_gpt_imported_torch_dist", "megatron_default_opt",
                           "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt",
-                          "odo_dist_save", "odo_dist_resume", "odo_resume_from_megatron_default"]
+                          "odo_dist_save", "megatron_resume_from_odo_dist", "odo_dist_resume",
+                          "odo_resume_from_megatron_default"]
     # (f): Megatron-LM's default optimizer (not distributed, no --overlap-param-gather) uninterrupted and saving
     # torch_dist at 20; pretrain_gpt continues the import with (e)'s flags
     default, default_save = runs.pop("megatron_default_opt"), runs.pop("megatron_default_opt_save")
@@ -98,6 +99,12 @@ def test_check_script_commands(tmp_path):
     assert _value(odo_dist_save, "--save-interval") == _value(odo_dist_save, "--exit-interval") == "20"
     assert _value(odo_dist_resume, "--load") == _value(odo_dist_save, "--save") and "--save-interval" in odo_dist_resume
     assert _value(from_default, "--load") == _value(default_save, "--save") and "--no-load-optim" not in from_default
+    # (j): Megatron-LM's own distributed optimizer (the ODO's flags dropped) resumes (h)'s checkpoint before (h)'s
+    # resume saves into it
+    back = runs.pop("megatron_resume_from_odo_dist")
+    assert back[:back.index("--ckpt-format", len(runs["megatron_dist_opt"]))] == runs["megatron_dist_opt"]
+    assert _value(back[len(runs["megatron_dist_opt"]):], "--ckpt-format") == "torch_dist"
+    assert _value(back, "--load") == _value(odo_dist_save, "--save") and "--no-load-optim" not in back
     # (e): Megatron-LM's own optimizer saves torch_dist at 20; pretrain_gpt continues the import with its optimizer
     # state and the same flags (less --ckpt-format)
     dist_save, dist_import = runs.pop("megatron_torch_dist_save"), runs.pop("import_torch_dist")

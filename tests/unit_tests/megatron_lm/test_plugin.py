@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import types
+from typing import Optional
 
 import pytest
 
@@ -403,7 +404,7 @@ def test_old_optimizer_factory_arguments_are_refused_by_name():
 
 
 def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False,
-                                  fmt: str = "torch"):
+                                  fmt: str = "torch", resave: Optional[str] = None):
     """Rank body: a bf16 megatron-core GPT (local spec, biases, q/k layer norms; every weight distinct). ``save``:
     Megatron's own optimizer (the DistributedOptimizer, or the non-distributed one) holds a known Adam state and
     Megatron-LM's legacy flow saves it (``state_dict()`` from DP rank 0; ``save_parameter_state`` on every rank for
@@ -412,7 +413,8 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
     group keys. ``other``: one weight differs from the saving run's (a checkpoint of another model). ``fmt``
     ``torch_dist``: saved and loaded as Megatron-LM's torch_dist flow does (the model's and the optimizer's sharded
     state dicts, megatron-core's dist_checkpointing, the content metadata Megatron-LM records and hands back; the
-    DistributedOptimizer in its ``fully_reshardable`` layout)."""
+    DistributedOptimizer in its ``fully_reshardable`` layout); ``resave``: the ODO saves what it loaded there, as
+    the plug-in's torch_dist flow does."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -488,6 +490,12 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
                 loaded = dist_checkpointing.load(state, path)
             ddp.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["optimizer"])
+            if resave is not None:
+                state = {"model": gpt.sharded_state_dict(metadata=metadata)}
+                state["optimizer"] = opt.sharded_state_dict(state, metadata=metadata)
+                with _megatron_core_on_cpu():   # (with the content metadata, as Megatron-LM saves)
+                    dist_checkpointing.save(state, resave, content_metadata={k: v for k, v in metadata.items()
+                                                                             if k != "dp_cp_group"})
         else:
             opt.load_state_dict(torch.load(f"{path}/common.pt", weights_only=False))
             opt.load_parameter_state(f"{path}/distrib_optim.pt")
@@ -536,3 +544,103 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
     with pytest.raises(Exception, match="Megatron's own optimizer state does not fit this model: .*fit the main "
                                         "weights"):
         spawn(_megatron_own_optimizer_world, 2, str(tmp_path), False, distributed, 700, True, timeout=120)
+
+
+def _megatron_loads_the_odos_world(path: str):
+    """Rank body: Megatron's own DistributedOptimizer (the ``_megatron_own_optimizer_world`` model) loads the
+    torch_dist checkpoint at ``path`` as Megatron-LM's flow does with the checkpoint's content metadata
+    (``fully_reshardable``, which the plug-in writes); returns, at DP 1, every parameter's main weight and moments as
+    it holds them, the steps in its Adam state and its groups' (wd_mult, lr, weight_decay)."""
+    from unittest import mock
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.models.gpt import make_gpt_config
+
+    from ..training.test_checkpoint_import import _fill_megatron_optimizer, _megatron_core_on_cpu
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _step_kept(self, model_param, tensors):
+        # megatron-core 0.16.1 copies every key of the parameter's Adam state from the checkpoint's tensors, torch
+        # Adam's "step" too, which a fully_reshardable checkpoint has none of (its step is in the param groups): its
+        # own checkpoints in that layout fail there with KeyError 'step'. A GPU run's fused Adam keeps no step in
+        # that state; so the step is left as load_state_dict set it from the groups, checked by the caller.
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        try:
+            original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    enable_cpu_compat()
+    ps.initialize_model_parallel(1, 1)
+    try:
+        gpt = GPTModel(config=make_gpt_config(2, 24, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
+                       transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                       max_sequence_length=16)
+        module = Float16Module(gpt.config, gpt)
+        metadata = {**dist_checkpointing.load_content_metadata(path),
+                    "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        assert metadata["distrib_optim_sharding_type"] == "fully_reshardable"
+        with _megatron_core_on_cpu():
+            ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                                    bucket_size=3000), module)
+            optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.5,
+                                                               bf16=True, use_distributed_optimizer=True), [ddp])
+            # (torch's Adam, which megatron-core takes where neither apex nor TE is installed, must have stepped
+            # before its state_dict(); a GPU run's fused Adam need not: a state at step 0, overwritten by the load)
+            zeros = {"step": 0, "param_groups": [{"wd_mult": w, "lr": 0.0, "weight_decay": 0.0} for w in (1.0, 0.0)],
+                     "params": {n: {f: torch.zeros(p.numel()) for f in ("master", "exp_avg", "exp_avg_sq")}
+                                for n, p in module.named_parameters()}}
+            _fill_megatron_optimizer(optimizer, [module], zeros)
+            state = {"model": gpt.sharded_state_dict(metadata=metadata)}
+            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+            loaded = dist_checkpointing.load(state, path)
+            gpt.load_state_dict(loaded["model"])
+            with mock.patch.object(DistributedOptimizer, "_set_main_param_and_optimizer_states", _step_kept):
+                optimizer.load_state_dict(loaded["optimizer"])
+        (inner,) = optimizer.chained_optimizers
+        held = {}
+        for name, p in module.named_parameters():
+            tensors = inner._get_main_param_and_optimizer_states(p)
+            held[name] = {ours: tensors[theirs].detach().clone() for ours, theirs in
+                          (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
+        steps = {float(s["step"]) for s in inner.optimizer.state.values()}
+        groups = sorted((g["wd_mult"], g["lr"], g["weight_decay"]) for g in inner.optimizer.param_groups)
+        return held, steps, groups
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_run_switches_back_to_megatrons_distributed_optimizer_with_its_state(spawn, tmp_path):
+    """The way back: Megatron's DistributedOptimizer saves torch_dist (``fully_reshardable``) at DP 2, the plug-in's
+    ODO loads it at DP 2 with small buckets (pieces ending mid-row) and saves torch_dist, and Megatron's
+    DistributedOptimizer loads the ODO's checkpoint at DP 1, as Megatron-LM does once the plug-in's flag is dropped:
+    every parameter's main weight and moments equal the first save's bit for bit, and its Adam state has the step
+    and each group its learning rate and weight decay (the shared part it reads, ``dist_checkpoint.megatron_common``).
+    """
+    import torch
+
+    first, odo = tmp_path / "megatron", tmp_path / "odo"
+    first.mkdir(), odo.mkdir()
+    spawn(_megatron_own_optimizer_world, 2, str(first), True, True, 0, False, "torch_dist", timeout=120)
+    (_, known, _, _), _ = spawn(_megatron_own_optimizer_world, 2, str(first), False, True, 300, False, "torch_dist",
+                                str(odo), timeout=120)
+    (held, steps, groups), = spawn(_megatron_loads_the_odos_world, 1, str(odo), timeout=120)
+    assert steps == {3.0} and groups == [(0.0, 1e-3, 0.0), (1.0, 1e-3, 0.01)]
+    assert held.keys() == known["params"].keys()
+    for name, entry in known["params"].items():
+        for field in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(held[name][field], entry[field]), (name, field)

@@ -4,7 +4,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_ext.optimizer.dist_checkpoint import flat_range_blocks
+from megatron_ext.optimizer.dist_checkpoint import (SHARDED_FORMAT, SHARDED_FORMATS, flat_range_blocks,
+                                                    megatron_common, sharded_header)
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 5), (1, 1, 6), (4, 1, 2, 3)])
@@ -176,6 +177,31 @@ def test_a_parameter_missing_from_the_models_state_fails_every_rank(spawn, tmp_p
     assert errors[0].startswith("the model's sharded_state_dict has no tensor for module.decoder.final_layernorm.weight")
     assert errors[1] == "the optimizer state cannot be placed in the model's sharded_state_dict on another rank " \
         "(nothing was saved or loaded)"
+
+
+def test_the_shared_part_reads_as_megatrons_and_as_the_odos_of_either_version():
+    """The common entries Megatron's DistributedOptimizer reads (its state_dict()'s shape: groups without their
+    parameters or the ODO's group key, each with the step; the dynamic scaler's scale as a one-element tensor, which
+    megatron-core's scaler moves to the GPU), beside the ODO's own header, which reads the same from a checkpoint of
+    the first version (update rule under "optimizer"). The way back through Megatron's own optimizer:
+    tests/unit_tests/megatron_lm/test_plugin.py."""
+    groups = [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+               "overrides": None},
+              {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+               "overrides": (("wd_mult", 0.0),)}]
+    scaler = {"scale": 1024.0, "growth_tracker": 3, "hysteresis_tracker": 2}
+    shared = {"optimizer": "AdamW", "step": 7, "param_groups": groups, "grad_scaler": scaler}
+    common = megatron_common(shared)
+    assert common["optimizer"]["param_groups"] == [{**{k: v for k, v in g.items() if k != "overrides"}, "step": 7}
+                                                   for g in groups]
+    assert torch.equal(common["grad_scaler"]["scale"], torch.tensor([1024.0]))
+    assert common["grad_scaler"]["growth_tracker"] == 3 and megatron_common({**shared, "grad_scaler": None})[
+        "grad_scaler"] is None
+    new = {"format": SHARDED_FORMAT, "update_rule": "AdamW", "step": 7, "param_groups": groups, "has_state": True,
+           **common}
+    old = {"format": SHARDED_FORMATS[1], "optimizer": "AdamW", "step": 7, "param_groups": groups, "has_state": True,
+           "grad_scaler": scaler}
+    assert sharded_header(new) == sharded_header(old) == {**shared, "has_state": True}
 
 
 def test_megatron_sharding_types_other_than_model_space_are_refused_by_name():
