@@ -2,7 +2,7 @@
 # The Megatron-LM plug-in on a real checkout and real GPUs: tools/megatron_lm_check.sh CHECKOUT [OUT]
 #
 # Runs the checkout's own pretrain_gpt.py (mock data, NullTokenizer, a small GPT, bf16, --overlap-grad-reduce
-# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e), (f) and (h)-(j)) on every GPU of this machine and
+# --overlap-param-gather, --ckpt-format torch, and torch_dist for (e), (f) and (h)-(k)) on every GPU of this machine and
 # prints one verdict line per check.
 # The local transformer without Apex or Transformer Engine needs --no-persist-layer-norm (torch's LayerNorm asserts
 # it) and --no-masked-softmax-fusion (the fused softmax imports Apex's scaled_masked_softmax_cuda): both are set, so
@@ -33,7 +33,10 @@
 #   (j) the way back: Megatron-LM's own distributed optimizer (the plug-in's flag dropped) resuming (h)'s torch_dist
 #       checkpoint of the ODO, its Adam state included: within the bf16 tolerance of the ODO's uninterrupted run.
 #       Needs Apex or Transformer Engine: megatron-core 0.16.1 cannot load a fully_reshardable state into torch's
-#       Adam (KeyError 'step'), its own checkpoints included.
+#       Adam (KeyError 'step'), its own checkpoints included;
+#   (k) the ODO resuming (e)'s torch_dist checkpoint of Megatron-LM's distributed optimizer in its default
+#       dp_reshardable (bucket) layout, its Adam state included: within the bf16 tolerance of (a)'s uninterrupted run
+#       of Megatron-LM's optimizer.
 # Logs and checkpoints go to OUT (default ./megatron_lm_check). The checkout needs: pip install six regex pydantic
 # (besides megatron-core, torch with CUDA and this package). Exit status: 0 when every check passed.
 # MX_CHECK_DRY_RUN=1 needs no GPU: it prints each run's command ("RUN NAME ARGS...", shell-quoted) instead of running
@@ -131,6 +134,9 @@ save_import_continue() {  # save_import_continue CHECK CKPT MEGATRON_LM_FLAGS...
 }
 # (e): the distributed optimizer, in its default dp_reshardable layout
 save_import_continue torch_dist "$out/ckpt_dist" "${ours[@]}"
+# (k): a run of Megatron-LM's distributed optimizer switches to the ODO at that checkpoint (its bucket layout)
+run odo_resume_from_megatron_dist "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
+    "${common[@]}" "${odo[@]}" --ckpt-format torch_dist --load "$out/ckpt_dist"
 # (f): Megatron-LM's default optimizer (not distributed; --overlap-param-gather needs the distributed one), also run
 # uninterrupted
 plain=()
@@ -178,5 +184,8 @@ verdict "(i) the ODO resumes Megatron-LM's default optimizer's torch_dist checkp
     --skip $((half + 2))
 verdict "(j) Megatron-LM's own optimizer resumes the ODO's torch_dist checkpoint vs the ODO uninterrupted" \
     "$out/odo_launch.log" "$out/megatron_resume_from_odo_dist.log" --first $((half + 1)) --skip $((half + 2))
+verdict "(k) the ODO resumes Megatron-LM's distributed optimizer's torch_dist checkpoint (dp_reshardable) vs \
+Megatron-LM uninterrupted" "$out/megatron_dist_opt.log" "$out/odo_resume_from_megatron_dist.log" \
+    --first $((half + 1)) --skip $((half + 2))
 echo "logs: $out" >&2
 exit $status

@@ -39,6 +39,11 @@ CONTRACT: Tuple[Requirement, ...] = (
                 why="imported by name: rebound too"),
     Requirement("megatron.training.checkpointing", "unwrap_model", ("model", "module_instances"),
                 why="imported by name: rebound too (save/load unwrap the chunks)"),
+    Requirement("megatron.training.checkpointing", "dist_checkpointing", kind="module",
+                why="install() wraps it so that its load notes the torch_dist directory (Megatron's dp_reshardable "
+                    "optimizer state is read from there: bucket_state.py)"),
+    Requirement("megatron.core.dist_checkpointing", "load", ("sharded_state_dict", "checkpoint_dir"),
+                why="the wrapper passes its arguments on, the directory second"),
 )
 
 
@@ -55,6 +60,10 @@ def check(resolve: Optional[Callable[[str], object]] = None) -> List[str]:
         obj = getattr(mod, req.name, None)
         if obj is None:
             problems.append(f"{req.module}.{req.name} is missing ({req.why})")
+            continue
+        if req.kind == "module":
+            if not inspect.ismodule(obj) and not hasattr(obj, "wrapped"):   # (install()'s wrapper passes too)
+                problems.append(f"{req.module}.{req.name} is not a module ({req.why})")
             continue
         if not callable(obj):
             problems.append(f"{req.module}.{req.name} is not callable")

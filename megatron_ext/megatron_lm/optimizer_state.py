@@ -22,13 +22,15 @@ cannot be placed fails every rank's load together, naming why.
 ``save_checkpoint`` asks every rank for ``sharded_state_dict``: the ODO's model-space blocks under Megatron's
 ``fully_reshardable`` keys (``optimizer/dist_checkpoint.py``). Megatron's own optimizers save the same model-space
 tensors (its non-distributed one, and its DistributedOptimizer in that layout), so their states load by key: only
-their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``). The way
+their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``). The
+DistributedOptimizer's default ``dp_reshardable`` layout (its buckets) is read by each rank from the checkpoint
+directory itself, its own pieces only (``bucket_state.py``). The way
 back: the ODO's checkpoint carries the shared part in the DistributedOptimizer's shape too
 (``dist_checkpoint.megatron_common``), so Megatron-LM without the plug-in's flag resumes it with its Adam state.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +43,7 @@ from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, cano
 from megatron_ext.training.checkpointing import CheckpointError
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
+DP_RESHARDABLE = "dp_reshardable"   # Megatron's default DistributedOptimizer layout in torch_dist (bucket_state.py)
 
 
 class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
@@ -60,6 +63,10 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         ``optimizer/dist_checkpoint.py``). Loading a checkpoint Megatron's non-distributed optimizer saved (its
         content metadata has no ``distrib_optim_sharding_type``), the same tensors are asked for under its names."""
         self._megatron_fields = None
+        if is_loading and (metadata or {}).get("distrib_optim_sharding_type") == DP_RESHARDABLE:
+            # Megatron's bucket layout: read in load_state_dict from the checkpoint itself (bucket_state.py); no
+            # tensor is asked for here
+            return {"param_state_sharding_type": DP_RESHARDABLE}
         if is_loading and _saved_by_non_distributed_optimizer(metadata):
             mixed = bool(self.config.bf16 or self.config.fp16)   # (an fp32 model's main weights are its weights)
             self._megatron_fields = [("master", "fp32_param")] * mixed + state_fields(self.inner)[1:]
@@ -71,6 +78,8 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                              "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
                              "weights alone")
         self._megatron_common, self._megatron_loaded = None, False
+        if state_dict.get("param_state_sharding_type") == DP_RESHARDABLE and "format" not in state_dict:
+            return super().load_state_dict(self._agreed(self._read_bucket_state, "Megatron's dp_reshardable state"))
         if "param_state" in state_dict and state_dict.get("format") not in SHARDED_FORMATS:
             # torch_dist: Megatron's own optimizer saved the same model-space tensors (see sharded_state_dict)
             args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
@@ -123,17 +132,40 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
                                                              "apply_wd_to_qk_layernorm")}
         where = param_state_path or "Megatron's optimizer state dict"
-        try:
+
+        def place() -> Dict[str, Any]:
             state, text = torch_format_state({"optimizer": common}, where, chunks, lambda key: key, True, prefix,
                                              args, order=order, copy=False)
-        except CheckpointError as e:
+            if state is None:
+                raise ValueError(text)
+            return state
+        return self._agreed(place, "Megatron's own optimizer state")
+
+    def _read_bucket_state(self) -> Dict[str, Any]:
+        """This rank's pieces of the ``dp_reshardable`` checkpoint Megatron-LM is loading (bucket_state.py)."""
+        from megatron.core import parallel_state as ps
+
+        from .bucket_state import last_loaded_dir, read_bucket_state
+
+        ckpt = last_loaded_dir()
+        if ckpt is None:
+            raise ValueError("where the checkpoint lies is not known: the Megatron-LM plug-in's install() notes it "
+                             "as Megatron-LM loads (its launch module and two-line form both install it)")
+        return read_bucket_state(self, ckpt, torch.distributed.get_rank(ps.get_model_parallel_group()))
+
+    def _agreed(self, build: Callable[[], Dict[str, Any]], what: str) -> Dict[str, Any]:
+        """``build()`` on every rank, agreed in one all-reduce before anything is loaded: where any rank failed,
+        every rank raises, naming why where it knows."""
+        try:
+            state, text = build(), ""
+        except (CheckpointError, ValueError) as e:
             state, text = None, str(e)
         except Exception as e:   # noqa: BLE001 - on this rank only, perhaps: every rank must reach the agreement
             state, text = None, f"{type(e).__name__}: {e}"
         failed = self._all_reduce(torch.tensor([float(state is None)], dtype=torch.float64, device=self.grad_device),
                                   torch.distributed.ReduceOp.MAX)
         if failed.item() > 0:
-            raise ValueError("Megatron's own optimizer state does not fit this model: " + (
+            raise ValueError(f"{what} does not fit this model: " + (
                 text if state is None else "not on another rank (nothing was loaded)") + " (Megatron-LM: "
                 "--no-load-optim loads the weights alone)")
         return state

@@ -19,6 +19,8 @@ From Megatron-LM's side: ``--use-distributed-optimizer`` is required and ``--ckp
 default: the optimizer state in model space, Megatron's ``fully_reshardable`` layout, through megatron-core
 dist-checkpointing; any DP, TP or PP size resumes it) or ``torch`` (canonical per-parameter layout through Megatron-LM's
 ``save_parameter_state``, see optimizer_state.py; any DP size). ``--gradient-accumulation-fusion`` is switched off.
+``install()`` also has the checkpointing module's torch_dist loads note their directory, from which Megatron's own
+``dp_reshardable`` optimizer state is read (bucket_state.py).
 """
 from __future__ import annotations
 
@@ -264,10 +266,11 @@ def _config_overrides(original: Callable, config: Any, model_chunks: Any, args: 
 
 
 def install(training_module: Any = None, get_args: Optional[Callable[[], Any]] = None,
-            utils_module: Any = None) -> None:
+            utils_module: Any = None, checkpointing_module: Any = None) -> None:
     """Patch ``megatron.training.training`` (a Megatron-LM checkout) so the flag builds the ODO. Idempotent.
 
-    ``training_module``/``get_args``/``utils_module`` default to the checkout's; tests pass stand-ins.
+    ``training_module``/``get_args``/``utils_module``/``checkpointing_module`` default to the checkout's; tests pass
+    stand-ins.
     """
     if _ORIGINALS:
         return
@@ -296,6 +299,15 @@ def install(training_module: Any = None, get_args: Optional[Callable[[], Any]] =
         _ORIGINALS["unwrap"] = (original_unwrap, holders)
         for m in holders:
             m.unwrap_model = unwrap
+    # torch_dist loads note their directory: Megatron's dp_reshardable optimizer state is read from it
+    # (bucket_state.py)
+    checkpointing = checkpointing_module or _optional_import("megatron.training.checkpointing")
+    if checkpointing is not None:
+        from .bucket_state import install_load_recorder
+
+        original = install_load_recorder(checkpointing)
+        if original is not None:
+            _ORIGINALS["dist_checkpointing"] = (checkpointing, original)
 
 
 def _make_unwrap(original: Callable, wrapper_cls: type) -> Callable:
@@ -328,6 +340,10 @@ def uninstall() -> None:
         original, holders = _ORIGINALS["unwrap"]
         for m in holders:
             m.unwrap_model = original
+    if "dist_checkpointing" in _ORIGINALS:
+        from .bucket_state import uninstall_load_recorder
+
+        uninstall_load_recorder(*_ORIGINALS["dist_checkpointing"])
     _ORIGINALS.clear()
 
 

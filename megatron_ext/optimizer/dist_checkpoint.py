@@ -142,8 +142,9 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
             f"the overlapped distributed optimizer saves and loads its state in model space "
             f"(distrib_optim_sharding_type {MEGATRON_LAYOUT!r}, Megatron-LM's --dist-ckpt-optim-fully-reshardable), "
             f"not {layout!r}" + (f": this checkpoint's optimizer state is in Megatron's {layout!r} layout, which it "
-                                 "does not read; resume with --no-load-optim, or have Megatron's own optimizer load "
-                                 "it and save it again with --dist-ckpt-optim-fully-reshardable" if is_loading else ""))
+                                 "does not read (the Megatron-LM plug-in reads 'dp_reshardable'); resume with "
+                                 "--no-load-optim, or have Megatron's own optimizer load it and save it again with "
+                                 "--dist-ckpt-optim-fully-reshardable" if is_loading else ""))
     opt._settle()
     try:
         tensors = model_tensors(model_sharded_state_dict)

@@ -62,8 +62,9 @@ def _reader(ckpt: str):
     return CachedReader(ckpt)
 
 
-def _planner(offsets: Dict[str, Tuple[int, ...]]):
-    """A DCP load planner that fills each destination tensor with the slice of its saved tensor at ``offsets``."""
+def _planner(reads: Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor]]]):
+    """A DCP load planner that fills each destination tensor with the block of its saved tensor at its offsets:
+    ``{fqn: [(offsets, destination), ...]}``, several blocks of one tensor in one load."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -72,34 +73,25 @@ def _planner(offsets: Dict[str, Tuple[int, ...]]):
     class SlicePlanner(DefaultLoadPlanner):
         def create_local_plan(self) -> LoadPlan:
             items = []
-            for fqn, dest in self.state_dict.items():
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets[fqn]), sizes=dest.size())
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            for fqn, blocks in reads.items():
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=dest.size()) for o, dest in blocks]
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
             return LoadPlan(items)
 
-        def lookup_tensor(self, index):   # the destination is the slice itself, not the whole saved tensor
-            return self.state_dict[index.fqn]
+        def lookup_tensor(self, index):   # the destination is the block itself, not the whole saved tensor
+            return reads[index.fqn][index.index][1]
 
     return SlicePlanner()
 
 
-class DistSource:
-    """A torch_dist checkpoint's model tensors by pretrain_gpt's global key, and its DistributedOptimizer state where
-    it has one this import reads (``checkpoint_import_optim.py``): the reshard writer's source."""
+class TorchDistFiles:
+    """What a torch_dist checkpoint directory stores, read in place through DCP: every tensor's global shape and
+    dtype, any range of a flat tensor, the byte objects (megatron-core's ShardedObjects)."""
 
-    serves_shards = True   # reads a TP rank's shard itself (model_shard, optim_shard): see write_layout
-
-    def __init__(self, ckpt: str, common: Dict[str, Any], saved: Optional[Dict[str, Any]] = None,
-                 saved_impl: str = "transformer_engine") -> None:
+    def __init__(self, ckpt: str) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.ckpt, self.common, self.saved_impl = ckpt, common, saved_impl
-        args = dict(common["args"], transformer_impl="transformer_engine")   # the names torch_dist stores
-        self.args = args
-        tp, pp = common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"]
-        self.layout = layout_of(args, tp, pp, args.get("virtual_pipeline_model_parallel_size") or 1)
-        self.swiglu = bool(args.get("swiglu"))
-        self.tied = not args.get("untie_embeddings_and_output_weights", False)
+        self.ckpt = ckpt
         self._reader = _reader(ckpt)
         try:
             metadata = self._reader.read_metadata()
@@ -116,6 +108,79 @@ class DistSource:
                 self._saved[key] = (tuple(md.size), md.properties.dtype)
             else:
                 self._objects.setdefault(key.split("/shard_")[0], key)
+
+    def stored_keys(self, prefix: str) -> List[str]:
+        """Every stored tensor's name that starts with ``prefix``."""
+        return [k for k in self._saved if k.startswith(prefix)]
+
+    def has_stored(self, key: str) -> bool:
+        return key in self._saved
+
+    def stored_shape(self, key: str) -> Tuple[int, ...]:
+        return self._saved[key][0]
+
+    def stored_dtype(self, key: str) -> torch.dtype:
+        return self._saved[key][1]
+
+    def has_object(self, key: str) -> bool:
+        return key in self._objects
+
+    def read_object(self, key: str) -> Any:
+        """A byte object megatron-core saved under ``key`` (a ShardedObject: the value of its one shard)."""
+        import io
+
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        if key not in self._objects:
+            raise CheckpointError(f"{self.ckpt}: no {key} saved")
+
+        got: Dict[str, Any] = {}
+
+        class Lenient(DefaultLoadPlanner):   # another version's classes in a pickled value stay readable
+            def load_bytes(self, read_item, value: io.BytesIO) -> None:
+                got[read_item.dest_index.fqn] = torch.load(value, weights_only=False, pickle_module=_lenient_pickle)
+
+        self._load({self._objects[key]: io.BytesIO()}, Lenient(), key)
+        value = got[self._objects[key]]
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def read_ranges(self, ranges: Dict[str, List[Tuple[int, int]]]) -> Dict[str, List[torch.Tensor]]:
+        """Elements ``[start, end)`` of stored flat tensors, ``{key: [(start, end), ...]}``, in one read from the
+        stored chunks they overlap."""
+        reads = {key: [((start,), torch.empty(end - start, dtype=self._saved[key][1])) for start, end in spans]
+                 for key, spans in ranges.items() if spans}
+        if reads:
+            self._load({key: blocks[0][1] for key, blocks in reads.items()}, _planner(reads),
+                       ", ".join(sorted(reads)[:2]) + (" ..." if len(reads) > 2 else ""))
+        return {key: [dest for _, dest in reads.get(key, [])] for key in ranges}
+
+    def _load(self, state: Dict[str, Any], planner: Any, what: str) -> None:
+        from torch.distributed.checkpoint import load
+
+        try:
+            with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore")
+                load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        except Exception as e:   # noqa: BLE001 - DCP wraps a damaged or missing file in its own exception types
+            raise CheckpointError(f"{self.ckpt}: cannot read {what} ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+class DistSource(TorchDistFiles):
+    """A torch_dist checkpoint's model tensors by pretrain_gpt's global key, and its DistributedOptimizer state where
+    it has one this import reads (``checkpoint_import_optim.py``): the reshard writer's source."""
+
+    serves_shards = True   # reads a TP rank's shard itself (model_shard, optim_shard): see write_layout
+
+    def __init__(self, ckpt: str, common: Dict[str, Any], saved: Optional[Dict[str, Any]] = None,
+                 saved_impl: str = "transformer_engine") -> None:
+        super().__init__(ckpt)
+        self.common, self.saved_impl = common, saved_impl
+        args = dict(common["args"], transformer_impl="transformer_engine")   # the names torch_dist stores
+        self.args = args
+        tp, pp = common["tensor_model_parallel_size"], common["pipeline_model_parallel_size"]
+        self.layout = layout_of(args, tp, pp, args.get("virtual_pipeline_model_parallel_size") or 1)
+        self.swiglu = bool(args.get("swiglu"))
+        self.tied = not args.get("untie_embeddings_and_output_weights", False)
         model = self.model_stored_keys()
         foreign = [k for k in model if not _MODEL.match(k)]
         if foreign:
@@ -177,16 +242,6 @@ class DistSource:
         """The stored names of the model's tensors."""
         return [k for k in self._saved if not _NOT_MODEL.match(k)]
 
-    def stored_keys(self, prefix: str) -> List[str]:
-        """Every stored tensor's name that starts with ``prefix``."""
-        return [k for k in self._saved if k.startswith(prefix)]
-
-    def has_stored(self, key: str) -> bool:
-        return key in self._saved
-
-    def stored_dtype(self, key: str) -> torch.dtype:
-        return self._saved[key][1]
-
     def stored_key(self, g: str) -> str:
         """The stored tensor global key ``g`` is read from (a layer's: the tensor stacked over the layers)."""
         return self._stored(g)[0]
@@ -197,34 +252,12 @@ class DistSource:
             return g[: len(g) - len("output_layer.weight")] + "embedding.word_embeddings.weight"
         return g
 
-    def read_object(self, key: str) -> Any:
-        """A byte object megatron-core saved under ``key`` (a ShardedObject: the value of its one shard)."""
-        import io
-
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        if key not in self._objects:
-            raise CheckpointError(f"{self.ckpt}: no {key} saved")
-
-        got: Dict[str, Any] = {}
-
-        class Lenient(DefaultLoadPlanner):   # another version's classes in a pickled value stay readable
-            def load_bytes(self, read_item, value: io.BytesIO) -> None:
-                got[read_item.dest_index.fqn] = torch.load(value, weights_only=False, pickle_module=_lenient_pickle)
-
-        self._load({self._objects[key]: io.BytesIO()}, Lenient(), key)
-        value = got[self._objects[key]]
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
-
     def read_flat(self, key: str) -> torch.Tensor:
         """The whole stored tensor ``key``."""
         return self._read(key, [])
 
     def optim_header(self) -> Dict[str, Any]:
         return self._optim.header
-
-    def has_object(self, key: str) -> bool:
-        return key in self._objects
 
     def optim_shard(self, stage: int, chunk: int, key: str, g: str, tp: int, rank: int, swiglu: bool
                     ) -> Dict[str, torch.Tensor]:
@@ -276,18 +309,8 @@ class DistSource:
         if layer is not None:
             sizes, offsets = [1, *sizes], [layer, *offsets]
         dest = torch.empty(sizes, dtype=self._saved[key][1])
-        self._load({key: dest}, _planner({key: tuple(offsets)}), key)
+        self._load({key: dest}, _planner({key: [(tuple(offsets), dest)]}), key)
         return dest if layer is None else dest[0]
-
-    def _load(self, state: Dict[str, Any], planner: Any, what: str) -> None:
-        from torch.distributed.checkpoint import load
-
-        try:
-            with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore")
-                load(state, storage_reader=self._reader, planner=planner, no_dist=True)
-        except Exception as e:   # noqa: BLE001 - DCP wraps a damaged or missing file in its own exception types
-            raise CheckpointError(f"{self.ckpt}: cannot read {what} ({type(e).__name__}: {str(e)[:300]})") from None
 
 
 def _layer_order(g: str) -> Tuple[int, int]:

@@ -58,9 +58,9 @@ _FIELDS = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_
 # the non-distributed optimizers' model-space names: a bf16/fp16 run's main weight is its fp32_param; an fp32 run's,
 # the weight itself
 _FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
+BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                      r"\.param$")
-_ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
+PARAM_ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
 _EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")   # is_embedding_or_output_parameter
 
 
@@ -369,7 +369,7 @@ class MegatronOptimizerState:
         """Every parameter's state of one position, placed by the walk of the module note."""
         group = rank + tp * stage
         buckets = sorted((int(m.group(2)), int(m.group(4)), k[: -len(".param")])
-                         for k in self.src.stored_keys("optimizer.") if (m := _BUCKET.match(k))
+                         for k in self.src.stored_keys("optimizer.") if (m := BUCKET_KEY.match(k))
                          and int(m.group(1)) == group)
         if not buckets:
             raise CheckpointError(f"{self.src.ckpt}: no optimizer buckets for TP rank {rank}, stage {stage} "
@@ -415,7 +415,7 @@ def walk_buffer(fields: Dict[str, torch.Tensor], expected: List[Tuple[int, str]]
     deepest: Tuple[int, Any, Tuple[Tuple[int, str], ...]] = (-1, [], tuple(expected))   # (element, fits, left)
     while stack:
         offset, bucket_start, left, placed = stack.pop()
-        aligned = bucket_start + -(-(offset - bucket_start) // _ALIGN) * _ALIGN
+        aligned = bucket_start + -(-(offset - bucket_start) // PARAM_ALIGN) * PARAM_ALIGN
         if aligned >= end and (not coalesced or offset >= end):
             out: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
             while placed is not None:

@@ -73,7 +73,8 @@ def test_check_script_commands(tmp_path):
     runs = dict(dry_runs(checkout, tmp_path / "out", iters=40))
     assert list(runs) == ["megatron_dist_opt", "odo_launch", "odo_two_lines", "odo_save", "odo_resume",
                           "odo_resume_bucket", "megatron_dist_opt_save", "odo_resume_from_megatron", "import_ckpt", "pretrain_gpt_imported", "megatron_torch_dist_save",
-                          "import_torch_dist", "pretrain_gpt_imported_torch_dist", "megatron_default_opt",
+                          "import_torch_dist", "pretrain_gpt_imported_torch_dist", "odo_resume_from_megatron_dist",
+                          "megatron_default_opt",
                           "megatron_default_opt_save", "import_default_opt", "pretrain_gpt_imported_default_opt",
                           "odo_dist_save", "megatron_resume_from_odo_dist", "odo_dist_resume",
                           "odo_resume_from_megatron_default"]
@@ -92,7 +93,8 @@ def test_check_script_commands(tmp_path):
     # (h): the ODO saves torch_dist at 20 and resumes it; (i): it resumes (f)'s torch_dist checkpoint
     odo_dist_save, odo_dist_resume = runs.pop("odo_dist_save"), runs.pop("odo_dist_resume")
     from_default = runs.pop("odo_resume_from_megatron_default")
-    for argv in (odo_dist_save, odo_dist_resume, from_default):
+    from_dist = runs.pop("odo_resume_from_megatron_dist")   # (k): (e)'s checkpoint, in Megatron's bucket layout
+    for argv in (odo_dist_save, odo_dist_resume, from_default, from_dist):
         assert argv[:argv.index("--ckpt-format", argv.index("--use-overlapped-distributed-optimizer"))] == \
             runs["odo_launch"] and _value(argv[argv.index("--use-overlapped-distributed-optimizer"):],
                                           "--ckpt-format") == "torch_dist"
@@ -113,7 +115,8 @@ def test_check_script_commands(tmp_path):
     assert _value(dist_save, "--ckpt-format") == "torch_dist" and "--ckpt-format" not in dist_ours
     assert "--use-overlapped-distributed-optimizer" not in dist_save and "--use-distributed-optimizer" in dist_save
     assert _value(dist_save, "--save-interval") == _value(dist_save, "--exit-interval") == "20"
-    assert _value(dist_save, "--save") == _value(dist_import, "--load")
+    assert _value(dist_save, "--save") == _value(dist_import, "--load") == _value(from_dist, "--load")
+    assert "--dist-ckpt-optim-fully-reshardable" not in dist_save and "--no-load-optim" not in from_dist
     assert _value(dist_ours, "--load") == _value(dist_import, "--save") and "--no-load-optim" not in dist_ours
     assert dist_ours[:dist_ours.index("--load")] == dist_save[:dist_save.index("--ckpt-format")]
     # (d): the checkpoint (b) saved at 20, imported, then pretrain_gpt with the same flags (less --ckpt-format)

@@ -1,7 +1,7 @@
 """The plug-in against a real Megatron-LM checkout (``MEGATRON_LM_PATH``; tag core_v0.16.1 matches the pinned
 megatron-core). Skipped without one: CI has no checkout and nothing may be downloaded at test time. It checks every
 name the plug-in patches or calls (megatron_lm/contract.py), that install() and uninstall() round-trip on the real
-modules, that the plug-in's flag checks run inside the checkout's own parse_args, and that the commands of
+modules (the checkpointing module's dist_checkpointing too, which install() wraps), that the plug-in's flag checks run inside the checkout's own parse_args, and that the commands of
 tools/megatron_lm_check.sh pass its validate_args and build a model that runs forward and backward on CPU. The
 checkout's training code needs extra packages (README: ``pip install six regex pydantic``)."""
 from __future__ import annotations
@@ -29,12 +29,15 @@ import megatron.training.arguments as margs
 import megatron.training.checkpointing as ck
 import megatron.training.training as tr
 import megatron_ext.megatron_lm as mxlm
-before = (tr.DDP, tr.get_megatron_optimizer, tr.unwrap_model, ck.unwrap_model, cu.unwrap_model)
+before = (tr.DDP, tr.get_megatron_optimizer, tr.unwrap_model, ck.unwrap_model, cu.unwrap_model,
+          ck.dist_checkpointing)
 mxlm.install()
 out["patched"] = [tr.DDP is not before[0], tr.get_megatron_optimizer is not before[1],
-                  all(getattr(m.unwrap_model, "original", None) is before[2] for m in (tr, ck, cu))]
+                  all(getattr(m.unwrap_model, "original", None) is before[2] for m in (tr, ck, cu)),
+                  getattr(ck.dist_checkpointing, "wrapped", None) is before[5]]
 mxlm.uninstall()
-out["restored"] = (tr.DDP, tr.get_megatron_optimizer, tr.unwrap_model, ck.unwrap_model, cu.unwrap_model) == before
+out["restored"] = (tr.DDP, tr.get_megatron_optimizer, tr.unwrap_model, ck.unwrap_model, cu.unwrap_model,
+                   ck.dist_checkpointing) == before
 base = ["pretrain_gpt.py", "--use-distributed-optimizer", "--ckpt-format", "torch"]
 sys.argv = base + ["--use-overlapped-distributed-optimizer", "--grad-reduce", "qgz", "--optim-shard-size", "2"]
 a = margs.parse_args(extra_args_provider=mxlm.add_args)
@@ -58,7 +61,7 @@ def test_plugin_against_the_checkout():
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(line[len("RESULT "):])
     assert out["problems"] == [], out["problems"]
-    assert out["patched"] == [True, True, True] and out["restored"]
+    assert out["patched"] == [True, True, True, True] and out["restored"]
     assert out["parsed"] == [True, "qgz", 2]
     assert out["rejected"] == [True, True]
 

@@ -55,13 +55,17 @@ def _checkout_modules():
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         return None
 
+    from megatron.core import dist_checkpointing
+
     training = types.SimpleNamespace(DDP=_OriginalDDP, get_megatron_optimizer=get_megatron_optimizer,
                                      pretrain=pretrain, unwrap_model=unwrap_model)
     return {"megatron.training.training": training,
             "megatron.training": types.SimpleNamespace(pretrain=pretrain, get_args=lambda: None),
             "megatron.training.arguments": types.SimpleNamespace(parse_args=parse_args),
             "megatron.core.utils": types.SimpleNamespace(unwrap_model=unwrap_model),
-            "megatron.training.checkpointing": types.SimpleNamespace(unwrap_model=unwrap_model)}
+            "megatron.training.checkpointing": types.SimpleNamespace(unwrap_model=unwrap_model,
+                                                                     dist_checkpointing=dist_checkpointing),
+            "megatron.core.dist_checkpointing": dist_checkpointing}
 
 
 def _fake_checkout(args):
@@ -90,8 +94,11 @@ def _plugin_world(enabled: bool):
                               overlap_param_gather=False, odo_accumulate="auto", grad_reduce="plain",
                               param_gather="plain", ranks_per_node=None, qgz_bits=None, quant_group_size=None)
     training, utils = _fake_checkout(args)
-    mxlm.install(training, get_args=lambda: args, utils_module=utils)
+    real_dist_checkpointing = utils.dist_checkpointing
+    mxlm.install(training, get_args=lambda: args, utils_module=utils, checkpointing_module=utils)
     try:
+        # torch_dist loads through the checkpointing module note their directory (bucket_state.py)
+        assert utils.dist_checkpointing.wrapped is real_dist_checkpointing
         torch.manual_seed(0)
         module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         # Megatron-LM calls DDP positionally in some versions and by keyword in others.
@@ -118,7 +125,7 @@ def _plugin_world(enabled: bool):
         return type(ddp).__name__, type(opt).__name__, bool(ok), changed
     finally:
         mxlm.uninstall()
-        assert training.DDP is _OriginalDDP
+        assert training.DDP is _OriginalDDP and utils.dist_checkpointing is real_dist_checkpointing
         assert getattr(training.unwrap_model, "original", None) is None   # every binding restored
         ps.destroy_model_parallel()
 
@@ -404,7 +411,8 @@ def test_old_optimizer_factory_arguments_are_refused_by_name():
 
 
 def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False,
-                                  fmt: str = "torch", resave: Optional[str] = None):
+                                  fmt: str = "torch", resave: Optional[str] = None,
+                                  layout: str = "fully_reshardable"):
     """Rank body: a bf16 megatron-core GPT (local spec, biases, q/k layer norms; every weight distinct). ``save``:
     Megatron's own optimizer (the DistributedOptimizer, or the non-distributed one) holds a known Adam state and
     Megatron-LM's legacy flow saves it (``state_dict()`` from DP rank 0; ``save_parameter_state`` on every rank for
@@ -413,8 +421,9 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
     group keys. ``other``: one weight differs from the saving run's (a checkpoint of another model). ``fmt``
     ``torch_dist``: saved and loaded as Megatron-LM's torch_dist flow does (the model's and the optimizer's sharded
     state dicts, megatron-core's dist_checkpointing, the content metadata Megatron-LM records and hands back; the
-    DistributedOptimizer in its ``fully_reshardable`` layout); ``resave``: the ODO saves what it loaded there, as
-    the plug-in's torch_dist flow does."""
+    DistributedOptimizer in ``layout``: ``fully_reshardable``, or its default ``dp_reshardable``, which the plug-in
+    reads from the directory its recorder notes); ``resave``: the ODO saves what it loaded there, as the plug-in's
+    torch_dist flow does."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -424,6 +433,7 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
 
     import megatron_ext as mx
     from megatron_ext.compat import enable_cpu_compat
+    from megatron_ext.megatron_lm.bucket_state import recording
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
     from megatron_ext.models.gpt import make_gpt_config
     from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
@@ -451,7 +461,7 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
         config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=True,
                                  use_distributed_optimizer=distributed)
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                    **({"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {}),
+                    **({"distrib_optim_sharding_type": layout} if distributed else {}),
                     "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         if save:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -485,10 +495,13 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
 
             state = {"model": gpt.sharded_state_dict(metadata=metadata)}
             state["optimizer"] = opt.sharded_state_dict(state, is_loading=True, metadata=metadata)
-            partial = sum(len(e[next(iter(e))]) > 1 for e in state["optimizer"]["param_state"].values())
-            with _megatron_core_on_cpu():
-                loaded = dist_checkpointing.load(state, path)
+            partial = sum(len(e[next(iter(e))]) > 1 for e in state["optimizer"].get("param_state", {}).values())
+            with _megatron_core_on_cpu():   # (through install()'s recorder, as Megatron-LM's checkpointing loads)
+                loaded = recording(dist_checkpointing).load(state, path)
             ddp.load_state_dict(loaded["model"])
+            if other:   # weights from another save than the optimizer's state
+                with torch.no_grad():
+                    gpt.decoder.final_layernorm.weight.add_(1.0)
             opt.load_state_dict(loaded["optimizer"])
             if resave is not None:
                 state = {"model": gpt.sharded_state_dict(metadata=metadata)}
@@ -544,6 +557,32 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
     with pytest.raises(Exception, match="Megatron's own optimizer state does not fit this model: .*fit the main "
                                         "weights"):
         spawn(_megatron_own_optimizer_world, 2, str(tmp_path), False, distributed, 700, True, timeout=120)
+
+
+def test_a_run_switches_from_megatrons_default_bucket_layout_with_its_state(spawn, tmp_path):
+    """Megatron's DistributedOptimizer's default torch_dist layout (dp_reshardable: its buckets, saved at DP 2 in
+    buckets of 3000 elements) loads into the plug-in's ODO at DP 2 with buckets small enough that pieces end
+    mid-row: each rank reads its own pieces from the directory the recorder noted, placed by megatron-core's bucket
+    layout of the live model and proved against its weights; every main weight and moment equals the saved one bit
+    for bit (the layer norms' too, all at 1.0), and the step. A checkpoint of another model (one weight differs)
+    fails every rank's load together, naming why."""
+    import torch
+
+    spawn(_megatron_own_optimizer_world, 2, str(tmp_path), True, True, 0, False, "torch_dist", None, "dp_reshardable",
+          timeout=120)
+    assert any(p.name.startswith("optimizer.distributed.dp_group_idx_0") for p in tmp_path.iterdir()) or \
+        (tmp_path / ".metadata").exists()
+    (merged, known, keys, partial), _ = spawn(_megatron_own_optimizer_world, 2, str(tmp_path), False, True, 300,
+                                              False, "torch_dist", None, "dp_reshardable", timeout=120)
+    assert partial == 0 and merged["step"] == 3 and keys == [None, (("wd_mult", 0.0),)]
+    assert merged["params"].keys() == known["params"].keys()
+    for name, entry in known["params"].items():
+        for field in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(merged["params"][name][field], entry[field]), (name, field)
+    with pytest.raises(Exception, match="Megatron's dp_reshardable state does not fit this model: (the main weights "
+                                        "at .* are not .*final_layernorm.weight's weights|not on another rank)"):
+        spawn(_megatron_own_optimizer_world, 2, str(tmp_path), False, True, 700, True, "torch_dist", None,
+              "dp_reshardable", timeout=120)
 
 
 def _megatron_loads_the_odos_world(path: str):
