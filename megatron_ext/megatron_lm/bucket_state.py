@@ -13,9 +13,11 @@ stored buckets' sizes and the live model's registration order and shapes give ev
 this model and nothing is read.
 
 Each rank then reads only its own pieces' ranges (12 bytes per element it owns, through DCP from the stored chunks
-they overlap), and proves them: its main weights, cast to the weight's dtype, must equal the weights Megatron-LM has
-just loaded. Every element of every parameter is some rank's, so every placement is proved on some rank; the caller
-agrees on the outcome across ranks before anything is loaded.
+they overlap), and checks them: its main weights, cast to the weight's dtype, must equal the weights Megatron-LM has
+just loaded. Every element of every parameter is some rank's, so every placement is checked on some rank; the caller
+agrees on the outcome across ranks before anything is loaded. Parameters of one size that hold the same values (layer
+norms still at 1.0) pass that check in each other's places: there the registration order alone places them, as it
+does megatron-core, which is right as long as the saving and the resuming model register their parameters alike.
 
 Megatron-LM hands the optimizer only the loaded state, not where it came from: :func:`install_load_recorder` (run by
 the plug-in's ``install()``) wraps ``dist_checkpointing`` as Megatron-LM's checkpointing module sees it, so that its

@@ -73,7 +73,9 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         return sharded_optimizer_state(self, model_sharded_state_dict, is_loading, metadata, self._megatron_fields)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if isinstance(state_dict, list):   # (the same on every rank: all raise alike)
+        if isinstance(state_dict, list) or (isinstance(state_dict, dict) and state_dict
+                                            and all(isinstance(k, int) for k in state_dict)):
+            # (the torch format saves a list; torch_dist a dict by optimizer index. The same on every rank: all raise)
             raise ValueError("Megatron's chained optimizers' state (--overlap-param-gather-with-optimizer-step, or "
                              "separate expert optimizers) is not read: Megatron-LM's --no-load-optim loads the "
                              "weights alone")

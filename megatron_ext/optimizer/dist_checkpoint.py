@@ -142,9 +142,10 @@ def sharded_optimizer_state(opt: Any, model_sharded_state_dict: Any, is_loading:
             f"the overlapped distributed optimizer saves and loads its state in model space "
             f"(distrib_optim_sharding_type {MEGATRON_LAYOUT!r}, Megatron-LM's --dist-ckpt-optim-fully-reshardable), "
             f"not {layout!r}" + (f": this checkpoint's optimizer state is in Megatron's {layout!r} layout, which it "
-                                 "does not read (the Megatron-LM plug-in reads 'dp_reshardable'); resume with "
-                                 "--no-load-optim, or have Megatron's own optimizer load it and save it again with "
-                                 "--dist-ckpt-optim-fully-reshardable" if is_loading else ""))
+                                 "does not read" + (" (the Megatron-LM plug-in reads it)" if layout == "dp_reshardable"
+                                                    else "") + "; resume with --no-load-optim, or have Megatron's own "
+                                 "optimizer load it and save it again with --dist-ckpt-optim-fully-reshardable"
+                                 if is_loading else ""))
     opt._settle()
     try:
         tensors = model_tensors(model_sharded_state_dict)
@@ -191,8 +192,12 @@ def megatron_common(shared: Dict[str, Any]) -> Dict[str, Any]:
     parameters, each with the step, as megatron-core writes it for torch's Adam and for the fused ones; the groups
     are matched by megatron-core's identifier keys, ``wd_mult``, ``lr_mult``, ``is_expert_parallel`` and
     ``is_decoupled_lr``, which the ODO's groups carry as megatron-core builds them), and ``"grad_scaler"``, whose
-    scale megatron-core's dynamic scaler restores as a tensor (the ODO's scalers read either)."""
-    groups = [{**{k: v for k, v in g.items() if k != "overrides"}, "step": shared["step"]}
+    scale megatron-core's dynamic scaler restores as a tensor (the ODO's scalers read either). Under
+    ``--decoupled-lr`` megatron-core 0.16.1's default and decoupled groups have the same identifier keys, so its
+    ``load_state_dict`` gives both the same saved group, from its own checkpoints as from these."""
+    # (torch's Adam corrects the bias always; the fused ones read whether to, and torch's load_state_dict hands
+    # them the saved group as it is)
+    groups = [{"bias_correction": True, **{k: v for k, v in g.items() if k != "overrides"}, "step": shared["step"]}
               for g in shared["param_groups"]]
     scaler = shared["grad_scaler"]
     if scaler is not None:

@@ -551,8 +551,9 @@ def test_a_run_switches_from_megatrons_own_optimizer_with_its_state(spawn, tmp_p
             assert torch.equal(merged["params"][name][field], entry[field]), (name, field)
     if not distributed or fmt == "torch_dist":
         return
-    with pytest.raises(ValueError, match="Megatron's chained optimizers' state .* is not read"):
-        MegatronLMOverlappedOptimizer.load_state_dict(None, [{}, {}])
+    for chained in ([{}, {}], {0: {}, 1: {}}):   # (the torch format's, torch_dist's)
+        with pytest.raises(ValueError, match="Megatron's chained optimizers' state .* is not read"):
+            MegatronLMOverlappedOptimizer.load_state_dict(None, chained)
     # a state that does not fit this model's weights: every rank's load refuses it together, naming why
     with pytest.raises(Exception, match="Megatron's own optimizer state does not fit this model: .*fit the main "
                                         "weights"):

@@ -181,10 +181,10 @@ def test_a_parameter_missing_from_the_models_state_fails_every_rank(spawn, tmp_p
 
 def test_the_shared_part_reads_as_megatrons_and_as_the_odos_of_either_version():
     """The common entries Megatron's DistributedOptimizer reads (its state_dict()'s shape: groups without their
-    parameters or the ODO's group key, each with the step; the dynamic scaler's scale as a one-element tensor, which
-    megatron-core's scaler moves to the GPU), beside the ODO's own header, which reads the same from a checkpoint of
-    the first version (update rule under "optimizer"). The way back through Megatron's own optimizer:
-    tests/unit_tests/megatron_lm/test_plugin.py."""
+    parameters or the ODO's group key, each with the step and whether to correct the bias; the dynamic scaler's
+    scale as a one-element tensor, which megatron-core's scaler moves to the GPU), beside the ODO's own header, which
+    reads the same from a checkpoint of the first version (update rule under "optimizer"). The way back through
+    Megatron's own optimizer: tests/unit_tests/megatron_lm/test_plugin.py."""
     groups = [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
                "overrides": None},
               {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
@@ -192,7 +192,9 @@ def test_the_shared_part_reads_as_megatrons_and_as_the_odos_of_either_version():
     scaler = {"scale": 1024.0, "growth_tracker": 3, "hysteresis_tracker": 2}
     shared = {"optimizer": "AdamW", "step": 7, "param_groups": groups, "grad_scaler": scaler}
     common = megatron_common(shared)
-    assert common["optimizer"]["param_groups"] == [{**{k: v for k, v in g.items() if k != "overrides"}, "step": 7}
+    # (bias_correction: what TE's and apex's FusedAdam read from a group, which torch's Adam has not)
+    assert common["optimizer"]["param_groups"] == [{"bias_correction": True, "step": 7,
+                                                    **{k: v for k, v in g.items() if k != "overrides"}}
                                                    for g in groups]
     assert torch.equal(common["grad_scaler"]["scale"], torch.tensor([1024.0]))
     assert common["grad_scaler"]["growth_tracker"] == 3 and megatron_common({**shared, "grad_scaler": None})[
