@@ -38,8 +38,8 @@ from megatron_ext.optimizer.checkpoint import CANONICAL_FORMAT, write_canonical_
 from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMATS, local_state, sharded_optimizer_state, state_fields
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 from megatron_ext.optimizer.inner_optimizer import inner_step, same_update_rule, update_rule
-from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, canonical_header, torch_format_kind,
-                                                           torch_format_state)
+from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, SHIFTED_MODEL_SPACE, canonical_header,
+                                                           torch_format_kind, torch_format_state)
 from megatron_ext.training.checkpointing import CheckpointError
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
@@ -84,11 +84,8 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
             return super().load_state_dict(self._agreed(self._read_bucket_state, "Megatron's dp_reshardable state"))
         if "param_state" in state_dict and state_dict.get("format") not in SHARDED_FORMATS:
             # torch_dist: Megatron's own optimizer saved the same model-space tensors (see sharded_state_dict)
-            args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
-                                                                 "apply_wd_to_qk_layernorm")}
-            header = canonical_header(state_dict, "Megatron's optimizer state (torch_dist)", args=args)
-            return super().load_state_dict(local_state(self, state_dict, header,
-                                                       getattr(self, "_megatron_fields", None)))
+            return super().load_state_dict(self._agreed(lambda: self._model_space_state(state_dict),
+                                                        "Megatron's optimizer state (torch_dist)"))
         kind = torch_format_kind(state_dict)
         if kind == "distributed":   # its parameter state arrives with load_parameter_state
             self._megatron_common = state_dict
@@ -142,6 +139,22 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
                 raise ValueError(text)
             return state
         return self._agreed(place, "Megatron's own optimizer state")
+
+    def _model_space_state(self, loaded: dict) -> Dict[str, Any]:
+        """This rank's pieces of Megatron's own model-space state (``loaded``, as ``dist_checkpointing.load`` filled
+        :meth:`sharded_state_dict`'s request), each checked: its main weights, cast to the weight's dtype, are the
+        weights Megatron-LM has just loaded (megatron-core's shifted fully_reshardable states are not)."""
+        args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
+                                                             "apply_wd_to_qk_layernorm")}
+        header = canonical_header(loaded, "Megatron's optimizer state (torch_dist)", args=args)
+        fields = getattr(self, "_megatron_fields", None)
+        state = local_state(self, loaded, header, fields)
+        for pc in self.pieces:
+            main = state["params"][pc.name]["master"]
+            weight = pc.param.detach().reshape(-1)[pc.start:pc.end]
+            if not torch.equal(main.to(weight.device, weight.dtype), weight):
+                raise ValueError(f"{pc.name} (elements {pc.start}..{pc.end}): {SHIFTED_MODEL_SPACE}")
+        return state
 
     def _read_bucket_state(self) -> Dict[str, Any]:
         """This rank's pieces of the ``dp_reshardable`` checkpoint Megatron-LM is loading (bucket_state.py)."""

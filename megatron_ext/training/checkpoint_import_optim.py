@@ -58,6 +58,12 @@ _FIELDS = (("master", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_
 # the non-distributed optimizers' model-space names: a bf16/fp16 run's main weight is its fp32_param; an fp32 run's,
 # the weight itself
 _FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+# megatron-core up to 0.19 (fixed upstream on 2026-08-21, NVIDIA/Megatron-LM#5077) writes the fully_reshardable
+# layout from the gradient buffer with its buckets' end padding removed but indexes it with the padded offsets: every
+# parameter after a buffer's first bucket gets another place's state. Its main weights then differ from its weights.
+SHIFTED_MODEL_SPACE = ("its main weights are not its weights: megatron-core up to 0.19 writes Megatron's "
+                       "fully_reshardable optimizer state shifted after a gradient buffer's first bucket (fixed "
+                       "upstream in NVIDIA/Megatron-LM#5077), or weights and optimizer state come from two saves")
 BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                      r"\.param$")
 PARAM_ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
@@ -333,6 +339,7 @@ class MegatronOptimizerState:
                   if layout == "dp_reshardable" and src.has_object("optimizer.distributed.dp_group_idx_0.grad_scaler")
                   else None)
         self.header = canonical_header(groups, src.ckpt, scaler, src.args)
+        self._odo_state = isinstance(groups, dict) and groups.get("format") in SHARDED_FORMATS
         self._te_saved = src.saved_impl != "local"   # the layer spec the saving run registered
         self._fields = _FIELDS_NON_DISTRIBUTED if layout == NON_DISTRIBUTED else _FIELDS
         # model space: every model tensor's state under its name; but an fp32 weight in the non-distributed
@@ -355,9 +362,15 @@ class MegatronOptimizerState:
         shape; ``stored``: its name in the checkpoint (a tied output layer's is the embedding's)."""
         if self.layout != "dp_reshardable":
             own = self.src.stored_key(stored) in self._own_master
-            return {ours: self.src.model_shard(stored, tp, rank, swiglu, prefix="" if ours == "master" and own
-                                               else f"optimizer.state.{theirs}.")
-                    for ours, theirs in self._fields}
+            out = {ours: self.src.model_shard(stored, tp, rank, swiglu, prefix="" if ours == "master" and own
+                                              else f"optimizer.state.{theirs}.")
+                   for ours, theirs in self._fields}
+            if not own and not self._odo_state:   # (the ODO's weights may be quantized copies of its main weights)
+                weight = self.src.model_shard(stored, tp, rank, swiglu)
+                if not torch.equal(out["master"].to(weight.dtype), weight):
+                    raise CheckpointError(f"{self.src.ckpt}: {key} (TP rank {rank}): {SHIFTED_MODEL_SPACE}: import "
+                                          "with --no-load-optim")
+            return out
         where, state = self._cache
         if where != (stage, rank):
             state = self._read_position(stage, rank, tp, swiglu)

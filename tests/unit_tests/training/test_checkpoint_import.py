@@ -719,6 +719,23 @@ def test_torch_dist_checkpoints_pretrain_gpt_cannot_build_are_refused_by_name(tm
     entry = src.optim_shard(0, 0, "decoder.layers.1.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight",
                             1, 0, False)
     assert all(torch.equal(t, torch.ones(4, 4)) for t in entry.values())   # (the fake's tensors are all ones)
+    # the DistributedOptimizer's fully_reshardable state: a main weight that is not its weight (megatron-core writes
+    # that layout shifted after a gradient buffer's first bucket) stops the import, naming why
+    fully = {"optimizer": {"param_state_sharding_type": "fully_reshardable",
+                           "param_groups": [{"wd_mult": 1.0, "betas": (0.9, 0.95), "step": 3}]}}
+    mains = {f"optimizer.state.param.{k}": t.clone() for k, t in layers.items() if not k.startswith("optimizer.")}
+    src = DistSource(os.path.join(_fake_torch_dist(tmp_path / "fr", {**layers, **state, **mains}), "iter_0000003"),
+                     common, fully)
+    assert src.optim_layout == "fully_reshardable"
+    assert all(torch.equal(t, torch.ones(4, 4)) for t in src.optim_shard(0, 0, *["decoder.layers.1.mlp.linear_fc2."
+                                                                                 "weight"] * 2, 1, 0, False).values())
+    mains["optimizer.state.param.decoder.layers.mlp.linear_fc2.weight"][1, 2, 3] = 2.0
+    src = DistSource(os.path.join(_fake_torch_dist(tmp_path / "fr_shifted", {**layers, **state, **mains}),
+                                  "iter_0000003"), common, fully)
+    src.optim_shard(0, 0, *["decoder.layers.0.mlp.linear_fc2.weight"] * 2, 1, 0, False)   # (layer 0 is right)
+    with pytest.raises(CheckpointError, match=r"decoder.layers.1.mlp.linear_fc2.weight \(TP rank 0\): its main weights "
+                                              r"are not its weights: megatron-core up to 0.19 writes"):
+        src.optim_shard(0, 0, *["decoder.layers.1.mlp.linear_fc2.weight"] * 2, 1, 0, False)
     del state["optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"]
     nd = _fake_torch_dist(tmp_path / "nd_short", {**layers, **state})
     with pytest.raises(CheckpointError, match="non-distributed optimizer state without optimizer.state.exp_avg_sq."
