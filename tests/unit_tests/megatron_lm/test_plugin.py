@@ -411,6 +411,21 @@ def test_old_optimizer_factory_arguments_are_refused_by_name():
         _config_overrides(old_factory, None, [], (None, lambda n, p: True), {})
 
 
+def _bf16_gpt():
+    """The switch tests' megatron-core GPT (local spec, biases, q/k layer norms) and its bf16 Float16Module; 24 wide:
+    rows that DP shards split mid-row, so torch_dist blocks are partial rows."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.models.gpt import make_gpt_config
+
+    gpt = GPTModel(config=make_gpt_config(2, 24, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
+                   transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
+                   max_sequence_length=16)
+    return gpt, Float16Module(gpt.config, gpt)
+
+
 def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, bucket_size: int, other: bool = False,
                                   fmt: str = "torch", resave: Optional[str] = None,
                                   layout: str = "fully_reshardable", shifted: Optional[str] = None):
@@ -429,16 +444,12 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
     ``path`` once a weight differs, raised on this rank (None: nothing)."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.module import Float16Module
 
     import megatron_ext as mx
     from megatron_ext.compat import enable_cpu_compat
     from megatron_ext.megatron_lm.bucket_state import recording
     from megatron_ext.megatron_lm.optimizer_state import MegatronLMOverlappedOptimizer
-    from megatron_ext.models.gpt import make_gpt_config
     from megatron_ext.optimizer.checkpoint import merge_optimizer_shards
 
     from ..training.test_checkpoint_import import _fill_megatron_optimizer, _megatron_core_on_cpu
@@ -446,11 +457,7 @@ def _megatron_own_optimizer_world(path: str, save: bool, distributed: bool, buck
     enable_cpu_compat()
     ps.initialize_model_parallel(1, 1)
     try:
-        # (24 wide: rows that shards split mid-row, so torch_dist blocks are partial rows)
-        gpt = GPTModel(config=make_gpt_config(2, 24, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
-                       transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
-                       max_sequence_length=16)
-        module = Float16Module(gpt.config, gpt)
+        gpt, module = _bf16_gpt()
         known = {"step": 3, "param_groups": [{"wd_mult": 1.0, "lr": 1e-3, "weight_decay": 0.01},
                                              {"wd_mult": 0.0, "lr": 1e-3, "weight_decay": 0.0}], "params": {}}
         with torch.no_grad():
@@ -644,14 +651,10 @@ def _megatron_loads_the_odos_world(path: str):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.compat import enable_cpu_compat
-    from megatron_ext.models.gpt import make_gpt_config
 
     from ..training.test_checkpoint_import import _fill_megatron_optimizer, _megatron_core_on_cpu
 
@@ -674,10 +677,7 @@ def _megatron_loads_the_odos_world(path: str):
     enable_cpu_compat()
     ps.initialize_model_parallel(1, 1)
     try:
-        gpt = GPTModel(config=make_gpt_config(2, 24, 4, add_bias_linear=True, qk_layernorm=True, bf16=True),
-                       transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64,
-                       max_sequence_length=16)
-        module = Float16Module(gpt.config, gpt)
+        gpt, module = _bf16_gpt()
         metadata = {**dist_checkpointing.load_content_metadata(path),
                     "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
         assert metadata["distrib_optim_sharding_type"] == "fully_reshardable"
