@@ -18,8 +18,8 @@
 #       uninterrupted Megatron-LM run;
 #   (e) Megatron-LM's own distributed optimizer saving in its default --ckpt-format torch_dist at iteration HALF,
 #       that checkpoint imported (weights, data position, the DistributedOptimizer's state in its default
-#       dp_reshardable layout) and continued by pretrain_gpt: within the bf16 tolerance of the uninterrupted run of
-#       (a);
+#       dp_reshardable layout, in buckets of 1M elements) and continued by pretrain_gpt: within the bf16 tolerance
+#       of the uninterrupted run of (a);
 #   (f) Megatron-LM's default, non-distributed optimizer (no --use-distributed-optimizer), run uninterrupted and
 #       saving torch_dist at iteration HALF; that checkpoint imported (its Adam state, model space) and continued by
 #       pretrain_gpt: within the bf16 tolerance of its uninterrupted run;
@@ -132,8 +132,9 @@ save_import_continue() {  # save_import_continue CHECK CKPT MEGATRON_LM_FLAGS...
   run "pretrain_gpt_imported_${check}" "${launch[@]}" -m megatron_ext.training.pretrain_gpt "${ours[@]}" \
       --load "${ckpt}_imported"
 }
-# (e): the distributed optimizer, in its default dp_reshardable layout
-save_import_continue torch_dist "$out/ckpt_dist" "${ours[@]}"
+# (e): the distributed optimizer, in its default dp_reshardable layout, in buckets of 1M elements (several: the
+# layout (k) and the import place parameters in)
+save_import_continue torch_dist "$out/ckpt_dist" "${ours[@]}" --ddp-bucket-size 1000000
 # (k): a run of Megatron-LM's distributed optimizer switches to the ODO at that checkpoint (its bucket layout)
 run odo_resume_from_megatron_dist "${launch[@]}" -m megatron_ext.megatron_lm.launch "$checkout/pretrain_gpt.py" \
     "${common[@]}" "${odo[@]}" --ckpt-format torch_dist --load "$out/ckpt_dist"

@@ -117,8 +117,9 @@ def test_check_script_commands(tmp_path):
     assert _value(dist_save, "--save-interval") == _value(dist_save, "--exit-interval") == "20"
     assert _value(dist_save, "--save") == _value(dist_import, "--load") == _value(from_dist, "--load")
     assert "--dist-ckpt-optim-fully-reshardable" not in dist_save and "--no-load-optim" not in from_dist
+    assert _value(dist_save, "--ddp-bucket-size") == "1000000"   # several buckets to place parameters in
     assert _value(dist_ours, "--load") == _value(dist_import, "--save") and "--no-load-optim" not in dist_ours
-    assert dist_ours[:dist_ours.index("--load")] == dist_save[:dist_save.index("--ckpt-format")]
+    assert dist_ours[:dist_ours.index("--load")] == dist_save[:dist_save.index("--ddp-bucket-size")]
     # (d): the checkpoint (b) saved at 20, imported, then pretrain_gpt with the same flags (less --ckpt-format)
     from megatron_ext.training.arguments import parse_args
 
