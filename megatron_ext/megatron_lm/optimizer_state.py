@@ -22,11 +22,12 @@ cannot be placed fails every rank's load together, naming why.
 ``save_checkpoint`` asks every rank for ``sharded_state_dict``: the ODO's model-space blocks under Megatron's
 ``fully_reshardable`` keys (``optimizer/dist_checkpoint.py``). Megatron's own optimizers save the same model-space
 tensors (its non-distributed one, and its DistributedOptimizer in that layout), so their states load by key: only
-their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``). The
-DistributedOptimizer's default ``dp_reshardable`` layout (its buckets) is read by each rank from the checkpoint
-directory itself, its own pieces only (``bucket_state.py``). The way
-back: the ODO's checkpoint carries the shared part in the DistributedOptimizer's shape too
-(``dist_checkpoint.megatron_common``), so Megatron-LM without the plug-in's flag resumes it with its Adam state.
+their shared part (param groups, step, loss scaler) is read as the import reads it (``canonical_header``), and each
+main weight is checked against its weight (megatron-core up to 0.19 writes ``fully_reshardable`` shifted after a
+gradient buffer's first bucket). The DistributedOptimizer's default ``dp_reshardable`` layout (its buckets) is read
+by each rank from the checkpoint directory itself, its own pieces only (``bucket_state.py``). The way back: the ODO's
+checkpoint carries the shared part in the DistributedOptimizer's shape too (``dist_checkpoint.megatron_common``), so
+Megatron-LM without the plug-in's flag resumes it with its Adam state.
 """
 from __future__ import annotations
 

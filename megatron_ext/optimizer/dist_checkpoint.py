@@ -19,9 +19,9 @@ read by every rank, as in Megatron's layout. It is written twice over: the ODO's
 ``state_dict()``: the param groups without their parameters, each with the step and the keys its groups are matched
 by, and the loss scale as a tensor), so a run switches back from the ODO to Megatron's optimizer with its Adam
 state (:func:`megatron_common`). Checkpoints of the first version (``megatron_ext.odo/1-sharded``) kept the update
-rule under ``"optimizer"`` and load as before (:func:`sharded_header`). A block holds a copy of the rank's state, so an asynchronous save may
-go on writing while training updates the state (a CPU state is copied for it; megatron-core's writer copies a
-CUDA one to the host itself).
+rule under ``"optimizer"`` and load as before (:func:`sharded_header`). A block holds a copy of the rank's state,
+so an asynchronous save may go on writing while training updates the state (a CPU state is copied for it;
+megatron-core's writer copies a CUDA one to the host itself).
 """
 from __future__ import annotations
 
