@@ -10,7 +10,9 @@ def test_parameters_start_64_aligned_and_buckets_close_where_they_are_full():
     params = [("a", 100), ("b", 30), ("c", 64), ("d", 1)]
     # a bucket closes after the parameter that fills it (its size: that parameter's end, unpadded)
     assert bucket_offsets(params, [158, 65]) == {"a": (0, 0), "b": (0, 128), "c": (1, 0), "d": (1, 64)}
-    # or, before a shared embedding, at the 64-aligned end of the last one (the padding counted in its size)
+    # or, before a shared embedding, at the 64-aligned end of the last one (the padding counted in its size; where
+    # that end is not the last parameter's, megatron-core 0.16.1 cannot save the bucket in dp_reshardable: it pads
+    # the shard past the unpadded size, which DCP refuses, so only this hand-made layout has it)
     assert bucket_offsets(params, [192, 65]) == {"a": (0, 0), "b": (0, 128), "c": (1, 0), "d": (1, 64)}
 
 
