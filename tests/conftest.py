@@ -21,14 +21,14 @@ def spawn():
 # kernels/test_compiled.py (first) compiles too, and after it they come from the shared Inductor cache (50 s -> 18 s).
 LONGEST_FIRST = ("kernels/test_compiled.py", "comm/test_progress_engine.py", "comm/test_convergence.py",
                  "optimizer/test_sharding_plans.py", "training/test_checkpoint_resume.py",
-                 "training/test_checkpoint_import.py",
+                 "training/test_checkpoint_import.py", "megatron_lm/test_plugin.py",
                  "optimizer/test_param_sync_and_errors.py", "kernels/test_triton_interpreted.py",
                  "training/test_pretrain_gpt.py", "optimizer/test_zero3.py",
                  "optimizer/test_gpt_megatron.py", "optimizer/test_speculative_step.py", "planner/test_cli.py",
                  "planner/test_volumes_memory.py", "optimizer/test_equivalence.py", "comm/test_trace_gpu_step.py",
                  "optimizer/test_ledger_and_buffers.py", "megatron_lm/test_train_sequence_resume.py",
                  "training/test_notices.py", "training/test_checkpoint_reshard.py",
-                 "training/test_batch_size_rampup.py")
+                 "optimizer/test_dist_checkpoint.py", "training/test_batch_size_rampup.py")
 
 
 def pytest_collection_modifyitems(config, items):
