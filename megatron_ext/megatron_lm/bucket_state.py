@@ -61,10 +61,11 @@ def bucket_offsets(params: Sequence[Tuple[Hashable, int]], sizes: Sequence[int])
     return out
 
 
-def read_bucket_state(opt: Any, ckpt: str, group_idx: int) -> Dict[str, Any]:
+def read_bucket_state(opt: Any, ckpt: str, group_idx: int, args: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's pieces of Megatron's ``dp_reshardable`` state at ``ckpt`` (position ``dp_group_idx_<group_idx>``)
-    as the ODO's rank-local state dict, placed and proved as the module note says. ``opt``: the plug-in's ODO, whose
-    live weights Megatron-LM has just loaded. Raises ValueError (or CheckpointError) naming what does not fit."""
+    as the ODO's rank-local state dict, placed and checked as the module note says. ``opt``: the plug-in's ODO, whose
+    live weights Megatron-LM has just loaded; ``args``: what its param groups are keyed by (``canonical_header``).
+    Raises ValueError (or CheckpointError) naming what does not fit."""
     from megatron_ext.optimizer.dist_checkpoint import local_state, state_fields
     from megatron_ext.training.checkpoint_import_dist import TorchDistFiles
     from megatron_ext.training.checkpoint_import_optim import canonical_header
@@ -102,11 +103,9 @@ def read_bucket_state(opt: Any, ckpt: str, group_idx: int) -> Dict[str, Any]:
             raise ValueError(f"{prefix}.gbuf_idx_{c}: not megatron-core's bucket layout of this model chunk's "
                              f"parameters in their registration order: {e}") from None
         place.update({p: (stored[b][1], at) for p, (b, at) in offsets.items()})
+    scaler = f"{prefix}.grad_scaler"
     header = canonical_header(files.read_object(f"{prefix}.optimizer"), ckpt,
-                              files.read_object(f"{prefix}.grad_scaler") if files.has_object(f"{prefix}.grad_scaler")
-                              else None,
-                              {k: getattr(opt.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
-                                                                          "apply_wd_to_qk_layernorm")})
+                              files.read_object(scaler) if files.has_object(scaler) else None, args)
     name_of = {id(p): (ci, c.param_names[id(p)][len(cut):]) for ci, c in enumerate(opt.chunks)
                for p in c.module.parameters() if id(p) in c.param_names}
     spans: Dict[str, List[Tuple[int, int]]] = {}

@@ -129,13 +129,11 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         module note). Collective (DP, then model parallel): where any rank cannot place its state, every rank
         raises, before anything is loaded."""
         chunks, order, prefix = self._saved_names()
-        args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
-                                                             "apply_wd_to_qk_layernorm")}
         where = param_state_path or "Megatron's optimizer state dict"
 
         def place() -> Dict[str, Any]:
             state, text = torch_format_state({"optimizer": common}, where, chunks, lambda key: key, True, prefix,
-                                             args, order=order, copy=False)
+                                             self._group_args(), order=order, copy=False)
             if state is None:
                 raise ValueError(text)
             return state
@@ -145,9 +143,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         """This rank's pieces of Megatron's own model-space state (``loaded``, as ``dist_checkpointing.load`` filled
         :meth:`sharded_state_dict`'s request), each checked: its main weights, cast to the weight's dtype, are the
         weights Megatron-LM has just loaded (megatron-core's shifted fully_reshardable states are not)."""
-        args = {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
-                                                             "apply_wd_to_qk_layernorm")}
-        header = canonical_header(loaded, "Megatron's optimizer state (torch_dist)", args=args)
+        header = canonical_header(loaded, "Megatron's optimizer state (torch_dist)", args=self._group_args())
         fields = getattr(self, "_megatron_fields", None)
         state = local_state(self, loaded, header, fields)
         for pc in self.pieces:
@@ -167,7 +163,13 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         if ckpt is None:
             raise ValueError("where the checkpoint lies is not known: the Megatron-LM plug-in's install() notes it "
                              "as Megatron-LM loads (its launch module and two-line form both install it)")
-        return read_bucket_state(self, ckpt, torch.distributed.get_rank(ps.get_model_parallel_group()))
+        return read_bucket_state(self, ckpt, torch.distributed.get_rank(ps.get_model_parallel_group()),
+                                 self._group_args())
+
+    def _group_args(self) -> Dict[str, Any]:
+        """The run's flags that key megatron-core's param groups, which Megatron's saved groups are matched by."""
+        return {k: getattr(self.config, k, None) for k in ("decoupled_lr", "decoupled_min_lr",
+                                                            "apply_wd_to_qk_layernorm")}
 
     def _agreed(self, build: Callable[[], Dict[str, Any]], what: str) -> Dict[str, Any]:
         """``build()`` on every rank, agreed in one all-reduce before anything is loaded: where any rank failed,
