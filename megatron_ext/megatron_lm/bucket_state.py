@@ -29,7 +29,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.training.checkpoint_import_optim import BUCKET_KEY, PARAM_ALIGN
+from megatron_ext.training.checkpoint_import_optim import BUCKET_KEY, PARAM_ALIGN, is_main_of
 
 _LOADED: Dict[str, str] = {}
 
@@ -121,7 +121,7 @@ def read_bucket_state(opt: Any, ckpt: str, group_idx: int, args: Dict[str, Any])
     for i, (pc, (key, at, name)) in enumerate(zip(opt.pieces, where)):
         loaded[i] = {theirs: [next(read[f"{key}.{theirs}"])] for _, theirs in fields}
         weight = pc.param.detach().reshape(-1)[pc.start:pc.end]
-        if not torch.equal(loaded[i]["param"][0].to(weight.device, weight.dtype), weight):
+        if not is_main_of(loaded[i]["param"][0], weight):
             raise ValueError(f"the main weights at {key} (elements {at}..{at + pc.end - pc.start}) are not "
                              f"{name}'s weights: not megatron-core's bucket layout of this model, or weights and "
                              "optimizer state from two saves")

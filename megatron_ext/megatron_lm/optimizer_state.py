@@ -40,7 +40,7 @@ from megatron_ext.optimizer.dist_checkpoint import SHARDED_FORMATS, local_state,
 from megatron_ext.optimizer.distributed_optimizer import OverlappedDistributedOptimizer
 from megatron_ext.optimizer.inner_optimizer import inner_step, same_update_rule, update_rule
 from megatron_ext.training.checkpoint_import_optim import (NON_DISTRIBUTED, SHIFTED_MODEL_SPACE, canonical_header,
-                                                           torch_format_kind, torch_format_state)
+                                                           is_main_of, torch_format_kind, torch_format_state)
 from megatron_ext.training.checkpointing import CheckpointError
 
 COMMON_FORMAT = "megatron_ext.odo/1-common"
@@ -149,7 +149,7 @@ class MegatronLMOverlappedOptimizer(OverlappedDistributedOptimizer):
         for pc in self.pieces:
             main = state["params"][pc.name]["master"]
             weight = pc.param.detach().reshape(-1)[pc.start:pc.end]
-            if not torch.equal(main.to(weight.device, weight.dtype), weight):
+            if not is_main_of(main, weight):
                 raise ValueError(f"{pc.name} (elements {pc.start}..{pc.end}): {SHIFTED_MODEL_SPACE}")
         return state
 

@@ -64,6 +64,13 @@ _FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("e
 SHIFTED_MODEL_SPACE = ("its main weights are not its weights: megatron-core up to 0.19 writes Megatron's "
                        "fully_reshardable optimizer state shifted after a gradient buffer's first bucket (fixed "
                        "upstream in NVIDIA/Megatron-LM#5077), or weights and optimizer state come from two saves")
+def is_main_of(main: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp32 main weights ``main`` are those of ``weight`` (Megatron copies its main weights into the model
+    after every step): cast to the weight's dtype, compared where the weight lies (a live model's may be on the GPU,
+    the checkpoint's state on the host)."""
+    return torch.equal(main.to(weight.device, weight.dtype), weight)
+
+
 BUCKET_KEY = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                      r"\.param$")
 PARAM_ALIGN = 64   # megatron-core's _ParamAndGradBuffer: a parameter starts at a multiple of 64 elements
@@ -313,8 +320,8 @@ def non_distributed_state(saved: Dict[str, Any], path: str, chunks: List[Dict[st
             weight, entry = chunks[c][key], state.get(index, {})
             fields = {"master": weight if weight.dtype == torch.float32 else next(mains, None),
                       "exp_avg": entry.get("exp_avg"), "exp_avg_sq": entry.get("exp_avg_sq")}
-            if not all(torch.is_tensor(t) and t.shape == weight.shape for t in fields.values()) or not torch.equal(
-                    fields["master"].to(weight.device, weight.dtype), weight):
+            if not all(torch.is_tensor(t) and t.shape == weight.shape for t in fields.values()) or not is_main_of(
+                    fields["master"], weight):
                 raise CheckpointError(f"{path}: the optimizer's parameter {index} (param group {i}) is not {key}'s "
                                       "state (shape or main weight): import with --no-load-optim")
             params[prefix + key if len(chunks) == 1 else f"{c}.{prefix}{key}"] = canonical_entry(
@@ -367,7 +374,7 @@ class MegatronOptimizerState:
                    for ours, theirs in self._fields}
             if not own and not self._odo_state:   # (the ODO's weights may be quantized copies of its main weights)
                 weight = self.src.model_shard(stored, tp, rank, swiglu)
-                if not torch.equal(out["master"].to(weight.dtype), weight):
+                if not is_main_of(out["master"], weight):
                     raise CheckpointError(f"{self.src.ckpt}: {key} (TP rank {rank}): {SHIFTED_MODEL_SPACE}: import "
                                           "with --no-load-optim")
             return out
@@ -467,14 +474,13 @@ def _place(main: torch.Tensor, offset: int, end: int, expected: List[Tuple[int, 
     def fits(p: Tuple[int, str]) -> bool:
         w = weights[p].reshape(-1)
         n = w.numel()
-        return offset + n <= end and torch.equal(main[offset:offset + n].to(w.device, w.dtype), w)
+        return offset + n <= end and is_main_of(main[offset:offset + n], w)
 
     if trusted and expected and fits(expected[0]):
         return expected[0]
     head = main[offset:offset + 8]
     found = [p for p in expected[1 if trusted else 0:]   # the first elements rule most out before a whole comparison
-             if torch.equal(head[:weights[p].numel()].to(weights[p].device, weights[p].dtype),
-                            weights[p].reshape(-1)[:head.numel()])
+             if is_main_of(head[:weights[p].numel()], weights[p].reshape(-1)[:head.numel()])
              and fits(p)]
     return found[0] if len(found) == 1 else found
 
