@@ -31,8 +31,9 @@ its best bucket size next to its limit ``max(no-link step, cross-node bytes per 
 best-against-best speedup over plain, and next to its phase limit (:func:`phase_limit`: the gathers hidden only behind
 the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
 records; ``--rescore JSON`` recomputes a stored run's summary); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
-(ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2. ``--progress-engine both`` adds each combo
-without the progress engine (row ``<combo> (sync)``), for comparison.
+(ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2; ``--peers compute`` adds the floor under every
+row: the same ranks computing alone (forward, backward, Adam over 1/DP of the parameters, nothing sent).
+``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
 
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
     sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
@@ -401,6 +402,55 @@ def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
                     "+ Adam states"}
 
 
+class _NoComm:
+    """Stands in for the DDP wrapper and the optimizer in :class:`OdoStep` when nothing is communicated."""
+
+    def __init__(self, model, opt) -> None:
+        self.model, self.opt = model, opt
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def no_sync(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+def _compute_combo(topo, a) -> Dict:
+    """The floor no distributed row can beat on this host: every rank runs the same forward and backward, and Adam
+    over its 1/DP share of the parameters (what a sharded optimizer updates), and sends nothing. On a host with
+    fewer cores than ranks its step is the compute the ranks share; a row's step above it is what communication
+    costs there (the link, the backends' own work, the threads that run them)."""
+    import torch
+
+    model, batches = _gpt_setup(a, topo.rank)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    lo, hi = topo.rank * total // topo.size, (topo.rank + 1) * total // topo.size
+    owned, start = [], 0
+    for p in params:   # whole parameters whose first element falls in this rank's share
+        if lo <= start < hi:
+            owned.append(p)
+        start += p.numel()
+    opt = torch.optim.Adam(owned, lr=1e-4)
+    nocomm = _NoComm(model, opt)
+    out = _timed_steps(topo, odo_step(nocomm, nocomm, batches), lambda: None, a)
+    return {**out, "ledger": None, "model_state_bytes": None,
+            "note": "no communication: forward, backward and Adam over 1/DP of the parameters"}
+
+
 def _deepspeed_combo(topo, a, stage: int = 2, hpz: int = 1) -> Dict:
     """DeepSpeed ZeRO-2 or ZeRO-3 (``hpz > 1``: ``zero_hpz_partition_size``), plain fp32 collectives, its own
     bucketing, on the same GPT and batches."""
@@ -466,6 +516,7 @@ def _deepspeed_model_state_bytes(engine) -> Optional[int]:
 
 
 PEERS = {
+    "compute": ("compute only", _compute_combo),
     "fsdp2": ("FSDP2", lambda topo, a: _fsdp2_combo(topo, a, False, False)),
     "fsdp2-hsdp": ("FSDP2 HSDP", lambda topo, a: _fsdp2_combo(topo, a, True, False)),
     "fsdp2-zero3": ("FSDP2 reshard=True", lambda topo, a: _fsdp2_combo(topo, a, False, True)),

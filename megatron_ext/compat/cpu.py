@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .gloo_groups import patch_gloo_groups
+
 _ENABLED = False
 
 _SCHEDULES = (
@@ -70,6 +72,7 @@ def enable_cpu_compat() -> bool:
     _patch_rng()
     _patch_masks()
     _patch_schedules()
+    patch_gloo_groups()
     _ENABLED = True
     return True
 
