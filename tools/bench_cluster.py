@@ -428,23 +428,28 @@ class _NoComm:
         self.opt.zero_grad()
 
 
+def owned_share(params: List, rank: int, size: int) -> List:
+    """The whole parameters whose first element falls in ``rank``'s 1/``size`` of the flattened parameters: every
+    parameter in exactly one rank's share, about 1/size of the elements in each."""
+    total = sum(p.numel() for p in params)
+    lo, hi = rank * total // size, (rank + 1) * total // size
+    owned, start = [], 0
+    for p in params:
+        if lo <= start < hi:
+            owned.append(p)
+        start += p.numel()
+    return owned
+
+
 def _compute_combo(topo, a) -> Dict:
-    """The floor no distributed row can beat on this host: every rank runs the same forward and backward, and Adam
-    over its 1/DP share of the parameters (what a sharded optimizer updates), and sends nothing. On a host with
+    """The floor no distributed row can beat on this host: every rank runs forward and backward on its micro-batches
+    and Adam over its 1/DP share of the parameters (what a sharded optimizer updates), and sends nothing. On a host with
     fewer cores than ranks its step is the compute the ranks share; a row's step above it is what communication
     costs there (the link, the backends' own work, the threads that run them)."""
     import torch
 
     model, batches = _gpt_setup(a, topo.rank)
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    lo, hi = topo.rank * total // topo.size, (topo.rank + 1) * total // topo.size
-    owned, start = [], 0
-    for p in params:   # whole parameters whose first element falls in this rank's share
-        if lo <= start < hi:
-            owned.append(p)
-        start += p.numel()
-    opt = torch.optim.Adam(owned, lr=1e-4)
+    opt = torch.optim.Adam(owned_share(list(model.parameters()), topo.rank, topo.size), lr=1e-4)
     nocomm = _NoComm(model, opt)
     out = _timed_steps(topo, odo_step(nocomm, nocomm, batches), lambda: None, a)
     return {**out, "ledger": None, "model_state_bytes": None,

@@ -129,3 +129,16 @@ def test_common_size_overhead_against_plain_in_wall_and_cpu_time():
     assert s["unlimited"]["plain"]["cpu_vs_plain"] == pytest.approx(1.0)
     assert s["unlimited"]["peer"]["cpu_vs_plain"] is None
     assert "cpu/plain" in text
+
+
+def test_compute_floor_updates_each_parameter_on_exactly_one_rank():
+    """The ``compute`` row's Adam runs over a rank's share: together the shares are the model, never overlapping."""
+    import torch
+
+    params = [torch.empty(n) for n in (7, 1, 300, 5, 5, 64, 2, 90)]
+    with loaded_tool("bench_cluster") as bc:
+        for size in (1, 2, 4, 8):
+            shares = [bc.owned_share(params, r, size) for r in range(size)]
+            # each exactly once, and in order: rank r's share precedes rank r + 1's
+            assert [id(p) for share in shares for p in share] == [id(p) for p in params]
+        assert [len(bc.owned_share(params, r, 2)) for r in range(2)] == [3, 5]   # 308 | 166 elements of 474
