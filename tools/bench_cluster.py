@@ -403,10 +403,11 @@ def _fsdp2_combo(topo, a, hsdp: bool, reshard) -> Dict:
 
 
 class _NoComm:
-    """Stands in for the DDP wrapper and the optimizer in :class:`OdoStep` when nothing is communicated."""
+    """Stands in for the DDP wrapper and the optimizer in :class:`OdoStep` when nothing is communicated: the step
+    clips this rank's share of the gradients (its own norm, ``clip``: the ODO rows' ``--clip-grad``) and updates it."""
 
-    def __init__(self, model, opt) -> None:
-        self.model, self.opt = model, opt
+    def __init__(self, model, opt, clip: float) -> None:
+        self.model, self.opt, self.clip = model, opt, clip
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -422,10 +423,13 @@ class _NoComm:
         return loss
 
     def step(self) -> None:
+        if self.clip > 0:
+            import torch
+            torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups for p in g["params"]], self.clip)
         self.opt.step()
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad()
+        self.model.zero_grad(set_to_none=True)   # every gradient, as the ODO's buffers are zeroed every step
 
 
 def owned_share(params: List, rank: int, size: int) -> List:
@@ -443,14 +447,14 @@ def owned_share(params: List, rank: int, size: int) -> List:
 
 def _compute_combo(topo, a) -> Dict:
     """The floor no distributed row can beat on this host: every rank runs forward and backward on its micro-batches
-    and Adam over its 1/DP share of the parameters (what a sharded optimizer updates), and sends nothing. On a host with
-    fewer cores than ranks its step is the compute the ranks share; a row's step above it is what communication
-    costs there (the link, the backends' own work, the threads that run them)."""
+    and clips and updates its 1/DP share of the parameters (what a sharded optimizer updates), and sends nothing. On
+    a host with fewer cores than ranks its step is the compute the ranks share; a row's step above it is what
+    communication costs there (the link, the backends' own work, the threads that run them)."""
     import torch
 
     model, batches = _gpt_setup(a, topo.rank)
     opt = torch.optim.Adam(owned_share(list(model.parameters()), topo.rank, topo.size), lr=1e-4)
-    nocomm = _NoComm(model, opt)
+    nocomm = _NoComm(model, opt, a.clip_grad)
     out = _timed_steps(topo, odo_step(nocomm, nocomm, batches), lambda: None, a)
     return {**out, "ledger": None, "model_state_bytes": None,
             "note": "no communication: forward, backward and Adam over 1/DP of the parameters"}

@@ -70,6 +70,44 @@ def test_groups_share_one_device_and_reduce_exactly(spawn):
         assert one == [1.0] * 4   # a group of one rank
 
 
+def _timeouts_and_recreate():
+    """What torch does with gloo backends still works on the shared ones: their type checks (which setting a group's
+    timeout goes through), a group's own timeout, and destroying groups and building new ones."""
+    import datetime
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_ext.compat import enable_cpu_compat
+
+    assert enable_cpu_compat()
+    cpu = torch.device("cpu")
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=77))
+    world = c10d._get_default_group()
+    checks = [isinstance(x._get_backend(cpu), c10d.ProcessGroupGloo) for x in (world, g)]
+    timeouts = [g._get_backend(cpu).options._timeout.total_seconds()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # torch warns and does nothing when it does not see a gloo backend
+        for x in (world, g):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=55), x)
+    timeouts.append(g._get_backend(cpu).options._timeout.total_seconds())
+    dist.destroy_process_group(g)
+    h = dist.new_group([0, 1])
+    x = torch.full((5,), float(dist.get_rank() + 1))
+    dist.all_reduce(x, group=h)
+    return checks, timeouts, x.tolist(), _loop_threads()
+
+
+def test_timeouts_type_checks_and_recreated_groups(spawn):
+    for checks, timeouts, reduced, loops in spawn(_timeouts_and_recreate, 2,
+                                                  env={"MEGATRON_EXT_GLOO_SHARED_DEVICE": "1"}):
+        assert checks == [True, True]
+        assert timeouts == [77.0, 55.0]
+        assert reduced == [3.0] * 5
+        assert loops == 2
+
+
 class _FakeGloo:
     made: list = []
 
@@ -86,6 +124,7 @@ class _FakeGloo:
 
 def test_devices_per_process_and_interfaces(monkeypatch):
     monkeypatch.setattr(gloo_groups, "_SHARED", None)
+    monkeypatch.setattr(gloo_groups, "_INHERITED", [])
     monkeypatch.setattr(_FakeGloo, "made", [])
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,eth1")
     assert gloo_groups._shared_devices(_FakeGloo) == ["dev:eth0", "dev:eth1"]
@@ -96,6 +135,7 @@ def test_devices_per_process_and_interfaces(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     assert gloo_groups._shared_devices(_FakeGloo) == ["dev:default"]
     assert _FakeGloo.made == ["eth0", "eth1", "default"]
+    assert gloo_groups._INHERITED[-2:] == ["dev:eth0", "dev:eth1"]   # the parent's, kept, never freed in the child
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
