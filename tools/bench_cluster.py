@@ -32,7 +32,7 @@ best-against-best speedup over plain, and next to its phase limit (:func:`phase_
 the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
 records; ``--rescore JSON`` recomputes a stored run's summary); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
 (ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2; ``--peers compute`` adds the floor under every
-row: the same ranks computing alone (forward, backward, Adam over 1/DP of the parameters, nothing sent).
+row: the same ranks computing alone (forward, backward, clipping and Adam over 1/DP of the parameters, nothing sent).
 ``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
 
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
@@ -457,7 +457,7 @@ def _compute_combo(topo, a) -> Dict:
     nocomm = _NoComm(model, opt, a.clip_grad)
     out = _timed_steps(topo, odo_step(nocomm, nocomm, batches), lambda: None, a)
     return {**out, "ledger": None, "model_state_bytes": None,
-            "note": "no communication: forward, backward and Adam over 1/DP of the parameters"}
+            "note": "no communication: forward, backward, clipping and Adam over 1/DP of the parameters"}
 
 
 def _deepspeed_combo(topo, a, stage: int = 2, hpz: int = 1) -> Dict:

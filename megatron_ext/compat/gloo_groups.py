@@ -70,7 +70,6 @@ def _shared_device_class(base: type) -> type:
 
     class SharedDeviceGloo(base, metaclass=SharedDeviceMeta):
         _mx_shared_device = True
-        _mx_base = base
 
     return SharedDeviceGloo
 
