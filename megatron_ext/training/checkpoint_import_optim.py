@@ -64,6 +64,8 @@ _FIELDS_NON_DISTRIBUTED = (("master", "fp32_param"), ("exp_avg", "exp_avg"), ("e
 SHIFTED_MODEL_SPACE = ("its main weights are not its weights: megatron-core up to 0.19 writes Megatron's "
                        "fully_reshardable optimizer state shifted after a gradient buffer's first bucket (fixed "
                        "upstream in NVIDIA/Megatron-LM#5077), or weights and optimizer state come from two saves")
+
+
 def is_main_of(main: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether fp32 main weights ``main`` are those of ``weight`` (Megatron copies its main weights into the model
     after every step): cast to the weight's dtype, compared where the weight lies (a live model's may be on the GPU,
