@@ -15,9 +15,14 @@ executes them strictly in FIFO order with a fixed rule:
 * ``LAUNCH(k)``: run ``k``'s launch function (it issues ``k``'s first hop), then advance every older in-flight
   multi-phase work by one phase, oldest first (wait for its current hop, run the local work between hops, issue
   the next hop);
-* ``COMPLETE(k)``: complete every in-flight work launched up to and including ``k``, oldest first -- also when
-  ``k`` itself already finished (a single-phase work the engine completed while idle): whether older multi-phase
-  works get their remaining hops here must not depend on how fast ``k``'s handle was.
+* ``COMPLETE(k)``: complete every in-flight work launched up to and including ``k`` -- also when ``k`` itself
+  already finished (a single-phase work the engine completed while idle): whether older multi-phase works get
+  their remaining hops here must not depend on how fast ``k``'s handle was. The multi-phase ones finish in rounds:
+  each round advances every unfinished one launched up to ``k`` by one phase, oldest first, and then, unless that
+  finished them all, every newer in-flight multi-phase work by one phase too; the single-phase ones up to ``k``
+  are then waited for. Finishing one work after the other put one hop at a time on the link, and each hop's gap
+  (the engine waiting, adding, issuing the next) left it idle; in rounds the next work's hop travels meanwhile.
+  The last round stops at the targets: the waiting thread is not held for a newer work's hop.
 
 After each command, and whenever a single-phase work's handle finishes, the engine completes every single-phase
 work whose handle has finished (``Work.ready``): this runs its epilogue (qwZ's decode, plain's averaging) ahead of
@@ -416,18 +421,42 @@ class ProgressEngine:
                             older._inner.advance()
                     self._retire_finished()
                 elif kind == _COMPLETE:
-                    # By launch number, not by membership: ``work`` may have been retired while idle (timing).
-                    for older in list(self._inflight):
-                        if older._seq > work._seq:
-                            break
-                        if hook is not None:
-                            hook("advance")
-                        older._inner.wait()
+                    self._complete_upto(work._seq, hook)
                     self._retire_finished()
         except BaseException as e:  # noqa: BLE001 -- surfaced on the training thread at the next wait()
             if self.inline and not isinstance(e, Exception):
                 raise   # Ctrl-C / SystemExit on the training thread itself: not the engine's failure
             self._error = e
+
+    def _complete_upto(self, seq: int, hook) -> None:
+        """``COMPLETE``: rounds of one phase per in-flight multi-phase work until those launched up to launch number
+        ``seq`` are done, then wait for the single-phase ones up to it (see the module note).
+
+        By launch number, not by membership: the work waited for may have been retired while idle (timing). Which
+        works advance in a round depends only on multi-phase works' ``done``, which only the rule's advances change.
+        """
+        while True:
+            multi = [w for w in self._inflight if w._inner.multi_phase and not w._inner.done]
+            targets = [w for w in multi if w._seq <= seq]
+            if not targets:
+                break
+            for w in targets:
+                if hook is not None:
+                    hook("advance")
+                w._inner.advance()
+            if all(w._inner.done for w in targets):
+                break   # the last round: the caller is waiting; newer works' hops would only delay it
+            for w in multi[len(targets):]:   # launched after seq: one phase, while the targets' hops travel
+                if hook is not None:
+                    hook("advance")
+                w._inner.advance()
+        for w in list(self._inflight):
+            if w._seq > seq:
+                break
+            if not w._inner.done:
+                if hook is not None:
+                    hook("advance")
+                w._inner.wait()
 
     def _wake(self) -> None:
         """A handle finished (called on the backend's thread): let the engine complete it."""

@@ -203,7 +203,8 @@ class _Replay:
     The engine's rule (``comm/progress.py``): ``LAUNCH(k)`` issues k's first hop, then advances every older
     multi-hop work by one hop, each after its current hop has ended (the engine thread blocks on it);
     ``COMPLETE(k)`` (the training thread waits for k: a forward pre-hook, a full buffer pool, the step) issues
-    every remaining hop of every work launched up to k, in order. A chain therefore moves one hop per later launch
+    every remaining hop of every work launched up to k in rounds, one hop per work and round, the newer works'
+    next hops too while k's have not all been issued. A chain therefore moves one hop per later launch or round
     and finishes at the next wait, not as soon as each hop could start.
     """
 
@@ -271,11 +272,14 @@ class _Replay:
         """``COMPLETE``: the training thread waits for ``c``; the engine first finishes every work launched up to it
         -- by launch number, also when ``c`` itself already ended (the engine's rule)."""
         upto = [o for o in self.inflight if o.seq <= c.seq]
+        newer = [o for o in self.inflight if o.seq > c.seq]
         if upto:
             e = max(self.engine, self.now)
+            while any(o.next < len(o.hops) for o in upto):   # rounds: one hop each, the newer works too
+                for o in upto + newer:
+                    if o.next < len(o.hops):
+                        e = self._advance(o, e)
             for older in upto:
-                while older.next < len(older.hops):
-                    e = self._advance(older, e)
                 e = max(e, older.end)
             self.engine = e
             self.inflight = [o for o in self.inflight if o.seq > c.seq]

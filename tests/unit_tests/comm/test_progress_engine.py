@@ -117,6 +117,21 @@ def test_complete_of_an_early_finished_work_still_completes_the_older_ones():
     assert [e[:2] for e in logs[False]].index(("reduce", 2)) < [e[:2] for e in logs[False]].index(("next", 0))
 
 
+def test_complete_advances_the_newer_works_in_rounds_while_the_target_has_hops_left():
+    """COMPLETE(a) advances b one hop per round while a still has hops, so a hop of b travels while the engine
+    waits for a's; the round that finishes a leaves b alone (the waiting thread is not held for b)."""
+    for inline in (False, True):
+        log: list = []
+        eng = ProgressEngine(inline=inline)
+        a = eng.submit(lambda: _FakeWork("a", 4, log))
+        b = eng.submit(lambda: _FakeWork("b", 4, log))   # its launch advances a: a1
+        a.wait()
+        eng.quiesce()
+        assert [e[:2] for e in log] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1), ("a", 3), ("b", 2)]
+        b.wait()
+        assert [e[:2] for e in log][-1] == ("b", 3) and len(log) == 8
+
+
 def test_done_only_after_wait_and_advance_is_a_noop():
     eng = ProgressEngine()
     w = eng.submit(lambda: _FakeWork("a", 2, []))

@@ -34,3 +34,16 @@ def test_quantized_hop_charges_its_codec_host_time_to_the_training_thread():
     rp.launch([_Timed(None, 1.0, ("inter",), 1e-3, 0.0), _Timed(None, 1.0, ("inter",), 1e-3, 0.0)])
     # the new work's first hop: launch + codec host time (its kernel time runs on the device, not the host)
     assert abs(rp.now - (1e-5 + 1e-5 + 2e-4)) < 1e-12
+
+
+def test_complete_advances_the_newer_works_in_rounds_as_the_engine_does():
+    """The engine's COMPLETE(a) (test_progress_engine.py, same program): a's hops a2, a3 with b's b1, b2 between
+    them, so b's hops queue on the link behind a's instead of after a's last one."""
+    rp = _Replay(hardware_preset("dgx-a100"))
+    a = rp.launch(_hops(4))
+    b = rp.launch(_hops(4))      # advances a by one hop
+    assert (a.next, b.next) == (2, 1)
+    rp.complete(a)
+    assert (a.next, b.next) == (4, 3) and rp.inflight == [b]
+    assert b.end > a.end         # b's third hop was issued in the round of a's last one and queued behind it
+
