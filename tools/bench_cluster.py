@@ -34,6 +34,9 @@ records; ``--rescore JSON`` recomputes a stored run's summary); ``--peers fsdp2,
 (ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2; ``--peers compute`` adds the floor under every
 row: the same ranks computing alone (forward, backward, clipping and Adam over 1/DP of the parameters, nothing sent).
 ``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
+Where the link idles (gpt mode, rated links): per phase of an ODO row -- forward, backward, ``sync`` (the
+reductions still in flight after the backward), update, other -- its ms, the MB its node sent and the share of
+the phase the link was busy (``wire_phases`` in the JSON; :func:`link_phases`).
 
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
     sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
@@ -51,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -157,7 +160,20 @@ def _timed_steps(topo, step, flush, a) -> Dict:
     if hasattr(step, "mean_phases"):
         phases = step.mean_phases()
         out["phases_s"] = {k: [v] for k, v in zip(phases, _over_ranks(list(phases.values())))}
+        out["wire_phases"] = {k: [v] for k, v in _wire_phases_per_node(topo, step).items()}
     return out
+
+
+def _wire_phases_per_node(topo, step: "OdoStep") -> Dict[str, float]:
+    """Cross-node bytes per node per step sent in each phase of :class:`OdoStep` (local rank 0 of each node
+    counts its node's link; the phases are that rank's, which the other ranks' match to within their skew)."""
+    import torch
+    import torch.distributed as dist
+
+    own = [float(step.phase_wire[k]) if topo.local_rank == 0 else 0.0 for k in PHASES]
+    t = torch.tensor(own, dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: v / topo.num_nodes / max(1, step.steps) for k, v in zip(PHASES, t.tolist())}
 
 
 def _wire_split(topo, step: OdoStep, flush) -> Dict[str, float]:
@@ -308,15 +324,16 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
             "memory": mem}
 
 
-PHASES = ("forward", "backward", "update")
+PHASES = ("forward", "backward", "sync", "update")
 
 
 class OdoStep:
     """One ODO training step over ``batches`` (megatron's no_sync pattern: the last micro-batch synchronises), in two
     halves so the bench can read the link counters between them, summing the time of the phases a link transfer can
     hide behind: ``forward`` (the first micro-batch's, where the weight gathers are consumed), ``backward`` (the last
-    micro-batch's, which the gradient reductions overlap) and ``update`` (``opt.step``: clipping norm, Adam, the
-    gathers' launch)."""
+    micro-batch's, which the gradient reductions overlap), ``sync`` (``finish_grad_sync``: the reductions still in
+    flight after the backward) and ``update`` (``opt.step``: clipping norm, Adam, the gathers' launch); and the
+    bytes this rank's node sent on its link in each (``wire_phases``: where the link idles)."""
 
     def __init__(self, ddp, opt, batches) -> None:
         self.ddp, self.opt, self.batches = ddp, opt, batches
@@ -324,7 +341,15 @@ class OdoStep:
 
     def reset_phases(self) -> None:
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self.phase_wire = dict.fromkeys(PHASES, 0)
         self.steps = 0
+
+    def _mark(self, phase: str, t0: float, w0: int) -> Tuple[float, int]:
+        """Charge the time and link bytes since ``(t0, w0)`` to ``phase``; the new mark."""
+        t, w = time.perf_counter(), _wire_tx_bytes()
+        self.phase_s[phase] += t - t0
+        self.phase_wire[phase] += w - w0
+        return t, w
 
     def mean_phases(self) -> Dict[str, float]:
         return {k: v / max(1, self.steps) for k, v in self.phase_s.items()}
@@ -334,21 +359,21 @@ class OdoStep:
 
         M = len(self.batches)
         for i, batch in enumerate(self.batches):
-            t0 = time.perf_counter()
+            mark = time.perf_counter(), _wire_tx_bytes()
             with self.ddp.no_sync() if i < M - 1 else contextlib.nullcontext():
                 loss = self.opt.scale_loss(_gpt_loss(self.ddp, batch) / M)
-                t1 = time.perf_counter()
+                if i == 0:
+                    mark = self._mark("forward", *mark)
                 loss.backward()
-            if i == 0:
-                self.phase_s["forward"] += t1 - t0
             if i == M - 1:
-                self.phase_s["backward"] += time.perf_counter() - t1
+                mark = self._mark("backward", *mark)
         self.ddp.finish_grad_sync()
+        self._mark("sync", *mark)
 
     def update(self) -> None:
-        t0 = time.perf_counter()
+        mark = time.perf_counter(), _wire_tx_bytes()
         self.opt.step()
-        self.phase_s["update"] += time.perf_counter() - t0
+        self._mark("update", *mark)
         self.opt.zero_grad()
 
     def __call__(self) -> None:
@@ -548,6 +573,7 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
         store[key] = {**r, "times_s": []}
         store[key].pop("cpu_s", None)
         store[key].pop("phases_s", None)
+        store[key].pop("wire_phases", None)
     row = store[key]
     row["times_s"] += r["times_s"]
     if r.get("speculative_rounds") and row.get("speculative_rounds") is not r["speculative_rounds"]:
@@ -555,8 +581,9 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
                                      for k, v in r["speculative_rounds"].items()}
     if r.get("cpu_s"):
         row.setdefault("cpu_s", []).extend(r["cpu_s"])
-    for k, v in (r.get("phases_s") or {}).items():
-        row.setdefault("phases_s", {}).setdefault(k, []).extend(v)
+    for field in ("phases_s", "wire_phases"):
+        for k, v in (r.get(field) or {}).items():
+            row.setdefault(field, {}).setdefault(k, []).extend(v)
     return row
 
 
@@ -867,6 +894,39 @@ def render(all_results: Dict[str, Dict], a) -> str:
     return "\n".join(lines)
 
 
+def link_phases(r: Dict, bps: Optional[float]) -> Optional[Dict[str, Dict[str, float]]]:
+    """Per phase of an ODO row (the common bucket size): ms, MB per node on the link, and the share of the phase
+    the link was busy (bytes / rate / time); ``other`` is what the step spent outside them. None without phases."""
+    phases, wire = r.get("phases_s"), r.get("wire_phases")
+    if not phases or not wire:
+        return None
+    out: Dict[str, Dict[str, float]] = {}
+    step = statistics.median(r["times_s"])
+    for k in list(phases) + ["other"]:
+        t = statistics.median(phases[k]) if k in phases else max(0.0, step - sum(
+            statistics.median(v) for v in phases.values()))
+        b = statistics.median(wire[k]) if k in wire else max(0.0, (r.get("wire_per_node") or 0.0) - sum(
+            statistics.median(v) for v in wire.values()))
+        out[k] = {"ms": 1e3 * t, "mb": b / 1e6, "busy": (b * 8 / bps / t) if bps and t > 0 else None}
+    return out
+
+
+def render_link_phases(all_results: Dict[str, Dict]) -> str:
+    """Where each row's link idles: per phase, ms / MB per node / busy share (rated links only)."""
+    lines = ["link per phase (common bucket size): ms / MB per node sent / share of the phase the link was busy"]
+    for rate, rows in all_results.items():
+        bps = rate_bits_per_s(rate)
+        if not bps:
+            continue
+        for label, r in rows.items():
+            ph = link_phases(r, bps)
+            if ph:
+                lines.append(f"{label:<24}{rate:>9} " + "  ".join(
+                    f"{k} {v['ms']:.0f}/{v['mb']:.1f}/" + (f"{100 * v['busy']:.0f}%" if v["busy"] is not None else "-")
+                    for k, v in ph.items()))
+    return "\n".join(lines) if len(lines) > 1 else ""
+
+
 def rescore(path: str) -> int:
     """The summary of a stored run, recomputed (a run from before the phase times gets no phase limit)."""
     with open(path) as f:
@@ -971,6 +1031,8 @@ def main(argv=None) -> int:
     finally:
         cluster.down()
     print(render(results, a))
+    if a.mode == "gpt":
+        print(render_link_phases(results))
     summary = None
     if a.mode == "gpt" and (a.sweep or a.floor):
         summary = summarize(results, sweeps, [PEERS[p][0] for p in a.peers.split(",") if p in PEERS])

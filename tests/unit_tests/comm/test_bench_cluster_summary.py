@@ -142,3 +142,19 @@ def test_compute_floor_updates_each_parameter_on_exactly_one_rank():
             # each exactly once, and in order: rank r's share precedes rank r + 1's
             assert [id(p) for share in shares for p in share] == [id(p) for p in params]
         assert [len(bc.owned_share(params, r, 2)) for r in range(2)] == [3, 5]   # 308 | 166 elements of 474
+
+
+def test_link_phases_give_each_phase_its_bytes_and_busy_share():
+    """Where the link idles: a phase's bytes over the rate, divided by its time; what the phases leave of the step
+    and of the step's bytes is ``other``; a row without per-phase bytes (no link counters) has none."""
+    row = {"times_s": [1.0, 1.2], "wire_per_node": 20e6,
+           "phases_s": {"forward": [0.4], "backward": [0.5], "sync": [0.05], "update": [0.05]},
+           "wire_phases": {"forward": [8e6], "backward": [10e6], "sync": [0.5e6], "update": [0.0]}}
+    with loaded_tool("bench_cluster") as bc:
+        ph = bc.link_phases(row, 2e8)                                # 25 MB/s
+        assert ph["forward"]["busy"] == pytest.approx(8e6 / 25e6 / 0.4)
+        assert ph["backward"]["mb"] == pytest.approx(10.0) and ph["update"]["busy"] == 0.0
+        assert ph["other"]["ms"] == pytest.approx(100.0) and ph["other"]["mb"] == pytest.approx(1.5)
+        assert bc.link_phases({k: v for k, v in row.items() if k != "wire_phases"}, 2e8) is None
+        text = bc.render_link_phases({"200mbit": {"ring": row}, "unlimited": {"ring": row}})
+    assert "forward 400/8.0/80%" in text and "unlimited" not in text
