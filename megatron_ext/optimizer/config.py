@@ -15,7 +15,7 @@ QGZ_DEFAULT_STAGES = 2
 QGZ_AUTO_MIN_BUCKETS = 4
 # Gradient bucket buffers (buffer alternation) when the config leaves it open: see buffer_pool_size_for.
 BUFFER_POOL_SIZE = 2
-BUFFER_POOL_SIZE_CPU = 3      # one-collective reductions on CPU (gloo)
+BUFFER_POOL_SIZE_CPU = 3      # sums-only reductions (plain, ring) on CPU (gloo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +88,10 @@ class OverlapConfig:
         return BackendOptions(quant_group_size=self.quant_group_size, qgz_bits=self.qgz_bits,
                               qgz_pipeline_stages=stages)
 
-    def resolved_buffer_pool_size(self, device: torch.device, single_collective: bool) -> int:
+    def resolved_buffer_pool_size(self, device: torch.device, sums_only: bool) -> int:
         """The gradient bucket buffers of a wrapper whose buckets live on ``device`` and whose reduction of a bucket
-        is ``single_collective`` (see :func:`buffer_pool_size_for`)."""
-        return buffer_pool_size_for(self.buffer_pool_size, device.type, single_collective)
+        is ``sums_only`` (see :func:`buffer_pool_size_for`)."""
+        return buffer_pool_size_for(self.buffer_pool_size, device.type, sums_only)
 
     def resolved_qgz_stages(self, buckets: int, engine: bool) -> int:
         """The qgZ stage count for a wrapper with ``buckets`` buckets (see ``qgz_pipeline_stages``)."""
@@ -100,7 +100,7 @@ class OverlapConfig:
         return 1 if engine and buckets >= QGZ_AUTO_MIN_BUCKETS else QGZ_DEFAULT_STAGES
 
 
-def buffer_pool_size_for(explicit: Optional[int], device_type: str, single_collective: bool) -> int:
+def buffer_pool_size_for(explicit: Optional[int], device_type: str, sums_only: bool) -> int:
     """Gradient bucket buffers: ``explicit`` when set, else the default. Two where the collectives of one group run
     one after the other (NCCL's stream): the older of two in-flight reductions finishes, and frees its buffer, while
     the link still carries the newer one, so the next bucket fills behind it. Three on CPU when a bucket's reduction
@@ -108,11 +108,14 @@ def buffer_pool_size_for(explicit: Optional[int], device_type: str, single_colle
     group runs two collectives at once (two worker threads), two in-flight reduce-scatters share the link and finish
     together, and with two buffers the link then idles while backward fills the next bucket (traced at 200 Mbit/s
     with 20 buckets: 1.45 s of backward for 1.19 s of link time; a third buffer: plain 2.24 -> 2.12 s per step, qwZ
-    1.80 -> 1.68 s). Multi-hop and staged reductions keep two: the progress engine already staggers their hops, and
-    a third work in flight cost qwZ + qgZ INT4 15% at 200 Mbit/s (0.65 -> 0.75 s)."""
+    1.80 -> 1.68 s). The ring (``P - 1`` hops with only an add between them) too: with two buffers the link was busy
+    79% of the backward at 200 Mbit/s, waiting for buckets that the pool held back; with three, 84%, and the step
+    fell 3% (ring and qwZ + ring, 3 of 3 alternating pairs each; docs/benchmarks). Quantized and staged reductions
+    keep two: their kernels compete with backward for the cores, and a third work in flight cost qwZ + qgZ INT4 15%
+    at 200 Mbit/s (0.65 -> 0.75 s). ``sums_only``: :func:`~megatron_ext.optimizer.plan_comm.sums_only_reduction`."""
     if explicit is not None:
         return explicit
-    return BUFFER_POOL_SIZE_CPU if device_type == "cpu" and single_collective else BUFFER_POOL_SIZE
+    return BUFFER_POOL_SIZE_CPU if device_type == "cpu" and sums_only else BUFFER_POOL_SIZE
 
 
 def fold_accumulate(plan: ShardingPlan, accumulate: str) -> ShardingPlan:

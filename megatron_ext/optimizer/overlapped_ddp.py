@@ -31,7 +31,7 @@ from .param_buffer import ParameterBuffer
 from .param_schedule import ShardedParamSync
 from .param_sync import ParamSync
 from .sharded_params import ShardedParameterStore
-from .plan_comm import build_plan_comm, single_collective_reduction
+from .plan_comm import build_plan_comm, sums_only_reduction
 
 
 class OverlappedDDP(torch.nn.Module):
@@ -79,7 +79,7 @@ class OverlappedDDP(torch.nn.Module):
             p._megatron_ext_wrapped = True   # a second wrapper would steal this one's gradients
         self.param_buffer = ParameterBuffer(self.buckets, device)
         self.buffer_pool_size = config.resolved_buffer_pool_size(
-            device, single_collective_reduction(self.plan, config.grad_reduce))
+            device, sums_only_reduction(self.plan, config.grad_reduce))
         self.partition_numel = sum(b.shard_numel for b in self.buckets)
         # PartitionedGradient: this rank's fp32 shard of every bucket, packed.
         self.main_grad_partition = torch.zeros(self.partition_numel, dtype=torch.float32, device=device)

@@ -73,10 +73,11 @@ def stage_backend_names(plan: ResolvedPlan, grad_reduce: str) -> Tuple[str, Opti
     return name(optim), (name(replicas) if replicas is not None else None)
 
 
-def single_collective_reduction(plan: ResolvedPlan, grad_reduce: str) -> bool:
-    """Whether a bucket's gradient reduction under this plan is one collective: ``plain`` in a single stage."""
+def sums_only_reduction(plan: ResolvedPlan, grad_reduce: str) -> bool:
+    """Whether a bucket's gradient reduction under this plan is one stage that only sums between its messages:
+    ``plain`` (one collective) or ``ring`` (``P - 1`` hops with an add between them), no quantization kernels."""
     optim, replica = stage_backend_names(plan, grad_reduce)
-    return optim == "plain" and replica is None
+    return optim in ("plain", "ring") and replica is None
 
 
 def build_plan_comm(plan: ResolvedPlan, dp: Topology, grad_reduce: str, param_gather: str, ledger: CommLedger,

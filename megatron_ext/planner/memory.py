@@ -17,7 +17,7 @@ import torch
 from ..optimizer.bucketing import assign_buckets
 from ..optimizer.config import BUFFER_POOL_SIZE, buffer_pool_size_for
 from ..optimizer.memory import model_state_bytes
-from ..optimizer.plan_comm import single_collective_reduction, stage_backend_names
+from ..optimizer.plan_comm import stage_backend_names, sums_only_reduction
 from ..optimizer.sharding import ResolvedPlan
 from .candidate import Candidate
 from .volumes import BucketShape, plan_groups
@@ -33,7 +33,7 @@ class TrainingSetup:
     grad_reduce_in_fp32: bool = True
     optimizer: str = "adam"
     # None: the wrapper's own depth on ``device`` (optimizer/config.py buffer_pool_size_for: 3 for a
-    # single-collective reduction on CPU, else 2). The cost model's time replay issues collectives one after the
+    # sums-only reduction on CPU, else 2). The cost model's time replay issues collectives one after the
     # other, which is what the CPU's third buffer restores on gloo, so it replays 2 unless this is set.
     buffer_pool_size: Optional[int] = None
     device: str = "cuda"                 # "cpu": the ODO on gloo
@@ -52,7 +52,7 @@ class TrainingSetup:
 
     def pool_buffers(self, plan: ResolvedPlan, grad_reduce: str) -> int:
         """The gradient bucket buffers the wrapper keeps under this plan and backend."""
-        return buffer_pool_size_for(self.buffer_pool_size, self.device, single_collective_reduction(plan, grad_reduce))
+        return buffer_pool_size_for(self.buffer_pool_size, self.device, sums_only_reduction(plan, grad_reduce))
 
     def replayed_pool_buffers(self) -> int:
         """The buffers the time model replays (one collective at a time, see ``buffer_pool_size``)."""

@@ -93,9 +93,9 @@ def test_buffer_alternation_bounds_live_buffers(spawn, pool_size, overlap):
 
 def test_buffer_pool_size_auto():
     from megatron_ext.optimizer.config import buffer_pool_size_for
-    from megatron_ext.optimizer.plan_comm import single_collective_reduction
+    from megatron_ext.optimizer.plan_comm import sums_only_reduction
     from megatron_ext.optimizer.sharding import ShardingPlan
-    # gloo runs two reduce-scatters at once: a third buffer on CPU where a bucket's reduction is one collective.
+    # A third buffer on CPU where a bucket's reduction only sums between its messages (plain, ring).
     assert (buffer_pool_size_for(None, "cpu", True), buffer_pool_size_for(None, "cpu", False)) == (3, 2)
     assert (buffer_pool_size_for(None, "cuda", True), buffer_pool_size_for(None, "cuda", False)) == (2, 2)
     assert buffer_pool_size_for(5, "cpu", True) == 5
@@ -106,13 +106,14 @@ def test_buffer_pool_size_auto():
     for bad in (0, -1, 2.5, "3"):
         with pytest.raises(ValueError, match="buffer_pool_size"):
             mx.OverlapConfig(buffer_pool_size=bad)
-    # DP 8 on nodes of 4: plain in one stage (ZeRO-2, ZeRO-3) is one collective; a replica stage (MiCS) or a
-    # multi-hop backend is not.
-    def single(plan, gr):
-        return single_collective_reduction(plan.resolve(8, 4, 0), gr)
-    assert single(ShardingPlan(), "plain") and single(ShardingPlan.zero3(), "plain")
-    assert not single(ShardingPlan.mics(4), "plain")
-    assert not single(ShardingPlan(), "qgz") and not single(ShardingPlan(), "bytegrad")
+    # DP 8 on nodes of 4: plain or the ring in one stage (ZeRO-2, ZeRO-3) only sums; a replica stage (MiCS) or a
+    # quantized backend does more.
+    def sums_only(plan, gr):
+        return sums_only_reduction(plan.resolve(8, 4, 0), gr)
+    assert sums_only(ShardingPlan(), "plain") and sums_only(ShardingPlan.zero3(), "plain")
+    assert sums_only(ShardingPlan(), "ring") and sums_only(ShardingPlan.zero3(), "ring")
+    assert not sums_only(ShardingPlan.mics(4), "plain") and not sums_only(ShardingPlan.mics(4), "ring")
+    assert not sums_only(ShardingPlan(), "qgz") and not sums_only(ShardingPlan(), "bytegrad")
 
 
 def test_out_of_order_backward_costs_buffers_not_correctness(spawn):

@@ -74,7 +74,7 @@ def test_volumes_and_memory_equal_the_odo():
     from unit_tests.dist_harness import run_distributed
     dp, rpn = 8, 2
     per_rank = run_distributed(_run, dp, rpn)
-    # device="cpu": the planner's pool depth is the wrapper's own on gloo (3 buffers for a one-collective reduction).
+    # device="cpu": the planner's pool depth is the wrapper's own on gloo (3 buffers for a sums-only reduction).
     setup = TrainingSetup(params_dtype="fp32", grad_reduce_in_fp32=True, quant_group_size=GROUP, device="cpu")
     wire = WireOptions(param_bytes=4, grad_bytes=4, quant_group_size=GROUP)
     for rank, result in enumerate(per_rank):
