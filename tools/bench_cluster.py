@@ -36,7 +36,8 @@ row: the same ranks computing alone (forward, backward, clipping and Adam over 1
 ``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
 Where the link idles (gpt mode, rated links): per phase of an ODO row -- forward, backward, ``sync`` (the
 reductions still in flight after the backward), update, other -- its ms, the MB its node sent and the share of
-the phase the link was busy (``wire_phases`` in the JSON; :func:`link_phases`).
+the phase the link was busy (``wire_phases`` in the JSON; :func:`link_phases`); ``--link-timeline`` adds, per row, node
+0's link busy share in 25 ms windows through the row's last timed step, beside where its phases ended.
 
     sudo python tools/bench_cluster.py --nodes 2 --ranks-per-node 2 --rates 1gbit,100mbit --json bench_cluster.json
     sudo python tools/bench_cluster.py --mode gpt --plans zero2,zero1,mics,amsp7b --micro-batches 4 \
@@ -161,6 +162,8 @@ def _timed_steps(topo, step, flush, a) -> Dict:
         phases = step.mean_phases()
         out["phases_s"] = {k: [v] for k, v in zip(phases, _over_ranks(list(phases.values())))}
         out["wire_phases"] = {k: [v] for k, v in _wire_phases_per_node(topo, step).items()}
+    if getattr(step, "timeline", None) is not None:
+        out["link_timeline"] = step.timeline   # rank 0's: node 0's link in the last timed step
     return out
 
 
@@ -303,6 +306,7 @@ def _gpt_combo(topo, label, gr, pg, extra, a, plan_name: str = "zero2", bucket: 
     opt = mx.OverlappedDistributedOptimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=False,
                                                             clip_grad=a.clip_grad), ddp)
     step = odo_step(ddp, opt, batches)
+    step.sample_link = a.link_timeline and topo.rank == 0
 
     ddp.ledger.enabled = False
     # Flushing completes the communication in flight (ZeRO-3's force_param_sync would gather every weight).
@@ -339,7 +343,11 @@ class OdoStep:
         self.ddp, self.opt, self.batches = ddp, opt, batches
         self.reset_phases()
 
+    sample_link = False    # --link-timeline: sample the link during each step, keep the last step's timeline
+    timeline: Optional[Dict] = None
+
     def reset_phases(self) -> None:
+        self.marks: Dict[str, float] = {}
         self.phase_s = dict.fromkeys(PHASES, 0.0)
         self.phase_wire = dict.fromkeys(PHASES, 0)
         self.steps = 0
@@ -349,6 +357,7 @@ class OdoStep:
         t, w = time.perf_counter(), _wire_tx_bytes()
         self.phase_s[phase] += t - t0
         self.phase_wire[phase] += w - w0
+        self.marks[phase + "_end"] = t
         return t, w
 
     def mean_phases(self) -> Dict[str, float]:
@@ -377,9 +386,58 @@ class OdoStep:
         self.opt.zero_grad()
 
     def __call__(self) -> None:
+        sampler = _LinkSampler() if self.sample_link else None
         self.fwd_bwd()
         self.update()
         self.steps += 1
+        if sampler is not None:
+            self.timeline = sampler.finish(self.marks)
+
+
+TIMELINE_SAMPLE_S = 0.002    # --link-timeline: how often the sampler reads the link counter
+TIMELINE_WINDOW_S = 0.025    # ... and the windows it reports
+
+
+class _LinkSampler:
+    """``--link-timeline``: reads this node's link counter every ``TIMELINE_SAMPLE_S`` on a thread during one step,
+    then reports the bytes sent in each ``TIMELINE_WINDOW_S`` window from the step's start (a diagnostic: the
+    thread takes a little CPU from the step it watches)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.t0 = time.perf_counter()
+        self.samples: List[Tuple[float, int]] = [(self.t0, _wire_tx_bytes())]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(TIMELINE_SAMPLE_S):
+            self.samples.append((time.perf_counter(), _wire_tx_bytes()))
+
+    def finish(self, marks: Dict[str, float]) -> Dict:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), _wire_tx_bytes()))
+        return {"marks_ms": {k: 1e3 * (v - self.t0) for k, v in marks.items() if v >= self.t0},
+                "window_ms": 1e3 * TIMELINE_WINDOW_S,
+                "bytes_per_s": link_windows(self.samples, self.t0, TIMELINE_WINDOW_S)}
+
+
+def link_windows(samples: List[Tuple[float, int]], t0: float, window_s: float) -> List[List[float]]:
+    """``[ms from t0, bytes/s]`` per window of ``window_s`` from counter samples ``(time, bytes)``: the rate
+    between the first and last sample inside the window (windows with fewer than two samples are left out)."""
+    windows: List[List[float]] = []
+    start = t0
+    while start < samples[-1][0]:
+        end = start + window_s
+        inside = [sm for sm in samples if start <= sm[0] <= end]
+        if len(inside) >= 2 and inside[-1][0] > inside[0][0]:
+            rate = (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+            windows.append([1e3 * (start - t0), rate])
+        start = end
+    return windows
 
 
 def odo_step(ddp, opt, batches) -> OdoStep:
@@ -576,6 +634,8 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
         store[key].pop("wire_phases", None)
     row = store[key]
     row["times_s"] += r["times_s"]
+    if r.get("link_timeline"):
+        row["link_timeline"] = r["link_timeline"]   # the latest round's
     if r.get("speculative_rounds") and row.get("speculative_rounds") is not r["speculative_rounds"]:
         row["speculative_rounds"] = {k: row["speculative_rounds"].get(k, 0) + v
                                      for k, v in r["speculative_rounds"].items()}
@@ -927,6 +987,26 @@ def render_link_phases(all_results: Dict[str, Dict]) -> str:
     return "\n".join(lines) if len(lines) > 1 else ""
 
 
+def render_link_timeline(all_results: Dict[str, Dict], per_line: int = 20) -> str:
+    """``--link-timeline``: per rated link and ODO row, where its phases ended and node 0's link busy share (%) in
+    each window of the sampled step."""
+    lines = []
+    for rate, rows in all_results.items():
+        bps = rate_bits_per_s(rate)
+        for label, r in rows.items():
+            tl = r.get("link_timeline")
+            if not bps or not tl:
+                continue
+            ends = ", ".join(f"{k[:-4]} {v:.0f}" for k, v in tl["marks_ms"].items())
+            lines.append(f"{label} at {rate}: node 0's link busy % per {tl['window_ms']:.0f} ms window; the phases "
+                         f"ended at (ms) {ends}")
+            busy = [(ms, 100 * b * 8 / bps) for ms, b in tl["bytes_per_s"]]
+            for i in range(0, len(busy), per_line):
+                chunk = busy[i:i + per_line]
+                lines.append(f"  {chunk[0][0]:>6.0f} ms: " + " ".join(f"{pct:>3.0f}" for _, pct in chunk))
+    return "\n".join(lines)
+
+
 def rescore(path: str) -> int:
     """The summary of a stored run, recomputed (a run from before the phase times gets no phase limit)."""
     with open(path) as f:
@@ -977,6 +1057,9 @@ def main(argv=None) -> int:
                     + SPEC_SUFFIX.strip() + "'; both: beside the usual rows")
     ap.add_argument("--clip-grad", type=float, default=1.0,
                     help="gpt mode: the ODO rows' global gradient clipping (Megatron's default 1.0; 0: none)")
+    ap.add_argument("--link-timeline", action="store_true",
+                    help="gpt mode: sample node 0's link every 2 ms through each ODO row's last timed step and print "
+                         "its busy share per 25 ms window with the phases' ends (link_timeline in the JSON)")
     ap.add_argument("--sweep", default="",
                     help="gpt mode: comma-separated bucket sizes (elements); every combo also runs at each, and the "
                     "summary compares each at its best (--bucket-numel is the common size)")
@@ -1033,6 +1116,8 @@ def main(argv=None) -> int:
     print(render(results, a))
     if a.mode == "gpt":
         print(render_link_phases(results))
+        if a.link_timeline:
+            print(render_link_timeline(results))
     summary = None
     if a.mode == "gpt" and (a.sweep or a.floor):
         summary = summarize(results, sweeps, [PEERS[p][0] for p in a.peers.split(",") if p in PEERS])

@@ -158,3 +158,19 @@ def test_link_phases_give_each_phase_its_bytes_and_busy_share():
         assert bc.link_phases({k: v for k, v in row.items() if k != "wire_phases"}, 2e8) is None
         text = bc.render_link_phases({"200mbit": {"ring": row}, "unlimited": {"ring": row}})
     assert "forward 400/8.0/80%" in text and "unlimited" not in text
+
+
+def test_link_timeline_windows_and_rendering():
+    """--link-timeline: counter samples every 2 ms become a rate per 25 ms window (idle, then 25 MB/s = a 200 Mbit/s
+    link fully busy), printed as busy percentages beside the phases' ends."""
+    t0 = 100.0
+    samples = [(t0 + 0.002 * i, 0 if i <= 25 else int((i - 25) * 0.002 * 25e6)) for i in range(51)]
+    with loaded_tool("bench_cluster") as bc:
+        w = bc.link_windows(samples, t0, 0.025)
+        assert [round(ms) for ms, _ in w] == [0, 25, 50, 75]
+        assert w[0][1] == 0 and w[2][1] == pytest.approx(25e6)
+        row = {"link_timeline": {"marks_ms": {"forward_end": 40.0, "backward_end": 90.0}, "window_ms": 25.0,
+                                 "bytes_per_s": w}}
+        text = bc.render_link_timeline({"200mbit": {"ring": row}, "unlimited": {"ring": row}})
+    assert "ring at 200mbit" in text and "forward 40, backward 90" in text and "unlimited" not in text
+    assert text.splitlines()[1].split(":")[1].split()[:4] == ["0", "0", "100", "100"]
