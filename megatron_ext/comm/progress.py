@@ -19,10 +19,11 @@ executes them strictly in FIFO order with a fixed rule:
   already finished (a single-phase work the engine completed while idle): whether older multi-phase works get
   their remaining hops here must not depend on how fast ``k``'s handle was. The multi-phase ones finish in rounds:
   each round advances every unfinished one launched up to ``k`` by one phase, oldest first, and then, unless that
-  finished them all, every newer in-flight multi-phase work by one phase too; the single-phase ones up to ``k``
-  are then waited for. Finishing one work after the other put one hop at a time on the link, and each hop's gap
-  (the engine waiting, adding, issuing the next) left it idle; in rounds the next work's hop travels meanwhile.
-  The last round stops at the targets: the waiting thread is not held for a newer work's hop.
+  finished them all, every newer in-flight multi-phase work by one phase too (thread engine only, see *CUDA*); the
+  single-phase ones up to ``k`` are then waited for. Finishing one work after the other put one hop at a time on
+  the link, and each hop's gap (the engine waiting, adding, issuing the next) left it idle; in rounds the next
+  work's hop travels meanwhile. The last round stops at the targets: the waiting thread is not held for a newer
+  work's hop.
 
 After each command, and whenever a single-phase work's handle finishes, the engine completes every single-phase
 work whose handle has finished (``Work.ready``): this runs its epilogue (qwZ's decode, plain's averaging) ahead of
@@ -63,7 +64,10 @@ a wait), under a lock, with its communication stream current: every launch, adva
 that stream at once and the collective sequence is the thread engine's. (A work's later hops are still enqueued at
 later commands, not all at its own launch: on one communication stream that would queue bucket k+1's quantization
 and first hop behind bucket k's last hop.) A thread there only adds a handoff per command and contends for the GIL
-with the gradient hooks. Traced on an H200 (``tools/trace_gpu_step.py``: 33 buckets of a 270M-parameter model, a
+with the gradient hooks. Inline, ``COMPLETE`` advances no newer work: nothing blocks, so there is no idle gap to
+fill, and on one in-order stream a newer work's hop enqueued between the target's would only delay the done event
+the consumer waits for (the rule is inline or not on every rank alike: device, backend and environment decide).
+Traced on an H200 (``tools/trace_gpu_step.py``: 33 buckets of a 270M-parameter model, a
 16-rank fake group, no link delay), a step took 57 / 54 ms inline against 74 / 72 ms with the thread for qwZ + qgZ
 INT4 / ByteGrad (plain: 27 ms either way; no communication at all: 25 ms). With a 400 Gbit/s emulated link, or 8
 buckets, plain was the same both ways; of six multi-hop comparisons the thread was 3-5% faster in four, equal in one
@@ -281,9 +285,11 @@ class ProgressEngine:
     (CUDA with NCCL, where no command blocks the host; see the module note)."""
 
     def __init__(self, name: str = "megatron-ext-progress", streams: Optional[StreamOps] = None,
-                 inline: bool = False) -> None:
+                 inline: bool = False, advance_newer: Optional[bool] = None) -> None:
         self.streams = streams if streams is not None else NullStreamOps()
         self.inline = inline
+        # COMPLETE's rounds also advance newer works (None: on the thread engine only; see the module note)
+        self.advance_newer = not inline if advance_newer is None else advance_newer
         self._queue: "queue.SimpleQueue[Tuple[int, object]]" = queue.SimpleQueue()
         self._inflight: List[EngineWork] = []
         self._error: Optional[BaseException] = None
@@ -446,6 +452,8 @@ class ProgressEngine:
                 w._inner.advance()
             if all(w._inner.done for w in targets):
                 break   # the last round: the caller is waiting; newer works' hops would only delay it
+            if not self.advance_newer:
+                continue   # inline: one in-order stream, a newer hop would delay the targets' done event
             for w in multi[len(targets):]:   # launched after seq: one phase, while the targets' hops travel
                 if hook is not None:
                     hook("advance")

@@ -203,9 +203,10 @@ class _Replay:
     The engine's rule (``comm/progress.py``): ``LAUNCH(k)`` issues k's first hop, then advances every older
     multi-hop work by one hop, each after its current hop has ended (the engine thread blocks on it);
     ``COMPLETE(k)`` (the training thread waits for k: a forward pre-hook, a full buffer pool, the step) issues
-    every remaining hop of every work launched up to k in rounds, one hop per work and round, the newer works'
-    next hops too while k's have not all been issued. A chain therefore moves one hop per later launch or round
-    and finishes at the next wait, not as soon as each hop could start.
+    every remaining hop of every work launched up to k in rounds, one hop per work and round -- on CPU (the engine's
+    thread) the newer works' next hops too while k's have not all been issued; on CUDA (the inline engine) not. A
+    chain therefore moves one hop per later launch or round and finishes at the next wait, not as soon as each hop
+    could start.
     """
 
     def __init__(self, profile: HardwareProfile) -> None:
@@ -215,6 +216,7 @@ class _Replay:
         self.engine = 0.0                       # the engine thread's clock
         self.inflight: List[_Chain] = []
         self.launched = 0
+        self.advance_newer = profile.device == "cpu"   # the thread engine's rule (comm/progress.py)
 
     def _hop(self, h: _Timed, at: float) -> float:
         """Issue one hop on the engine at ``at``; returns when it ends. Its host work shares the processor."""
@@ -272,7 +274,7 @@ class _Replay:
         """``COMPLETE``: the training thread waits for ``c``; the engine first finishes every work launched up to it
         -- by launch number, also when ``c`` itself already ended (the engine's rule)."""
         upto = [o for o in self.inflight if o.seq <= c.seq]
-        newer = [o for o in self.inflight if o.seq > c.seq]
+        newer = [o for o in self.inflight if o.seq > c.seq] if self.advance_newer else []
         if upto:
             e = max(self.engine, self.now)
             while any(o.next < len(o.hops) for o in upto):   # rounds: one hop each, the newer works too
@@ -321,8 +323,9 @@ def _replay(cand: Candidate, wl: Workload, profile: HardwareProfile, plan: Resol
     zero3 = plan.param > 1
     pool = max(1, wl.setup.gather_pool_size)
     # Pooled gradient buffers (buffer alternation): bucket k's first gradient takes a buffer, so backward waits
-    # there for the reduction ``replayed_pool_buffers()`` launches back (grad_sync.py; none with local accumulation).
-    buffers = max(1, wl.setup.replayed_pool_buffers()) if not plan.accumulates_locally(M > 1) else None
+    # there for the reduction ``replayed_pool_buffers`` launches back (grad_sync.py; none with local accumulation).
+    buffers = (max(1, wl.setup.replayed_pool_buffers(plan, cand.grad_reduce))
+               if not plan.accumulates_locally(M > 1) else None)
     reducing = {key[2] for key in chains if key[0] == "rs"}
 
     rp = _Replay(profile)
