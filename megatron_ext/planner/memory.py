@@ -33,8 +33,9 @@ class TrainingSetup:
     grad_reduce_in_fp32: bool = True
     optimizer: str = "adam"
     # None: the wrapper's own depth on ``device`` (optimizer/config.py buffer_pool_size_for: 3 for a
-    # sums-only reduction on CPU, else 2). The cost model's time replay issues collectives one after the
-    # other, which is what the CPU's third buffer restores on gloo, so it replays 2 unless this is set.
+    # sums-only reduction on CPU, else 2). The cost model's time replay issues plain's collectives one after the
+    # other, which is what the CPU's third buffer restores on gloo, so for plain it replays 2 unless this is set;
+    # the ring's third buffer lets backward run ahead of its hops, which the replay does model (3).
     buffer_pool_size: Optional[int] = None
     device: str = "cuda"                 # "cpu": the ODO on gloo
     gather_pool_size: int = 4
@@ -54,9 +55,13 @@ class TrainingSetup:
         """The gradient bucket buffers the wrapper keeps under this plan and backend."""
         return buffer_pool_size_for(self.buffer_pool_size, self.device, sums_only_reduction(plan, grad_reduce))
 
-    def replayed_pool_buffers(self) -> int:
-        """The buffers the time model replays (one collective at a time, see ``buffer_pool_size``)."""
-        return self.buffer_pool_size if self.buffer_pool_size is not None else BUFFER_POOL_SIZE
+    def replayed_pool_buffers(self, plan: ResolvedPlan, grad_reduce: str) -> int:
+        """The buffers the time model replays (see ``buffer_pool_size``)."""
+        if self.buffer_pool_size is not None:
+            return self.buffer_pool_size
+        if stage_backend_names(plan, grad_reduce)[0] == "ring":
+            return self.pool_buffers(plan, grad_reduce)
+        return BUFFER_POOL_SIZE
 
     @property
     def state_bytes(self) -> int:

@@ -88,3 +88,15 @@ def test_volumes_and_memory_equal_the_odo():
             measured = {k: v for k, v in got["rows"].items() if v != [0, 0]}
             assert predicted == measured, (case, rank)
             assert model_state_memory(cand, plan, buckets, data, setup, MICRO) == got["memory"], (case, rank)
+
+
+def test_replayed_pool_buffers_follow_the_ring_and_not_plain():
+    """The time replay issues plain's collectives one at a time (what gloo's third buffer restores), so it replays 2
+    for plain; the ring's third buffer on CPU lets backward run ahead of its hops, which the replay models: 3."""
+    from megatron_ext.optimizer.sharding import ShardingPlan
+    plan = ShardingPlan().resolve(8, 4, 0)
+    cpu, gpu = TrainingSetup(device="cpu"), TrainingSetup(device="cuda")
+    assert cpu.pool_buffers(plan, "plain") == cpu.pool_buffers(plan, "ring") == 3
+    assert (cpu.replayed_pool_buffers(plan, "plain"), cpu.replayed_pool_buffers(plan, "ring")) == (2, 3)
+    assert gpu.replayed_pool_buffers(plan, "ring") == 2 and cpu.replayed_pool_buffers(plan, "qgz") == 2
+    assert TrainingSetup(device="cpu", buffer_pool_size=5).replayed_pool_buffers(plan, "plain") == 5
