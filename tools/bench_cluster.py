@@ -373,6 +373,8 @@ class OdoStep:
                 loss = self.opt.scale_loss(_gpt_loss(self.ddp, batch) / M)
                 if i == 0:
                     mark = self._mark("forward", *mark)
+                elif i == M - 1:   # the last micro-batch's backward starts here, after its own forward
+                    mark = time.perf_counter(), _wire_tx_bytes()
                 loss.backward()
             if i == M - 1:
                 mark = self._mark("backward", *mark)
@@ -406,20 +408,26 @@ class _LinkSampler:
     def __init__(self) -> None:
         import threading
 
-        self.t0 = time.perf_counter()
-        self.samples: List[Tuple[float, int]] = [(self.t0, _wire_tx_bytes())]
+        self.samples: List[Tuple[float, int]] = [self._sample()]
+        self.t0 = self.samples[0][0]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _sample() -> Tuple[float, int]:
+        t0 = time.perf_counter()
+        b = _wire_tx_bytes()
+        return (t0 + time.perf_counter()) / 2, b   # the counter read takes time of its own: its middle
+
     def _run(self) -> None:
         while not self._stop.wait(TIMELINE_SAMPLE_S):
-            self.samples.append((time.perf_counter(), _wire_tx_bytes()))
+            self.samples.append(self._sample())
 
     def finish(self, marks: Dict[str, float]) -> Dict:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.perf_counter(), _wire_tx_bytes()))
+        self.samples.append(self._sample())
         return {"marks_ms": {k: 1e3 * (v - self.t0) for k, v in marks.items() if v >= self.t0},
                 "window_ms": 1e3 * TIMELINE_WINDOW_S,
                 "bytes_per_s": link_windows(self.samples, self.t0, TIMELINE_WINDOW_S)}
@@ -956,7 +964,9 @@ def render(all_results: Dict[str, Dict], a) -> str:
 
 def link_phases(r: Dict, bps: Optional[float]) -> Optional[Dict[str, Dict[str, float]]]:
     """Per phase of an ODO row (the common bucket size): ms, MB per node on the link, and the share of the phase
-    the link was busy (bytes / rate / time); ``other`` is what the step spent outside them. None without phases."""
+    the link was busy (bytes / rate / time); ``other`` is what the step spent outside them, with no busy share (its
+    time is the step's less the phases' maxima over ranks, its bytes the first round's total less the phases': the
+    two do not describe one interval). None without phases."""
     phases, wire = r.get("phases_s"), r.get("wire_phases")
     if not phases or not wire:
         return None
@@ -967,7 +977,8 @@ def link_phases(r: Dict, bps: Optional[float]) -> Optional[Dict[str, Dict[str, f
             statistics.median(v) for v in phases.values()))
         b = statistics.median(wire[k]) if k in wire else max(0.0, (r.get("wire_per_node") or 0.0) - sum(
             statistics.median(v) for v in wire.values()))
-        out[k] = {"ms": 1e3 * t, "mb": b / 1e6, "busy": (b * 8 / bps / t) if bps and t > 0 else None}
+        busy = (b * 8 / bps / t) if bps and t > 0 and k != "other" else None
+        out[k] = {"ms": 1e3 * t, "mb": b / 1e6, "busy": busy}
     return out
 
 
@@ -1059,7 +1070,8 @@ def main(argv=None) -> int:
                     help="gpt mode: the ODO rows' global gradient clipping (Megatron's default 1.0; 0: none)")
     ap.add_argument("--link-timeline", action="store_true",
                     help="gpt mode: sample node 0's link every 2 ms through each ODO row's last timed step and print "
-                         "its busy share per 25 ms window with the phases' ends (link_timeline in the JSON)")
+                         "its busy share per 25 ms window with the phases' ends (link_timeline in the JSON); a "
+                         "diagnostic: the sampling thread runs on rank 0 in every step and slows it a little")
     ap.add_argument("--sweep", default="",
                     help="gpt mode: comma-separated bucket sizes (elements); every combo also runs at each, and the "
                     "summary compares each at its best (--bucket-numel is the common size)")

@@ -155,6 +155,7 @@ def test_link_phases_give_each_phase_its_bytes_and_busy_share():
         assert ph["forward"]["busy"] == pytest.approx(8e6 / 25e6 / 0.4)
         assert ph["backward"]["mb"] == pytest.approx(10.0) and ph["update"]["busy"] == 0.0
         assert ph["other"]["ms"] == pytest.approx(100.0) and ph["other"]["mb"] == pytest.approx(1.5)
+        assert ph["other"]["busy"] is None
         assert bc.link_phases({k: v for k, v in row.items() if k != "wire_phases"}, 2e8) is None
         text = bc.render_link_phases({"200mbit": {"ring": row}, "unlimited": {"ring": row}})
     assert "forward 400/8.0/80%" in text and "unlimited" not in text
@@ -174,3 +175,35 @@ def test_link_timeline_windows_and_rendering():
         text = bc.render_link_timeline({"200mbit": {"ring": row}, "unlimited": {"ring": row}})
     assert "ring at 200mbit" in text and "forward 40, backward 90" in text and "unlimited" not in text
     assert text.splitlines()[1].split(":")[1].split()[:4] == ["0", "0", "100", "100"]
+
+
+def test_odo_step_phases_with_several_micro_batches(monkeypatch):
+    """``forward`` is the first micro-batch's, ``backward`` the last one's alone (not its forward), ``sync`` the
+    wait after it, ``update`` the optimizer step: on a fake clock that each fake operation advances."""
+    import contextlib
+    import types
+
+    clock = [0.0]
+
+    class Loss:
+        def __truediv__(self, m):
+            return self
+
+        def backward(self):
+            clock[0] += 20.0
+
+    def loss_of(model, batch):
+        clock[0] += 10.0
+        return Loss()
+
+    ddp = types.SimpleNamespace(no_sync=contextlib.nullcontext,
+                                finish_grad_sync=lambda: clock.__setitem__(0, clock[0] + 5.0))
+    opt = types.SimpleNamespace(scale_loss=lambda x: x, step=lambda: clock.__setitem__(0, clock[0] + 3.0),
+                                zero_grad=lambda: None)
+    with loaded_tool("bench_cluster") as bc:
+        monkeypatch.setattr(bc, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+        monkeypatch.setattr(bc, "_gpt_loss", loss_of)
+        step = bc.OdoStep(ddp, opt, [None, None, None])
+        step()
+        assert step.phase_s == {"forward": 10.0, "backward": 20.0, "sync": 5.0, "update": 3.0}
+        assert clock[0] == 3 * 30.0 + 5.0 + 3.0
