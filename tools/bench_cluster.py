@@ -129,15 +129,20 @@ def _wire_tx_bytes() -> int:
         return 0
 
 
-def _wire_per_node_per_step(topo, before: int, steps: int) -> float:
-    """Cross-node bytes per node per step from the eth0 counters (local rank 0 of each node reads its node's)."""
+def _per_node(topo, sent: List[float]) -> List[float]:
+    """Link byte counts read by every rank, as the mean over nodes of what each node's local rank 0 read (the ranks
+    of a node share its link and its counter)."""
     import torch
     import torch.distributed as dist
 
-    sent = (_wire_tx_bytes() - before) if topo.local_rank == 0 else 0
-    t = torch.tensor([float(sent)], dtype=torch.float64)
+    t = torch.tensor([float(x) if topo.local_rank == 0 else 0.0 for x in sent], dtype=torch.float64)
     dist.all_reduce(t)
-    return t.item() / topo.num_nodes / max(1, steps)
+    return [v / topo.num_nodes for v in t.tolist()]
+
+
+def _wire_per_node_per_step(topo, before: int, steps: int) -> float:
+    """Cross-node bytes per node per step from the eth0 counters."""
+    return _per_node(topo, [_wire_tx_bytes() - before])[0] / max(1, steps)
 
 
 def _timed_steps(topo, step, flush, a) -> Dict:
@@ -168,22 +173,16 @@ def _timed_steps(topo, step, flush, a) -> Dict:
 
 
 def _wire_phases_per_node(topo, step: "OdoStep") -> Dict[str, float]:
-    """Cross-node bytes per node per step sent in each phase of :class:`OdoStep` (local rank 0 of each node
-    counts its node's link; the phases are that rank's, which the other ranks' match to within their skew)."""
-    import torch
-    import torch.distributed as dist
-
-    own = [float(step.phase_wire[k]) if topo.local_rank == 0 else 0.0 for k in PHASES]
-    t = torch.tensor(own, dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: v / topo.num_nodes / max(1, step.steps) for k, v in zip(PHASES, t.tolist())}
+    """Cross-node bytes per node per step sent in each phase of :class:`OdoStep` (the phases are local rank 0's,
+    which the other ranks' match to within their skew)."""
+    sent = _per_node(topo, [step.phase_wire[k] for k in PHASES])
+    return {k: v / max(1, step.steps) for k, v in zip(PHASES, sent)}
 
 
 def _wire_split(topo, step: OdoStep, flush) -> Dict[str, float]:
     """Cross-node bytes per node of one step, split at the point between the gradient reductions and the weight
     gathers: ``reduce`` = forward + backward + gradient sync (the last step's gathers flushed before, so forward
     sends nothing), ``gather`` = the optimizer step and its gathers, flushed."""
-    import torch
     import torch.distributed as dist
 
     flush()
@@ -196,9 +195,8 @@ def _wire_split(topo, step: OdoStep, flush) -> Dict[str, float]:
     flush()
     dist.barrier()
     c2 = _wire_tx_bytes()
-    t = torch.tensor([float(c1 - c0), float(c2 - c1)] if topo.local_rank == 0 else [0.0, 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {"reduce": t[0].item() / topo.num_nodes, "gather": t[1].item() / topo.num_nodes}
+    reduce, gather = _per_node(topo, [c1 - c0, c2 - c1])
+    return {"reduce": reduce, "gather": gather}
 
 
 def _over_ranks(times: List[float], op: str = "MAX") -> List[float]:
@@ -339,12 +337,12 @@ class OdoStep:
     flight after the backward) and ``update`` (``opt.step``: clipping norm, Adam, the gathers' launch); and the
     bytes this rank's node sent on its link in each (``wire_phases``: where the link idles)."""
 
+    sample_link = False    # --link-timeline: sample the link during each step, keep the last step's timeline
+    timeline: Optional[Dict] = None
+
     def __init__(self, ddp, opt, batches) -> None:
         self.ddp, self.opt, self.batches = ddp, opt, batches
         self.reset_phases()
-
-    sample_link = False    # --link-timeline: sample the link during each step, keep the last step's timeline
-    timeline: Optional[Dict] = None
 
     def reset_phases(self) -> None:
         self.marks: Dict[str, float] = {}

@@ -59,9 +59,8 @@ class TrainingSetup:
         """The buffers the time model replays (see ``buffer_pool_size``)."""
         if self.buffer_pool_size is not None:
             return self.buffer_pool_size
-        if stage_backend_names(plan, grad_reduce)[0] == "ring":
-            return self.pool_buffers(plan, grad_reduce)
-        return BUFFER_POOL_SIZE
+        ring = stage_backend_names(plan, grad_reduce)[0] == "ring"
+        return self.pool_buffers(plan, grad_reduce) if ring else BUFFER_POOL_SIZE
 
     @property
     def state_bytes(self) -> int:
