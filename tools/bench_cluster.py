@@ -30,7 +30,8 @@ Honest comparison (gpt mode, issue 14): ``--sweep 4000000,1000000,400000`` runs 
 its best bucket size next to its limit ``max(no-link step, cross-node bytes per node / link rate)`` and the
 best-against-best speedup over plain, and next to its phase limit (:func:`phase_limit`: the gathers hidden only behind
 the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
-records; ``--rescore JSON`` recomputes a stored run's summary); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
+records; ``--rescore JSON`` recomputes a stored run's summary; ``--interleave-rates`` measures each row at every rate
+back to back in one set of ranks, so its floor and its rated steps see the same spell of a shared host); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
 (ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2; ``--peers compute`` adds the floor under every
 row: the same ranks computing alone (forward, backward, clipping and Adam over 1/DP of the parameters, nothing sent).
 ``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
@@ -653,9 +654,32 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
     return row
 
 
-def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) -> None:
+class RateSwitch:
+    """The link rates a worker measures each row at. One rate: the orchestrator shaped the links before the ranks
+    started (a pass per rate). Several (``--interleave-rates``): every row is measured at each rate in turn, rank 0
+    re-shaping the links and every rank waiting at a barrier before the row runs, so a row's no-link floor and its
+    rated steps fall in the same spell of the host instead of minutes apart."""
+
+    def __init__(self, rates: List[str], nodes: int, prefix: str, rank: int, barrier) -> None:
+        self.rates, self.nodes, self.prefix, self.rank, self.barrier = rates, nodes, prefix, rank, barrier
+
+    def each(self):
+        for rate in self.rates:
+            if len(self.rates) > 1:
+                if self.rank == 0:
+                    set_link_rate(self.nodes, rate, self.prefix)
+                self.barrier()
+            yield rate
+
+    def tag(self, rate: str) -> str:
+        """What the progress lines print before a row (the rate, when it changes between rows)."""
+        return f"{rate:>10} " if len(self.rates) > 1 else ""
+
+
+def _measure_rows(topo, a, plans, engines, sizes, switch: RateSwitch, results: Dict, sweep: Dict) -> None:
     """One round over every row (and sweep point); ``--repeats`` rounds interleave the rows, so a slow spell of the
-    machine is spread over all of them instead of falling on one."""
+    machine is spread over all of them instead of falling on one. ``results`` and ``sweep``: per rate of
+    ``switch``."""
     specs = {"off": [False], "on": [True], "both": [False, True]}[a.speculative_step] if a.mode == "gpt" else [False]
     for plan_name in plans:
         for combo in COMBOS:
@@ -667,28 +691,32 @@ def _measure_rows(topo, a, plans, engines, sizes, results: Dict, sweep: Dict) ->
                 base_row = (label if len(plans) == 1 else f"{plan_name} {label}") + (SPEC_SUFFIX if spec else "")
                 for engine in engines:
                     row = base_row + ("" if engine or len(engines) == 1 else SYNC_SUFFIX)
-                    if a.mode == "raw":
-                        r = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
-                    else:
-                        r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
-                                       engine=engine, speculative=spec)
-                    _add(results, row, r)
-                    if a.rank == 0:
-                        print(f"  {row:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step"
-                              + (f" (rounds {r['speculative_rounds']})" if spec else ""), flush=True)
+                    for rate in switch.each():
+                        if a.mode == "raw":
+                            r = _raw_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a)
+                        else:
+                            r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                                           engine=engine, speculative=spec)
+                        _add(results.setdefault(rate, {}), row, r)
+                        if a.rank == 0:
+                            print(f"  {switch.tag(rate)}{row:<22} {1e3 * statistics.median(r['times_s']):9.1f} "
+                                  "ms/step" + (f" (rounds {r['speculative_rounds']})" if spec else ""), flush=True)
                 # The sweep: the same row at every other bucket size (progress engine as the first setting).
                 for size in sizes:
                     key = str(size)
                     if size == a.bucket_numel:
-                        r = results[base_row]   # all repeats so far: the point is replaced, not added to
-                        sweep.setdefault(base_row, {})[key] = _sweep_point(_add({}, key, r))
+                        for rate in switch.rates:   # all repeats so far: the point is replaced, not added to
+                            r = results[rate][base_row]
+                            sweep.setdefault(rate, {}).setdefault(base_row, {})[key] = _sweep_point(_add({}, key, r))
                         continue
-                    r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
-                                   bucket=size, engine=engines[0], speculative=spec)
-                    point = _add(sweep.setdefault(base_row, {}), key, _sweep_point(r))
-                    if a.rank == 0:
-                        print(f"  {base_row + ' @' + key:<22} {1e3 * statistics.median(r['times_s']):9.1f} ms/step "
-                              f"({point['buckets']} buckets)", flush=True)
+                    for rate in switch.each():
+                        r = _gpt_combo(topo, label, combo.grad_reduce, combo.param_gather, extra, a, plan_name,
+                                       bucket=size, engine=engines[0], speculative=spec)
+                        point = _add(sweep.setdefault(rate, {}).setdefault(base_row, {}), key, _sweep_point(r))
+                        if a.rank == 0:
+                            print(f"  {switch.tag(rate)}{base_row + ' @' + key:<22} "
+                                  f"{1e3 * statistics.median(r['times_s']):9.1f} ms/step ({point['buckets']} buckets)",
+                                  flush=True)
 
 
 def worker(a) -> None:
@@ -704,8 +732,8 @@ def worker(a) -> None:
     from megatron_ext.comm import Topology
 
     topo = Topology(ranks_per_node=a.ranks_per_node)
-    results = {}
-    sweep: Dict[str, Dict[str, Dict]] = {}
+    results: Dict[str, Dict[str, Dict]] = {}
+    sweep: Dict[str, Dict[str, Dict[str, Dict]]] = {}
     plans = a.plans.split(",") if a.mode == "gpt" else ["zero2"]
     engines = {"on": [True], "off": [False], "both": [True, False]}[a.progress_engine]
     sizes = sweep_sizes(a) if a.mode == "gpt" else []
@@ -717,16 +745,20 @@ def worker(a) -> None:
             if a.rank == 0:
                 print(f"  {PEERS[key][0]}: skipped (deepspeed is not installed)", flush=True)
             peers.remove(key)
+    switch = RateSwitch(a.at_rates.split(","), a.nodes, a.prefix, a.rank, dist.barrier)
     for _ in range(a.repeats):
-        _measure_rows(topo, a, plans, engines, sizes, results, sweep)
+        _measure_rows(topo, a, plans, engines, sizes, switch, results, sweep)
         for key in peers:
             name, fn = PEERS[key]
-            r = _add(results, name, fn(topo, a))
-            if a.rank == 0:
-                print(f"  {name:<22} {1e3 * statistics.median(r['times_s'][-1:]):9.1f} ms/step", flush=True)
+            for rate in switch.each():
+                r = _add(results.setdefault(rate, {}), name, fn(topo, a))
+                if a.rank == 0:
+                    print(f"  {switch.tag(rate)}{name:<22} {1e3 * statistics.median(r['times_s'][-1:]):9.1f} ms/step",
+                          flush=True)
     if a.rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"rows": results, "sweep": sweep}, f)
+            json.dump({rate: {"rows": results.get(rate, {}), "sweep": sweep.get(rate, {})} for rate in switch.rates},
+                      f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -734,6 +766,12 @@ def worker(a) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 # orchestrator side
 # ------------------------------------------------------------------------------------------------------------------
+def set_link_rate(nodes: int, rate: str, prefix: str) -> None:
+    """Re-shape every link of the cluster (from the host or from inside a node namespace: the helper enters each
+    namespace by name)."""
+    subprocess.run([HELPER, "rate", str(nodes), rate, prefix], check=True)
+
+
 class Cluster:
     """The namespaces of one benchmark run; removed on exit, error or signal."""
 
@@ -743,7 +781,7 @@ class Cluster:
         subprocess.run([HELPER, "up", str(nodes), rate, prefix], check=True)
 
     def set_rate(self, rate: str) -> None:
-        subprocess.run([HELPER, "rate", str(self.nodes), rate, self.prefix], check=True)
+        set_link_rate(self.nodes, rate, self.prefix)
 
     def down(self) -> None:
         subprocess.run([HELPER, "down", str(self.nodes), self.prefix], check=False)
@@ -752,7 +790,9 @@ class Cluster:
         return f"{self.prefix}{node}"
 
 
-def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
+def run_rates(cluster: Cluster, a, rates: List[str], forward: List[str]) -> Dict[str, Dict]:
+    """One set of ranks measuring every row at ``rates`` (the cluster shaped to the first): per rate, its rows and
+    sweep points."""
     P = a.nodes * a.ranks_per_node
     with tempfile.TemporaryDirectory(prefix="mx_bench_cluster_") as d:
         store, out = os.path.join(d, "store"), os.path.join(d, "out.json")
@@ -763,13 +803,14 @@ def run_rate(cluster: Cluster, a, rate: str, forward: List[str]) -> Dict:
                 env = ["env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1", f"PYTHONPATH={ROOT}",
                        f"LOCAL_WORLD_SIZE={a.ranks_per_node}", f"TORCH_EXTENSIONS_DIR={a.extensions_dir}"]
                 cmd = ["ip", "netns", "exec", cluster.ns(node), *env, sys.executable, os.path.abspath(__file__),
-                       "--worker", "--rank", str(r), "--world", str(P), "--store", store, "--out", out, *forward]
+                       "--worker", "--rank", str(r), "--world", str(P), "--store", store, "--out", out,
+                       "--at-rates", ",".join(rates), *forward]
                 procs.append(subprocess.Popen(cmd))
             deadline = time.monotonic() + a.timeout
             for p in procs:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 if rc != 0:
-                    raise RuntimeError(f"a rank exited with code {rc} at rate {rate}")
+                    raise RuntimeError(f"a rank exited with code {rc} at rate(s) {','.join(rates)}")
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -1076,6 +1117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also run on an unlimited link first (the no-link floor of every row and bucket size) and "
                     "report each row's limit max(floor, cross-node bytes / rate)")
+    ap.add_argument("--interleave-rates", action="store_true",
+                    help="measure each row (and sweep point) at every rate back to back, rank 0 changing the links' "
+                    "rate between them, instead of one pass of every row per rate: a row's no-link floor and its "
+                    "rated steps then see the same spell of a shared host")
     ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--extensions-dir", default=default_extensions_dir(),
@@ -1090,12 +1135,13 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--at-rates", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
         return 0
-    if a.out or a.rank is not None or a.world is not None or a.store:  # the workers' own: --out would be forwarded
-        ap.error("--out, --rank, --world and --store are the workers' flags; the results go to --json FILE")
+    if a.out or a.rank is not None or a.world is not None or a.store or a.at_rates:  # the workers' own: forwarded
+        ap.error("--out, --rank, --world, --store and --at-rates are the workers' flags; the results go to --json FILE")
     if a.rescore:
         return rescore(a.rescore)
     if os.geteuid() != 0:
@@ -1116,11 +1162,12 @@ def main(argv=None) -> int:
     results: Dict[str, Dict] = {}
     sweeps: Dict[str, Dict] = {}
     try:
-        for rate in rates:
-            cluster.set_rate(rate)
-            print(f"link rate {rate}:", flush=True)
-            got = run_rate(cluster, a, rate, forward)
-            results[rate], sweeps[rate] = got["rows"], got["sweep"]
+        # A pass per rate, or (--interleave-rates) one pass measuring every row at each rate in turn.
+        for group in ([rates] if a.interleave_rates else [[r] for r in rates]):
+            cluster.set_rate(group[0])
+            print(f"link rate {' / '.join(group)}:", flush=True)
+            for rate, got in run_rates(cluster, a, group, forward).items():
+                results[rate], sweeps[rate] = got["rows"], got["sweep"]
     finally:
         cluster.down()
     print(render(results, a))
@@ -1133,7 +1180,7 @@ def main(argv=None) -> int:
         summary = summarize(results, sweeps, [PEERS[p][0] for p in a.peers.split(",") if p in PEERS])
         print(render_summary(summary))
     if a.json:
-        doc = {"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store", "out")},
+        doc = {"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store", "out", "at_rates")},
                "results": results, "seed_000": SEED_000_LOW_BW}
         if a.sweep:
             doc["sweep"] = sweeps

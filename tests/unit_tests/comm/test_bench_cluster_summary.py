@@ -207,3 +207,47 @@ def test_odo_step_phases_with_several_micro_batches(monkeypatch):
         step()
         assert step.phase_s == {"forward": 10.0, "backward": 20.0, "sync": 5.0, "update": 3.0}
         assert clock[0] == 3 * 30.0 + 5.0 + 3.0
+
+
+def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkeypatch):
+    """--interleave-rates: rank 0 re-shapes the links, every rank waits at the barrier, then the row runs; each
+    result lands under the rate the links had while it ran (the fake measurement reads the shaped rate), and the
+    common bucket size's sweep point is that rate's own row. One rate: nothing is re-shaped, no extra barrier."""
+    import types
+
+    events, link = [], ["unshaped"]
+
+    def shape(nodes, rate, prefix):
+        events.append(("rate", rate))
+        link[0] = rate
+
+    def fake_gpt(topo, label, gr, pg, extra, a, plan_name="zero2", bucket=None, engine=True, speculative=False):
+        size = bucket or a.bucket_numel
+        events.append(("run", label, size, link[0]))
+        return {"times_s": [len(events) / 1e3], "bucket_numel": size, "buckets": 1, "rate_seen": link[0]}
+
+    a = types.SimpleNamespace(mode="gpt", speculative_step="off", combos="plain,qwZ", bucket_numel=400, rank=0)
+    with loaded_tool("bench_cluster") as bc:
+        monkeypatch.setattr(bc, "set_link_rate", shape)
+        monkeypatch.setattr(bc, "_gpt_combo", fake_gpt)
+        monkeypatch.setattr(bc, "print", lambda *x, **k: None, raising=False)
+        switch = bc.RateSwitch(["unlimited", "200mbit"], 2, "p", 0, lambda: events.append(("barrier",)))
+        results, sweep = {}, {}
+        bc._measure_rows(None, a, ["zero2"], [True], [4000, 400], switch, results, sweep)
+        assert events[:8] == [("rate", "unlimited"), ("barrier",), ("run", "plain", 400, "unlimited"),
+                              ("rate", "200mbit"), ("barrier",), ("run", "plain", 400, "200mbit"),
+                              ("rate", "unlimited"), ("barrier",)]
+        for rate in ("unlimited", "200mbit"):
+            assert set(results[rate]) == {"plain", "qwZ"}
+            for label in ("plain", "qwZ"):
+                assert results[rate][label]["rate_seen"] == rate
+                assert sweep[rate][label]["400"]["times_s"] == results[rate][label]["times_s"]
+                assert sweep[rate][label]["4000"]["times_s"] != results[rate][label]["times_s"]
+        assert sum(e[0] == "run" for e in events) == 2 * 2 * 2   # 2 rows x 2 sizes x 2 rates
+        # rank 1 only waits; a single rate (a pass per rate) neither re-shapes nor waits
+        events.clear()
+        assert list(bc.RateSwitch(["a", "b"], 2, "p", 1, lambda: events.append(("barrier",))).each()) == ["a", "b"]
+        assert events == [("barrier",), ("barrier",)]
+        events.clear()
+        assert list(bc.RateSwitch(["a"], 2, "p", 0, lambda: events.append(("barrier",))).each()) == ["a"]
+        assert events == []
