@@ -658,13 +658,18 @@ class RateSwitch:
     """The link rates a worker measures each row at. One rate: the orchestrator shaped the links before the ranks
     started (a pass per rate). Several (``--interleave-rates``): every row is measured at each rate in turn, rank 0
     re-shaping the links and every rank waiting at a barrier before the row runs, so a row's no-link floor and its
-    rated steps fall in the same spell of the host instead of minutes apart."""
+    rated steps fall in the same spell of the host instead of minutes apart. Each round (``--repeats``) goes through
+    the rates in the opposite order of the one before, so no rate always runs first after a row is built."""
 
     def __init__(self, rates: List[str], nodes: int, prefix: str, rank: int, barrier) -> None:
         self.rates, self.nodes, self.prefix, self.rank, self.barrier = rates, nodes, prefix, rank, barrier
+        self.order = list(rates)
+
+    def next_round(self) -> None:
+        self.order.reverse()
 
     def each(self):
-        for rate in self.rates:
+        for rate in self.order:
             if len(self.rates) > 1:
                 if self.rank == 0:
                     set_link_rate(self.nodes, rate, self.prefix)
@@ -746,7 +751,9 @@ def worker(a) -> None:
                 print(f"  {PEERS[key][0]}: skipped (deepspeed is not installed)", flush=True)
             peers.remove(key)
     switch = RateSwitch(a.at_rates.split(","), a.nodes, a.prefix, a.rank, dist.barrier)
-    for _ in range(a.repeats):
+    for i in range(a.repeats):
+        if i:
+            switch.next_round()
         _measure_rows(topo, a, plans, engines, sizes, switch, results, sweep)
         for key in peers:
             name, fn = PEERS[key]

@@ -244,6 +244,11 @@ def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkey
                 assert sweep[rate][label]["400"]["times_s"] == results[rate][label]["times_s"]
                 assert sweep[rate][label]["4000"]["times_s"] != results[rate][label]["times_s"]
         assert sum(e[0] == "run" for e in events) == 2 * 2 * 2   # 2 rows x 2 sizes x 2 rates
+        # the next round goes through the rates the other way round
+        events.clear()
+        switch.next_round()
+        assert list(switch.each()) == ["200mbit", "unlimited"]
+        assert events[0] == ("rate", "200mbit")
         # rank 1 only waits; a single rate (a pass per rate) neither re-shapes nor waits
         events.clear()
         assert list(bc.RateSwitch(["a", "b"], 2, "p", 1, lambda: events.append(("barrier",))).each()) == ["a", "b"]
