@@ -30,8 +30,9 @@ Honest comparison (gpt mode, issue 14): ``--sweep 4000000,1000000,400000`` runs 
 its best bucket size next to its limit ``max(no-link step, cross-node bytes per node / link rate)`` and the
 best-against-best speedup over plain, and next to its phase limit (:func:`phase_limit`: the gathers hidden only behind
 the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
-records; ``--rescore JSON`` recomputes a stored run's summary; ``--interleave-rates`` measures each row at every rate
-back to back in one set of ranks, so its floor and its rated steps see the same spell of a shared host); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
+records; ``--rescore JSON`` recomputes a stored run's summary; each row is measured at every rate back to back in one
+set of ranks, so its floor and its rated steps see the same spell of a shared host -- ``--rate-order pass`` runs a
+pass over every row per rate instead); ``--peers fsdp2,deepspeed-zero2`` adds FSDP2
 (ZeRO-2-like: ``reshard_after_forward=False``) and DeepSpeed ZeRO-2; ``--peers compute`` adds the floor under every
 row: the same ranks computing alone (forward, backward, clipping and Adam over 1/DP of the parameters, nothing sent).
 ``--progress-engine both`` adds each combo without the progress engine (row ``<combo> (sync)``), for comparison.
@@ -655,11 +656,12 @@ def _add(store: Dict, key: str, r: Dict) -> Dict:
 
 
 class RateSwitch:
-    """The link rates a worker measures each row at. One rate: the orchestrator shaped the links before the ranks
-    started (a pass per rate). Several (``--interleave-rates``): every row is measured at each rate in turn, rank 0
-    re-shaping the links and every rank waiting at a barrier before the row runs, so a row's no-link floor and its
-    rated steps fall in the same spell of the host instead of minutes apart. Each round (``--repeats``) goes through
-    the rates in the opposite order of the one before, so no rate always runs first after a row is built."""
+    """The link rates a worker measures each row at. One rate (``--rate-order pass``): the orchestrator shaped the
+    links before the ranks started. Several (the default, ``interleave``): every row is measured at each rate in
+    turn, rank 0 re-shaping the links and every rank waiting at a barrier before the row runs, so a row's no-link
+    floor and its rated steps fall in the same spell of the host instead of minutes apart. Each round
+    (``--repeats``) goes through the rates in the opposite order of the one before, so no rate always runs first
+    after a row is built."""
 
     def __init__(self, rates: List[str], nodes: int, prefix: str, rank: int, barrier) -> None:
         self.rates, self.nodes, self.prefix, self.rank, self.barrier = rates, nodes, prefix, rank, barrier
@@ -1124,10 +1126,11 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also run on an unlimited link first (the no-link floor of every row and bucket size) and "
                     "report each row's limit max(floor, cross-node bytes / rate)")
-    ap.add_argument("--interleave-rates", action="store_true",
-                    help="measure each row (and sweep point) at every rate back to back, rank 0 changing the links' "
-                    "rate between them, instead of one pass of every row per rate: a row's no-link floor and its "
-                    "rated steps then see the same spell of a shared host")
+    ap.add_argument("--rate-order", choices=["interleave", "pass"], default="interleave",
+                    help="interleave: one set of ranks measures each row (and sweep point) at every rate back to "
+                    "back, rank 0 changing the links' rate between them and each round reversing the order, so a "
+                    "row's no-link floor and its rated steps see the same spell of a shared host; pass: one pass "
+                    "over every row per rate (the order of runs 1-18 in docs/benchmarks)")
     ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--extensions-dir", default=default_extensions_dir(),
@@ -1169,8 +1172,8 @@ def main(argv=None) -> int:
     results: Dict[str, Dict] = {}
     sweeps: Dict[str, Dict] = {}
     try:
-        # A pass per rate, or (--interleave-rates) one pass measuring every row at each rate in turn.
-        for group in ([rates] if a.interleave_rates else [[r] for r in rates]):
+        # One set of ranks measuring every row at each rate in turn, or (--rate-order pass) a pass per rate.
+        for group in ([rates] if a.rate_order == "interleave" else [[r] for r in rates]):
             cluster.set_rate(group[0])
             print(f"link rate {' / '.join(group)}:", flush=True)
             for rate, got in run_rates(cluster, a, group, forward).items():
@@ -1187,7 +1190,8 @@ def main(argv=None) -> int:
         summary = summarize(results, sweeps, [PEERS[p][0] for p in a.peers.split(",") if p in PEERS])
         print(render_summary(summary))
     if a.json:
-        doc = {"config": {k: v for k, v in vars(a).items() if k not in ("worker", "rank", "world", "store", "out", "at_rates")},
+        worker_only = ("worker", "rank", "world", "store", "out", "at_rates")
+        doc = {"config": {k: v for k, v in vars(a).items() if k not in worker_only},
                "results": results, "seed_000": SEED_000_LOW_BW}
         if a.sweep:
             doc["sweep"] = sweeps

@@ -210,9 +210,10 @@ def test_odo_step_phases_with_several_micro_batches(monkeypatch):
 
 
 def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkeypatch):
-    """--interleave-rates: rank 0 re-shapes the links, every rank waits at the barrier, then the row runs; each
-    result lands under the rate the links had while it ran (the fake measurement reads the shaped rate), and the
-    common bucket size's sweep point is that rate's own row. One rate: nothing is re-shaped, no extra barrier."""
+    """--rate-order interleave (the default): rank 0 re-shapes the links, every rank waits at the barrier, then the
+    row runs; each result lands under the rate the links had while it ran (the fake measurement reads the shaped
+    rate), and the common bucket size's sweep point is that rate's own row. One rate: nothing is re-shaped, no extra
+    barrier."""
     import types
 
     events, link = [], ["unshaped"]
