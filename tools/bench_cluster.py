@@ -26,7 +26,7 @@ ZeRO-2. Every row also reports the bytes that actually left each node (the node 
 peers are measured the same way as the ODO, TCP/IP headers included) and the model-state MB per rank.
 
 Honest comparison (gpt mode, issue 14): ``--sweep 4000000,1000000,400000`` runs every combo at each bucket size too,
-``--floor`` adds an ``unlimited`` link run first (the no-link floor), and the summary reports, per rate, each row at
+``--floor`` adds the ``unlimited`` link to the rates (the no-link floor), and the summary reports, per rate, each row at
 its best bucket size next to its limit ``max(no-link step, cross-node bytes per node / link rate)`` and the
 best-against-best speedup over plain, and next to its phase limit (:func:`phase_limit`: the gathers hidden only behind
 the forward, the reductions only behind the backward, from the phase times and split link bytes every ODO row
@@ -815,7 +815,7 @@ def run_rates(cluster: Cluster, a, rates: List[str], forward: List[str]) -> Dict
                        "--worker", "--rank", str(r), "--world", str(P), "--store", store, "--out", out,
                        "--at-rates", ",".join(rates), *forward]
                 procs.append(subprocess.Popen(cmd))
-            deadline = time.monotonic() + a.timeout
+            deadline = time.monotonic() + a.timeout * len(rates)
             for p in procs:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 if rc != 0:
@@ -1094,7 +1094,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds over all rows, interleaved; each row reports the median of its rounds")
+                    help="rounds over all rows, interleaved (with --rate-order interleave each round also reverses "
+                    "the order of the rates); each row reports the median of its rounds")
     ap.add_argument("--combos", default="", help="comma-separated subset of: " + ",".join(c.label for c in COMBOS)
                     + ",DeepSpeed (gpt mode)")
     ap.add_argument("--plans", default="zero2",
@@ -1124,7 +1125,7 @@ def main(argv=None) -> int:
                     help="gpt mode: comma-separated bucket sizes (elements); every combo also runs at each, and the "
                     "summary compares each at its best (--bucket-numel is the common size)")
     ap.add_argument("--floor", action="store_true",
-                    help="also run on an unlimited link first (the no-link floor of every row and bucket size) and "
+                    help="also measure on an unlimited link (the no-link floor of every row and bucket size) and "
                     "report each row's limit max(floor, cross-node bytes / rate)")
     ap.add_argument("--rate-order", choices=["interleave", "pass"], default="interleave",
                     help="interleave: one set of ranks measures each row (and sweep point) at every rate back to "
@@ -1132,7 +1133,8 @@ def main(argv=None) -> int:
                     "row's no-link floor and its rated steps see the same spell of a shared host; pass: one pass "
                     "over every row per rate (the order of runs 1-18 in docs/benchmarks)")
     ap.add_argument("--prefix", default="mxbc", help="namespace name prefix")
-    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--timeout", type=float, default=1800,
+                    help="seconds per rate the ranks may take (interleaved: the rates' sum for the one set of ranks)")
     ap.add_argument("--extensions-dir", default=default_extensions_dir(),
                     help="writable TORCH_EXTENSIONS_DIR for the op DeepSpeed compiles on first use")
     ap.add_argument("--json", default="bench_cluster.json")
@@ -1150,7 +1152,7 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
-    if a.out or a.rank is not None or a.world is not None or a.store or a.at_rates:  # the workers' own: forwarded
+    if any(x is not None for x in (a.out, a.rank, a.world, a.store, a.at_rates)):  # the workers' own: forwarded
         ap.error("--out, --rank, --world, --store and --at-rates are the workers' flags; the results go to --json FILE")
     if a.rescore:
         return rescore(a.rescore)

@@ -225,7 +225,8 @@ def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkey
     def fake_gpt(topo, label, gr, pg, extra, a, plan_name="zero2", bucket=None, engine=True, speculative=False):
         size = bucket or a.bucket_numel
         events.append(("run", label, size, link[0]))
-        return {"times_s": [len(events) / 1e3], "bucket_numel": size, "buckets": 1, "rate_seen": link[0]}
+        # "buckets" carries the shaped rate through the sweep's point (which keeps only a few fields)
+        return {"times_s": [len(events) / 1e3], "bucket_numel": size, "buckets": link[0], "rate_seen": link[0]}
 
     a = types.SimpleNamespace(mode="gpt", speculative_step="off", combos="plain,qwZ", bucket_numel=400, rank=0)
     with loaded_tool("bench_cluster") as bc:
@@ -243,7 +244,7 @@ def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkey
             for label in ("plain", "qwZ"):
                 assert results[rate][label]["rate_seen"] == rate
                 assert sweep[rate][label]["400"]["times_s"] == results[rate][label]["times_s"]
-                assert sweep[rate][label]["4000"]["times_s"] != results[rate][label]["times_s"]
+                assert sweep[rate][label]["4000"]["buckets"] == rate
         assert sum(e[0] == "run" for e in events) == 2 * 2 * 2   # 2 rows x 2 sizes x 2 rates
         # the next round goes through the rates the other way round
         events.clear()
@@ -257,3 +258,46 @@ def test_interleaved_rates_measure_every_row_and_sweep_point_at_each_rate(monkey
         events.clear()
         assert list(bc.RateSwitch(["a"], 2, "p", 0, lambda: events.append(("barrier",))).each()) == ["a"]
         assert events == []
+
+
+def test_main_runs_one_set_of_ranks_over_every_rate_or_one_per_rate(monkeypatch, tmp_path):
+    """The orchestrator's side of --rate-order: interleave starts the ranks once with every rate (the links shaped to
+    the first), pass once per rate; either way the JSON holds each rate's rows, in the order given. Worker-only flags
+    are refused even when empty."""
+    import types
+
+    calls = []
+
+    class FakeCluster:
+        def __init__(self, nodes, rate, prefix):
+            self.rate = rate
+
+        def set_rate(self, rate):
+            self.rate = rate
+
+        def down(self):
+            pass
+
+    def fake_run_rates(cluster, a, rates, forward):
+        calls.append((cluster.rate, list(rates)))
+        return {r: {"rows": {"plain": {"times_s": [0.5], "bucket_numel": 400}}, "sweep": {}} for r in rates}
+
+    with loaded_tool("bench_cluster") as bc:
+        monkeypatch.setattr(bc, "Cluster", FakeCluster)
+        monkeypatch.setattr(bc, "run_rates", fake_run_rates)
+        monkeypatch.setattr(bc.os, "geteuid", lambda: 0)
+        monkeypatch.setattr(bc, "render", lambda results, a: "")
+        monkeypatch.setattr(bc, "render_link_phases", lambda results: "")
+        for order, expected in (("interleave", [("unlimited", ["unlimited", "1gbit", "200mbit"])]),
+                                ("pass", [("unlimited", ["unlimited"]), ("1gbit", ["1gbit"]),
+                                          ("200mbit", ["200mbit"])])):
+            calls.clear()
+            out = tmp_path / f"{order}.json"
+            assert bc.main(["--mode", "gpt", "--rates", "1gbit,200mbit", "--floor", "--peers", "", "--rate-order",
+                            order, "--extensions-dir", str(tmp_path), "--json", str(out)]) == 0
+            assert calls == expected
+            doc = json.loads(out.read_text())
+            assert list(doc["results"]) == ["unlimited", "1gbit", "200mbit"]
+            assert doc["config"]["rate_order"] == order and "at_rates" not in doc["config"]
+        with pytest.raises(SystemExit):
+            bc.main(["--at-rates", ""])
