@@ -167,17 +167,13 @@ def _gpt_fwd_bwd(shape: str, device):
     return name, flops, fwd_bwd
 
 
-def measure_compute(shape: str, device, iters: int, background=None) -> Tuple[str, float]:
+def measure_compute(shape: str, device, iters: int) -> Tuple[str, float]:
     """FLOP/s of forward + backward of the GPT ``L,H,heads,V,seq,mb`` on this rank (min over ranks)."""
     name, flops, fwd_bwd = _gpt_fwd_bwd(shape, device)
-    if background is not None:
-        background.start()
     t0 = time.perf_counter()
     for _ in range(iters):
         fwd_bwd()
     dt = (time.perf_counter() - t0) / iters
-    if background is not None:
-        background.join()
     return name, flops / _max_over_ranks(dt)
 
 
@@ -224,6 +220,73 @@ def measure_training_step(shape: str, device, iters: int, windows: int, solo_gro
     fb = fwd_bwd_from_step(_timed(window, windows) / iters, numel, STEP_MICRO_BATCHES, optimizer_s_per_element,
                            grad_s_per_element)
     return name, flops / fb
+
+
+SLOWDOWN_ROUNDS = 5      # paired windows (alone, then beside a collective) behind overlap_slowdown's median
+SLOWDOWN_OUTLAST = 1.5   # the background's collectives last this many alone-windows (the same count on every rank)
+
+
+def background_count(window_s: float, collective_s: float, outlast: float = SLOWDOWN_OUTLAST,
+                     cap: int = 100_000) -> int:
+    """How many collectives of ``collective_s`` each outlast a compute window of ``window_s`` by ``outlast``. Both
+    times are maxima over the ranks, so every rank of the group computes the same count (a collective that one rank
+    leaves out hangs the others)."""
+    return max(2, min(cap, int(outlast * window_s / max(collective_s, 1e-9)) + 1))
+
+
+def paired_slowdown(alone_s: List[float], beside_s: List[float]) -> float:
+    """``overlap_slowdown`` from paired windows: the median over pairs of (beside / alone - 1), never below 0. Each
+    pair's two windows are back to back, so the host's drift over the calibration (10-30% on a shared host) lands on
+    both halves of a pair rather than between an alone and a beside measurement minutes apart."""
+    if len(alone_s) != len(beside_s) or not alone_s:
+        raise ValueError(f"paired_slowdown needs the same number (> 0) of alone and beside windows, got "
+                         f"{len(alone_s)} and {len(beside_s)}")
+    return max(0.0, statistics.median(b / a - 1.0 for a, b in zip(alone_s, beside_s)))
+
+
+def measure_overlap_slowdown(shape: str, device, iters: int, group, rounds: int = SLOWDOWN_ROUNDS) -> float:
+    """The fraction by which forward + backward slows while a large all-reduce runs beside it on ``group`` (this
+    rank's cross-node group): what the cost model charges per second a link is busy (``overlap_slowdown``).
+
+    The background runs for the whole window at every link rate: its count comes from the window and one all-reduce
+    timed first (the fixed 24 of earlier versions ended 0.4-0.6 s into a 1.2 s window at 1 Gbit/s, so most of that
+    window ran alone). Windows alone and beside alternate (:func:`paired_slowdown`)."""
+    import torch
+    import torch.distributed as dist
+
+    _, _, fwd_bwd = _gpt_fwd_bwd(shape, device)
+    x = torch.randn(1 << 18, device=device)
+    one = _timed(lambda: dist.all_reduce(x, group=group), 3)
+
+    def window() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fwd_bwd()
+        return _max_over_ranks(time.perf_counter() - t0)
+
+    alone, beside = [], []
+    for _ in range(rounds):
+        alone.append(window())
+        count = background_count(alone[-1], one)
+
+        def loop():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            for _ in range(count):
+                dist.all_reduce(x, group=group)
+            _sync()
+
+        bg = threading.Thread(target=loop)
+        dist.barrier()
+        bg.start()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fwd_bwd()
+        dt = time.perf_counter() - t0
+        bg.join()
+        beside.append(_max_over_ranks(dt))
+    return paired_slowdown(alone, beside)
 
 
 HOP_PROBES = 400   # small collectives the background thread runs; the same count on every rank
@@ -425,22 +488,11 @@ def calibrate(a, rpn: int, device) -> dict:
     grad_s = measure_grad_add(device)
     compute: Dict[str, float] = {}     # from the DP-1 training step: what the planner predicts with
     alone: Dict[str, float] = {}       # forward + backward only: the reference of overlap_slowdown
-    slowdown = 0.0
     for shape in a.gpt:
         name, alone[name] = measure_compute(shape, device, a.iters)
         compute[name] = measure_training_step(shape, device, a.iters, a.windows, solo_group, opt_s, grad_s)[1]
-    if a.gpt and bg_group is not None:
-        # The thread's fixed count of collectives (the same on every rank) outlasts the compute loop it is beside.
-        x = torch.randn(1 << 18, device=device)
-
-        def loop():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            for _ in range(24):
-                dist.all_reduce(x, group=bg_group)
-
-        name, busy = measure_compute(a.gpt[0], device, a.iters, background=threading.Thread(target=loop))
-        slowdown = max(0.0, alone[name] / busy - 1.0)
+    slowdown = (measure_overlap_slowdown(a.gpt[0], device, a.iters, bg_group)
+                if a.gpt and bg_group is not None else 0.0)
     hop_cpu_s = measure_hop_cpu(a.gpt[0], device, a.iters, bg_group or dist.group.WORLD) if a.gpt else 0.0
     kernel_bps = measure_kernels(device)
     reduce_bps, requant_bps = measure_reduce_kernels(device)

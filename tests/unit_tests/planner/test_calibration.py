@@ -104,3 +104,29 @@ def test_codec_hop_decodes_what_it_quantized():
         assert torch.equal(out[0], dequantize_symmetric(codes, scales, bits=8, group_size=2048, numel=5000))
         assert tool.measure_codec_host(torch.device("cpu")) == 0.0
 
+
+
+def test_overlap_slowdown_background_outlasts_the_window_at_any_link_rate():
+    """The background's collective count covers the whole compute window whether one collective takes 1 ms (a fast
+    link) or 80 ms (200 Mbit/s) -- the old fixed count of 24 ended 0.4-0.6 s into a 1.2 s window at 1 Gbit/s."""
+    with loaded_tool("calibrate_comm") as tool:
+        for window, one in ((1.2, 0.001), (1.2, 0.019), (1.2, 0.085), (0.05, 0.2)):
+            n = tool.background_count(window, one)
+            assert n * one >= tool.SLOWDOWN_OUTLAST * window and n >= 2
+            assert (n - 2) * one < tool.SLOWDOWN_OUTLAST * window or n == 2   # not far beyond it
+        assert tool.background_count(1.0, 0.0, cap=500) == 500   # a collective timed at 0 s: bounded, not infinite
+
+
+def test_overlap_slowdown_pairs_windows_against_host_drift():
+    """A host slowing by 20% per round between calibration windows: every pair reads the true 10% slowdown; an
+    unpaired reading (the first alone window against the last beside one) would read 98%. One outlier pair (a slow
+    alone window) moves the median by nothing; a faster beside window reads 0, not a negative slowdown."""
+    with loaded_tool("calibrate_comm") as tool:
+        alone = [1.0, 1.2, 1.4, 1.6, 1.8]
+        beside = [1.1 * a for a in alone]
+        assert tool.paired_slowdown(alone, beside) == pytest.approx(0.1)
+        assert beside[-1] / alone[0] - 1 == pytest.approx(0.98)
+        assert tool.paired_slowdown(alone + [2.0], beside + [1.4]) == pytest.approx(0.1)
+        assert tool.paired_slowdown([1.0], [0.9]) == 0.0
+        with pytest.raises(ValueError, match="same number"):
+            tool.paired_slowdown([1.0, 1.0], [1.1])
