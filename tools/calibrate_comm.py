@@ -160,8 +160,8 @@ def _gpt_fwd_bwd(shape: str, device):
     def fwd_bwd():
         out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         gpt_loss_func(batch["loss_mask"], out)[0].backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        if device.type == "cuda":   # this stream only: a collective queued on another one runs on
+            torch.cuda.current_stream(device).synchronize()
 
     fwd_bwd()
     return name, flops, fwd_bwd
@@ -223,7 +223,7 @@ def measure_training_step(shape: str, device, iters: int, windows: int, solo_gro
 
 
 SLOWDOWN_ROUNDS = 5      # paired windows (alone, then beside a collective) behind overlap_slowdown's median
-SLOWDOWN_OUTLAST = 1.5   # the background's collectives last this many alone-windows (the same count on every rank)
+SLOWDOWN_OUTLAST = 3.0   # the background's collectives last this many alone-windows: slowdowns up to 2 stay covered
 
 
 def background_count(window_s: float, collective_s: float, outlast: float = SLOWDOWN_OUTLAST,
@@ -250,12 +250,16 @@ def measure_overlap_slowdown(shape: str, device, iters: int, group, rounds: int 
 
     The background runs for the whole window at every link rate: its count comes from the window and one all-reduce
     timed first (the fixed 24 of earlier versions ended 0.4-0.6 s into a 1.2 s window at 1 Gbit/s, so most of that
-    window ran alone). Windows alone and beside alternate (:func:`paired_slowdown`)."""
+    window ran alone). Windows alone and beside alternate (:func:`paired_slowdown`). On a GPU the background runs on
+    a stream of its own (a blocking collective makes the issuing stream wait: on the compute stream it would take
+    turns with the compute instead of running beside it), with a 64 MiB buffer so that its launches stay few.
+    Not yet run on a GPU."""
     import torch
     import torch.distributed as dist
 
     _, _, fwd_bwd = _gpt_fwd_bwd(shape, device)
-    x = torch.randn(1 << 18, device=device)
+    x = torch.zeros(1 << (24 if device.type == "cuda" else 18), device=device)   # zeros: sums never overflow
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
     one = _timed(lambda: dist.all_reduce(x, group=group), 3)
 
     def window() -> float:
@@ -271,11 +275,15 @@ def measure_overlap_slowdown(shape: str, device, iters: int, group, rounds: int 
         count = background_count(alone[-1], one)
 
         def loop():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            for _ in range(count):
-                dist.all_reduce(x, group=group)
-            _sync()
+            if side is None:
+                for _ in range(count):
+                    dist.all_reduce(x, group=group)
+                return
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(side):
+                for _ in range(count):
+                    dist.all_reduce(x, group=group)
+            side.synchronize()
 
         bg = threading.Thread(target=loop)
         dist.barrier()
@@ -487,7 +495,7 @@ def calibrate(a, rpn: int, device) -> dict:
     opt_s = measure_optimizer(device)
     grad_s = measure_grad_add(device)
     compute: Dict[str, float] = {}     # from the DP-1 training step: what the planner predicts with
-    alone: Dict[str, float] = {}       # forward + backward only: the reference of overlap_slowdown
+    alone: Dict[str, float] = {}       # forward + backward only, outside a training step (kept for reference)
     for shape in a.gpt:
         name, alone[name] = measure_compute(shape, device, a.iters)
         compute[name] = measure_training_step(shape, device, a.iters, a.windows, solo_group, opt_s, grad_s)[1]

@@ -24,7 +24,7 @@ profile-first approach in an alpha-beta form that extrapolates to group sizes th
 Overlap is not free: collectives take GPU SMs and memory bandwidth (CPU: cores) from the compute they hide
 behind, so compute overlapped by communication is ``overlap_slowdown`` slower (a calibrated profile measures it:
 compute timed alone and beside a collective that outlasts it, the median of paired windows). On CPU ranks it grows
-with the link's rate (more bytes per second through the same cores): 0.08-0.18 at 200 Mbit/s and 0.39-0.49 at 1
+with the link's rate (more bytes per second through the same cores): 0.05-0.14 at 200 Mbit/s and 0.42-0.63 at 1
 Gbit/s on the emulated 2 x 2 cluster (docs/benchmarks, stop 54).
 
 On a CPU the node-local transfers are memory copies made by the same cores that compute (``intra_on_compute``):
