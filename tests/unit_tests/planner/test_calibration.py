@@ -108,7 +108,7 @@ def test_codec_hop_decodes_what_it_quantized():
 
 def test_overlap_slowdown_background_outlasts_the_window_at_any_link_rate():
     """The background's collective count covers the whole compute window whether one collective takes 1 ms (a fast
-    link) or 80 ms (200 Mbit/s) -- the old fixed count of 24 ended 0.4-0.6 s into a 1.2 s window at 1 Gbit/s."""
+    link) or 80 ms (200 Mbit/s) -- the old fixed count of 24 ended 0.4-0.6 s into a 1.2-1.4 s window at 1 Gbit/s."""
     with loaded_tool("calibrate_comm") as tool:
         for window, one in ((1.2, 0.001), (1.2, 0.019), (1.2, 0.085), (0.05, 0.2)):
             n = tool.background_count(window, one)
