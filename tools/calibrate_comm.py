@@ -250,7 +250,7 @@ def measure_overlap_slowdown(shape: str, device, iters: int, group, rounds: int 
 
     The background runs for the whole window at every link rate: its count comes from the window and one all-reduce
     timed first (the fixed 24 of earlier versions ended 0.4-0.6 s into a 1.2-1.4 s window at 1 Gbit/s, so most of it
-    window ran alone). Windows alone and beside alternate (:func:`paired_slowdown`). On a GPU the background runs on
+    ran alone). Windows alone and beside alternate (:func:`paired_slowdown`). On a GPU the background runs on
     a stream of its own (a blocking collective makes the issuing stream wait: on the compute stream it would take
     turns with the compute instead of running beside it), with a 64 MiB buffer so that its launches stay few.
     Not yet run on a GPU."""
